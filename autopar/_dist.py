@@ -1,0 +1,77 @@
+"""The process world autopar runs in: torchrun's environment and torch.distributed's process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    size: int  # processes in the job
+    rank: int  # this process's global rank
+    local_rank: int  # this process's index on its node
+    local_size: int  # processes on this node
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    try:
+        return int(value) if value is not None else default
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it).") from None
+
+
+def world() -> World:
+    """The current world: the process group if one is initialised, else torchrun's environment, else one process."""
+    if dist.is_available() and dist.is_initialized():
+        size, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+    return World(size=size, rank=rank, local_rank=_env_int("LOCAL_RANK", rank),
+                 local_size=_env_int("LOCAL_WORLD_SIZE", size))
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def ensure_process_group() -> World:
+    """Initialise torch.distributed from torchrun's environment when the job has several processes and the
+    user has not done it (NCCL on GPUs, gloo on CPU); bind this process to its GPU."""
+    w = world()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(w.local_rank % max(torch.cuda.device_count(), 1))
+    if w.size > 1 and not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            raise ValueError(
+                f"WORLD_SIZE={w.size} but no MASTER_ADDR: launch the job with torchrun, or call "
+                "torch.distributed.init_process_group yourself before autopar.wrap."
+            )
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return w
+
+
+def local_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_text(text: str | None, *, src: int = 0) -> str:
+    """Rank `src`'s text on every rank (as bytes in a tensor: nothing is unpickled)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        assert text is not None, "broadcast_text without a process group needs the text"
+        return text
+    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = (text or "").encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=src)
+    buf = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == src:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buf, src=src)
+    return bytes(buf.cpu().tolist()).decode()

@@ -1,0 +1,170 @@
+"""wrap / plan / applied / data_shard: orchestration only; each step lives in its own module."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from . import _dist
+from ._log import get_logger
+from .errors import PlanError
+from .plans import Plan
+from .profile import ModelProfile, profile_model, sample_batch_size
+from .topology import Topology
+
+_ATTR = "_autopar_applied"
+
+
+def _resolve_topology(topology: Topology | str | None) -> Topology:
+    if topology is None:
+        return Topology.detect()
+    if isinstance(topology, str):
+        return Topology.from_spec(topology)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, a spec string like '2x8xH100-SXM', or None; got {type(topology).__name__}.")
+    return topology
+
+
+def _global_batch(sample: Any, global_batch_size: int | None, world_size: int) -> int:
+    if global_batch_size is None:
+        return sample_batch_size(sample) * world_size
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
+    return global_batch_size
+
+
+def _load_plan(plan: Plan | str | os.PathLike[str], profile: ModelProfile, world_size: int, force: bool) -> Plan:
+    if isinstance(plan, Plan):
+        plan.check_model(profile.fingerprint, force=force)
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(Path(plan), model_fingerprint=profile.fingerprint,
+                         world_size=None if force else world_size, force=force)
+    raise TypeError(f"plan must be an autopar.Plan, a path to a plan YAML file, or None; got {type(plan).__name__}.")
+
+
+def plan(
+    model: nn.Module,
+    *,
+    sample: Any,
+    topology: Topology | str | None = None,
+    world_size: int | None = None,
+    global_batch_size: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+) -> Plan:
+    """Choose a plan for `model` without touching it (profiled on fake tensors: no memory, no gradients).
+
+    `sample` is one batch as one rank's loop feeds it today; the global batch defaults to that batch times
+    the world size. `topology` defaults to the hardware here; pass a spec ("4x8xH100-SXM") to plan for
+    hardware that is not here, and then `world_size` defaults to its GPU count.
+    """
+    topo = _resolve_topology(topology)
+    if world_size is None:
+        world_size = topo.world_size if topology is not None else _dist.world().size
+    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks)
+    return _choose(profile, topo, world_size=world_size,
+                   global_batch_size=_global_batch(sample, global_batch_size, world_size))
+
+
+def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
+    from .search import rule_plan
+
+    return rule_plan(profile, topology, world_size=world_size, global_batch_size=global_batch_size)
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    sample: Any,
+    plan: Plan | str | os.PathLike[str] | None = None,
+    topology: Topology | str | None = None,
+    global_batch_size: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+    force: bool = False,
+    init_fn: Callable[[nn.Module], None] | None = None,
+    verbose: bool = True,
+) -> nn.Module:
+    """Choose (or take) a plan for `model` and apply it in place; returns the same module, ready to train.
+
+    Build the optimizer after `wrap`. The user's loop is unchanged:
+    `loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()`.
+
+    - `sample`: one batch as this rank's loop feeds it (tensor, tuple or dict; meta tensors are fine).
+    - `plan`: a Plan or the path of a plan YAML file; a plan made for another model or world size is
+      refused unless `force=True`. Without one, autopar chooses (see autopar.search) and every rank
+      applies rank 0's choice.
+    - `global_batch_size`: samples per optimizer step over all ranks; default: the sample's batch times
+      the number of processes. autopar never changes it.
+    - `blocks`: the model's repeated layers, when autopar cannot find them (a path like "model.layers").
+    - `loss_fn(output, sample)`: the loss, used when profiling the step (default: `output.loss` or a sum
+      of the output); called on fake tensors, so it must take its targets from `sample`.
+    - `init_fn(model)`: initialises a meta-device model after sharding (default: the model's own
+      `reset_parameters` / `init_weights`).
+    """
+    if getattr(model, _ATTR, None) is not None:
+        raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
+    world = _dist.ensure_process_group()
+    topo = _resolve_topology(topology)
+    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
+    global_batch = _global_batch(sample, global_batch_size, world.size)
+
+    # Every rank applies the same plan: rank 0's, sent as YAML text (nothing is unpickled).
+    chosen: Plan | None = None
+    error: Exception | None = None
+    if world.rank == 0:
+        try:
+            if plan is None:
+                chosen = _choose(profile, topo, world_size=world.size, global_batch_size=global_batch)
+            else:
+                chosen = _load_plan(plan, profile, world.size, force)
+        except Exception as exc:  # sent to the other ranks so that none waits forever
+            error = exc
+    text = _dist.broadcast_text(
+        chosen.to_yaml() if chosen is not None else f"error: {type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if text.startswith("error: "):
+        raise PlanError(f"rank 0 could not make a plan: {text[7:]}")
+    chosen = Plan.from_yaml(text)
+
+    from .strategies.apply import apply_plan, check_plan
+    from .strategies.mesh import build_mesh
+
+    if not force:
+        chosen.check_batch(global_batch)
+        chosen.check_model(profile.fingerprint)
+    check_plan(chosen, profile, topo, world_size=world.size)
+    log = get_logger()
+    if verbose and world.rank == 0:
+        source = "given" if plan is not None else "chosen by rule"
+        log.info("%s\n%s   (%s)", profile.describe(), chosen.describe(), source)
+        if chosen.needs_train_step:
+            log.info("this plan splits the step (pp > 1 or grad_accum > 1): drive it with autopar.train_step.")
+    mesh = build_mesh(chosen, _dist.device_type())
+    applied = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
+    object.__setattr__(model, _ATTR, applied)
+    return model
+
+
+def applied(model: nn.Module) -> Any:
+    """What autopar did to a wrapped model: its plan, profile, topology, mesh, device and data shard."""
+    state = getattr(model, _ATTR, None)
+    if state is None:
+        raise PlanError("this model was not wrapped by autopar.wrap: there is no plan to report.")
+    return state
+
+
+def plan_of(model: nn.Module) -> Plan:
+    """The Plan a wrapped model runs."""
+    return applied(model).plan
+
+
+def data_shard(model: nn.Module) -> Any:
+    """(rank, size): which slice of the global batch this process reads. Ranks with one rank read the same data."""
+    return applied(model).data_shard

@@ -1,0 +1,356 @@
+"""The Plan: everything a run needs to reproduce a parallelism strategy, as one frozen value.
+
+A Plan is validated when it is built: a Plan object that exists is consistent in itself. Whether it fits
+a given world (number of processes), global batch or model is checked against those by `check_world`,
+`check_batch` and `check_model`, each raising a `PlanError` that says what to change.
+
+Derived, never stored: the world size (the product of the mesh degrees) and the global batch
+(micro-batch x accumulation x data-parallel degree).
+
+Files are YAML, read with `yaml.safe_load` only: a plan file can hold plain values and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import PlanError, PlanMismatchError
+
+SCHEMA_VERSION = 1
+
+#: mesh axes, outermost first: pipeline stages, replicated data-parallel groups, sharded data-parallel
+#: ranks, tensor-parallel ranks (innermost, so that a TP group sits on neighbouring GPUs of one node).
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+CHECKPOINTING = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+# Fields that say what the strategy is; provenance (fingerprints, prediction, measurement) is not part of it.
+_STRATEGY_FIELDS = (
+    "pp", "dp_replicate", "dp_shard", "tp", "micro_batch_size", "grad_accum", "pp_schedule",
+    "pp_stages_per_rank", "reshard_after_forward", "cpu_offload", "sequence_parallel", "checkpointing",
+    "checkpoint_every", "precision", "compile",
+)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"Plan.{name} must be a positive integer, got {value!r}.")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PlanError(f"Plan.{name} must be true or false, got {value!r}.")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"Plan.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}.")
+
+
+def _plain_mapping(name: str, value: Any) -> dict[str, Any] | None:
+    """A copy of `value` holding only str keys and numbers, strings, bools or None (YAML-safe, comparable)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise PlanError(f"Plan.{name} must be a mapping of names to numbers, got {type(value).__name__}.")
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise PlanError(f"Plan.{name} keys must be strings, got {k!r}.")
+        if isinstance(v, Mapping):
+            out[k] = _plain_mapping(f"{name}.{k}", v)
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = float(v) if isinstance(v, float) else v
+        else:
+            raise PlanError(f"Plan.{name}[{k!r}] must be a number, string or bool, got {type(v).__name__}.")
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One parallelism strategy. All options are keyword arguments; defaults describe one plain process.
+
+    Mesh degrees (their product is the world size):
+      pp            pipeline stages
+      dp_replicate  data-parallel replicas (HSDP's replicate axis; plain DDP when dp_shard is 1)
+      dp_shard      FSDP2 shard degree
+      tp            tensor-parallel degree
+    Batch (micro_batch_size x grad_accum x dp_replicate x dp_shard is the global batch):
+      micro_batch_size  samples per forward on one data-parallel rank
+      grad_accum        micro-batches per optimizer step (with pp > 1: the pipeline's micro-batches)
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    pp_schedule: str | None = None
+    pp_stages_per_rank: int = 1
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    sequence_parallel: bool = False
+    checkpointing: str = "none"
+    checkpoint_every: int = 1
+    precision: str = "fp32"
+    compile: bool = False
+    model_fingerprint: str | None = None
+    topology_fingerprint: str | None = None
+    prediction: Mapping[str, Any] | None = field(default=None, compare=False)
+    measurement: Mapping[str, Any] | None = field(default=None, compare=False)
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp_replicate", "dp_shard", "tp", "micro_batch_size", "grad_accum",
+                     "pp_stages_per_rank", "checkpoint_every", "schema_version"):
+            _check_positive_int(name, getattr(self, name))
+        if self.schema_version != SCHEMA_VERSION:
+            raise PlanError(
+                f"this plan has schema version {self.schema_version}; this autopar reads version "
+                f"{SCHEMA_VERSION}. Make the plan again with this autopar (autopar.plan or `autopar plan`)."
+            )
+        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile"):
+            _check_bool(name, getattr(self, name))
+        _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _check_choice("precision", self.precision, PRECISIONS)
+        for name in ("model_fingerprint", "topology_fingerprint"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise PlanError(f"Plan.{name} must be a string or None, got {value!r}.")
+        object.__setattr__(self, "prediction", _plain_mapping("prediction", self.prediction))
+        object.__setattr__(self, "measurement", _plain_mapping("measurement", self.measurement))
+
+        # Options that do not combine.
+        if self.pp > 1:
+            if self.pp_schedule is None:
+                raise PlanError(
+                    f"pp={self.pp} needs a pipeline schedule: set pp_schedule to one of {', '.join(PP_SCHEDULES)}."
+                )
+            _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        elif self.pp_schedule is not None:
+            raise PlanError(f"pp_schedule={self.pp_schedule!r} only applies with pp > 1; drop it or raise pp.")
+        if self.pp_stages_per_rank > 1 and self.pp_schedule not in ("interleaved_1f1b", "zero_bubble"):
+            raise PlanError(
+                f"pp_stages_per_rank={self.pp_stages_per_rank} needs a multi-stage schedule "
+                "('interleaved_1f1b' or 'zero_bubble'); set pp_stages_per_rank=1 or change pp_schedule."
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("sequence_parallel shards activations over the TP axis: it needs tp > 1.")
+        if self.checkpoint_every > 1 and self.checkpointing == "none":
+            raise PlanError(
+                f"checkpoint_every={self.checkpoint_every} has no effect with checkpointing='none': "
+                "choose 'full' or 'selective', or set checkpoint_every=1."
+            )
+        if self.cpu_offload and self.pp > 1:
+            raise PlanError("cpu_offload is not combined with pipeline parallelism; set pp=1 or cpu_offload=False.")
+
+    # ---- derived values -------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """Processes the plan runs on: pp x dp_replicate x dp_shard x tp."""
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: ranks that read different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def local_batch_size(self) -> int:
+        """Samples one data-parallel rank consumes per optimizer step: micro-batch x accumulation."""
+        return self.micro_batch_size * self.grad_accum
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks: micro-batch x accumulation x data-parallel degree."""
+        return self.local_batch_size * self.dp_size
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether parameters are managed by FSDP2 (sharded, replicated across ranks, or offloaded)."""
+        return self.dp_size > 1 or self.cpu_offload
+
+    @property
+    def needs_train_step(self) -> bool:
+        """Whether the step must be driven by `autopar.train_step` (a plain loop cannot run this plan)."""
+        return self.pp > 1 or self.grad_accum > 1
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    # ---- checks against the world, the batch, the model ----------------------------------------
+    def check_world(self, world_size: int) -> None:
+        """Raise if the mesh degrees do not multiply to `world_size`."""
+        if self.world_size != world_size:
+            raise PlanMismatchError(
+                f"the plan's degrees pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
+                f"x tp={self.tp} = {self.world_size} processes, but this job has {world_size}. Change the degrees "
+                f"so that they multiply to {world_size}, or launch {self.world_size} processes."
+            )
+
+    def check_batch(self, global_batch_size: int) -> None:
+        """Raise if micro-batch x accumulation x data-parallel degree is not `global_batch_size`."""
+        if self.global_batch_size != global_batch_size:
+            raise PlanError(
+                f"the plan's batch micro_batch_size={self.micro_batch_size} x grad_accum={self.grad_accum} x "
+                f"data-parallel degree {self.dp_size} = {self.global_batch_size} samples per step, but the global "
+                f"batch is {global_batch_size}. autopar never changes the global batch: choose micro_batch_size "
+                f"and grad_accum whose product with {self.dp_size} is {global_batch_size}."
+            )
+
+    def check_model(self, model_fingerprint: str | None, *, force: bool = False) -> None:
+        """Raise if the plan was made for a model with another fingerprint (unless `force`)."""
+        if force or self.model_fingerprint is None or model_fingerprint is None:
+            return
+        if self.model_fingerprint != model_fingerprint:
+            raise PlanMismatchError(
+                f"this plan was made for another model (fingerprint {self.model_fingerprint}, this model's is "
+                f"{model_fingerprint}): its memory and speed estimates do not hold here. Make a plan for this "
+                "model (autopar.plan), or pass force=True to apply it anyway."
+            )
+
+    # ---- identity, serialisation -----------------------------------------------------------------
+    def replace(self, **changes: Any) -> "Plan":
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def strategy(self) -> dict[str, Any]:
+        """The fields that define the strategy, without provenance."""
+        return {name: getattr(self, name) for name in _STRATEGY_FIELDS}
+
+    def key(self) -> str:
+        """A short stable hash of the strategy (the same on every rank for the same plan)."""
+        blob = json.dumps(self.strategy(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"schema_version": self.schema_version}
+        for f in dataclasses.fields(self):
+            if f.name == "schema_version":
+                continue
+            value = getattr(self, f.name)
+            if f.name in ("model_fingerprint", "topology_fingerprint", "prediction", "measurement") and value is None:
+                continue
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a mapping of option names to values, got {type(data).__name__}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(map(str, data)) - known)
+        if unknown:
+            raise PlanError(
+                f"unknown plan option(s) {', '.join(unknown)}; known options are: {', '.join(sorted(known))}."
+            )
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+            raise PlanError(
+                f"this plan has schema version {version}, newer than this autopar reads ({SCHEMA_VERSION}): "
+                "upgrade autopar, or make the plan again with this version."
+            )
+        return cls(**dict(data))
+
+    def to_yaml(self) -> str:
+        header = (
+            f"# autopar plan: world size {self.world_size}, global batch {self.global_batch_size} "
+            f"(derived; not read back)\n"
+        )
+        return header + yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str, *, source: str = "<string>") -> "Plan":
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise PlanError(
+                f"{source} is not a plain YAML plan file ({exc.__class__.__name__}: "
+                f"{str(exc).splitlines()[0]}); plan files hold plain values only (no tags, no code)."
+            ) from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the plan as YAML (atomically: a crash never leaves half a file). Returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_yaml())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        model_fingerprint: str | None = None,
+        world_size: int | None = None,
+        force: bool = False,
+    ) -> "Plan":
+        """Read a plan file; refuse one made for another model or world size unless `force`."""
+        path = Path(path)
+        if not path.is_file():
+            raise PlanError(f"no plan file at {path}: give the path of a YAML file written by Plan.save.")
+        plan = cls.from_yaml(path.read_text(), source=str(path))
+        plan.check_model(model_fingerprint, force=force)
+        if world_size is not None and not force:
+            plan.check_world(world_size)
+        return plan
+
+    # ---- for people ------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """The plan in a block a person reads at a glance."""
+        mesh = " x ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
+        lines = [
+            f"autopar plan {self.key()}",
+            f"  mesh          {mesh}  ({self.world_size} process{'es' if self.world_size != 1 else ''})",
+            f"  batch         micro-batch {self.micro_batch_size} x accumulation {self.grad_accum} x data-parallel "
+            f"{self.dp_size} = global batch {self.global_batch_size}",
+        ]
+        if self.uses_fsdp:
+            kind = "HSDP" if self.dp_replicate > 1 and self.dp_shard > 1 else (
+                "replicated (DDP-like)" if self.dp_shard == 1 and self.dp_replicate > 1 else "FSDP2")
+            lines.append(
+                f"  data parallel {kind}, reshard after forward: {self.reshard_after_forward}, "
+                f"CPU offload: {self.cpu_offload}"
+            )
+        if self.tp > 1:
+            lines.append(f"  tensor par.   tp={self.tp}, sequence parallel: {self.sequence_parallel}")
+        if self.pp > 1:
+            lines.append(
+                f"  pipeline      pp={self.pp}, schedule {self.pp_schedule}, {self.pp_stages_per_rank} stage(s) per rank, "
+                f"{self.grad_accum} micro-batches"
+            )
+        every = "" if self.checkpoint_every == 1 else f" (every {self.checkpoint_every}th block)"
+        lines.append(f"  checkpointing {self.checkpointing}{every}")
+        lines.append(f"  precision     {self.precision}   compile: {self.compile}")
+        if self.prediction:
+            p = self.prediction
+            parts = []
+            if "memory_bytes" in p:
+                parts.append(f"{p['memory_bytes'] / 2**30:.2f} GiB/GPU")
+            if "step_s" in p:
+                parts.append(f"{p['step_s'] * 1e3:.1f} ms/step")
+            if "tokens_per_s" in p:
+                parts.append(f"{p['tokens_per_s']:,.0f} tokens/s")
+            if "mfu" in p and isinstance(p["mfu"], (int, float)) and not math.isnan(p["mfu"]):
+                parts.append(f"MFU {p['mfu']:.1%}")
+            if parts:
+                lines.append("  predicted     " + ", ".join(parts))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()

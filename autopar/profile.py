@@ -1,0 +1,627 @@
+"""ModelProfile: what the planner knows about a model, measured without a GPU and without real memory.
+
+`profile_model(model, sample)` runs one forward and backward of the model on *fake* tensors
+(FakeTensorMode: shapes, dtypes and devices, no data): the model's own parameters are never read,
+written or given gradients, and no activation memory is allocated, so a model of any size can be
+profiled on a laptop, including one built on the meta device.
+
+It finds the repeated blocks (the transformer layers), counts parameters per block and outside them,
+finds tied weights, counts forward and backward FLOPs per block (FlopCounterMode), the bytes each block
+saves for backward (saved-tensor hooks) and the largest single tensor the step creates.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .errors import ProfileError
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------------
+def _signature(module: nn.Module) -> tuple:
+    """Class plus parameter names and shapes: two modules with one signature are the same structure."""
+    return (type(module).__qualname__,) + tuple(
+        (name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()
+    )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _repeated_run(container: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The longest run of consecutive same-structure children of `container` holding parameters."""
+    children = list(container.named_children())
+    best: list[tuple[str, nn.Module]] = []
+    run: list[tuple[str, nn.Module]] = []
+    for name, child in children:
+        if run and _signature(child) == _signature(run[-1][1]):
+            run.append((name, child))
+        else:
+            run = [(name, child)]
+        if len(run) >= 2 and _numel(run[0][1]) > 0:
+            if sum(_numel(m) for _, m in run) > sum(_numel(m) for _, m in best):
+                best = list(run)
+    return best
+
+
+def find_blocks(
+    model: nn.Module, blocks: str | Sequence[str] | type | tuple[type, ...] | None = None
+) -> tuple[str | None, list[tuple[str, nn.Module]], bool]:
+    """Find the model's repeated blocks.
+
+    Returns (container path or None, [(fully qualified name, module)], repeated). `blocks` names them
+    explicitly: the path of a container (`"model.layers"`), a list of module paths, or a module class
+    (every outermost module of that class). Without it, the container (ModuleList, Sequential or
+    ModuleDict, at any depth) whose longest run of same-structure children holds the most parameters
+    wins. Where no container repeats, the top-level children that hold parameters become the units and
+    `repeated` is False.
+    """
+    named = dict(model.named_modules())
+    if blocks is not None:
+        if isinstance(blocks, str):
+            if blocks not in named:
+                raise ProfileError(_no_such_blocks(model, blocks))
+            container = named[blocks]
+            found = [(_join(blocks, n), m) for n, m in container.named_children()]
+            if not found:
+                raise ProfileError(f"blocks={blocks!r} names a module with no children; name the container of the layers.")
+            return blocks, found, True
+        if isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
+            found = []
+            for name, module in model.named_modules():
+                if isinstance(module, blocks) and not any(name.startswith(f + ".") for f, _ in found):
+                    found.append((name, module))
+            if not found:
+                raise ProfileError(f"no module of class {blocks} in {type(model).__name__}; {_containers_hint(model)}")
+            return None, found, True
+        paths = list(blocks)
+        missing = [p for p in paths if p not in named]
+        if missing:
+            raise ProfileError(_no_such_blocks(model, missing[0]))
+        return None, [(p, named[p]) for p in paths], True
+
+    best_path, best_run, best_numel = None, [], 0
+    for path, module in model.named_modules():
+        if not isinstance(module, _CONTAINERS):
+            continue
+        run = _repeated_run(module)
+        numel = sum(_numel(m) for _, m in run)
+        if numel > best_numel:
+            best_path, best_run, best_numel = path, run, numel
+    if best_run:
+        return best_path, [(_join(best_path, n), m) for n, m in best_run], True
+    units = [(n, m) for n, m in model.named_children() if _numel(m) > 0]
+    return None, units, False
+
+
+def _join(prefix: str | None, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _containers_hint(model: nn.Module) -> str:
+    found = [f"{p or '<root>'} ({type(m).__name__}, {len(list(m.children()))} children)"
+             for p, m in model.named_modules() if isinstance(m, _CONTAINERS)]
+    if not found:
+        return "the model has no ModuleList, Sequential or ModuleDict: pass blocks=[...] with the paths of its layers."
+    return "containers in the model: " + ", ".join(found[:8]) + ("..." if len(found) > 8 else "")
+
+
+def _no_such_blocks(model: nn.Module, path: str) -> str:
+    return f"blocks: no module at {path!r} in {type(model).__name__}; {_containers_hint(model)}"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The profile
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockProfile:
+    """One unit of the model (a transformer layer, or a top-level child where nothing repeats)."""
+
+    name: str  # fully qualified module name, e.g. "transformer.h.3"
+    num_params: int  # parameters in the block (tied ones counted where first seen)
+    param_bytes: int  # bytes of those parameters in the model's dtype
+    forward_flops: float  # FLOPs of the block's forward on the sample
+    flops: float  # forward + backward FLOPs of the block on the sample
+    saved_bytes: int  # activation bytes the block saves for backward on the sample (no checkpointing)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the planner knows about a model, for the sample it was profiled with.
+
+    FLOPs and saved bytes are for one forward and backward of the sample (`sample_batch_size` samples);
+    `*_per_sample` helpers scale them, since both are linear in the batch.
+    """
+
+    model_class: str
+    fingerprint: str  # hash of parameter names and shapes: identifies the architecture, not the weights
+    blocks_path: str | None  # container of the blocks ("transformer.h"), None if given as paths/classes
+    block_class: str | None
+    repeated: bool  # False: no repeated blocks, top-level children are the units
+    blocks: tuple[BlockProfile, ...]
+    num_params: int  # unique parameters
+    num_trainable_params: int
+    num_params_outside_blocks: int
+    num_lookup_params: int  # parameters of embeddings not tied to a matmul: looked up, no FLOPs
+    param_bytes: int  # unique parameter bytes in the model's dtype
+    param_dtype: str
+    tied_params: tuple[tuple[str, ...], ...]  # groups of names that share one Parameter
+    forward_flops: float
+    flops: float  # forward + backward FLOPs of one step on the sample
+    saved_bytes_outside_blocks: int  # activations saved for backward outside the blocks (embeddings, head, loss)
+    largest_transient_bytes: int  # the largest single tensor created by the step
+    largest_transient_op: str
+    sample_batch_size: int
+    tokens_per_sample: int | None  # sequence length for token inputs, else None
+    profile_precision: str  # "fp32" or "bf16" (autocast) during the profile
+    hidden_dim: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    num_layers: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_params_in_blocks(self) -> int:
+        return sum(b.num_params for b in self.blocks)
+
+    @property
+    def saved_bytes(self) -> int:
+        """All activation bytes saved for backward by one step on the sample."""
+        return sum(b.saved_bytes for b in self.blocks) + self.saved_bytes_outside_blocks
+
+    @property
+    def flops_per_sample(self) -> float:
+        return self.flops / self.sample_batch_size
+
+    @property
+    def saved_bytes_per_sample(self) -> float:
+        return self.saved_bytes / self.sample_batch_size
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        return None if self.tokens_per_sample is None else self.tokens_per_sample * self.sample_batch_size
+
+    def formula_flops(self) -> float | None:
+        """6 N + 12 L h s FLOPs per token times the sample's tokens (Kaplan 2020 / PaLM appendix B), or None.
+
+        N counts the parameters that take part in matmuls: lookup-only embeddings are left out (Kaplan's
+        non-embedding count, with a tied output head kept since it is a matmul).
+        """
+        if None in (self.tokens_per_sample, self.hidden_dim, self.num_layers):
+            return None
+        s = self.tokens_per_sample
+        per_token = 6 * (self.num_params - self.num_lookup_params) + 12 * self.num_layers * self.hidden_dim * s
+        return per_token * s * self.sample_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["blocks"] = [asdict(b) for b in self.blocks]
+        d["tied_params"] = [list(g) for g in self.tied_params]
+        d["notes"] = list(self.notes)
+        return d
+
+    def describe(self) -> str:
+        def n(x: float) -> str:
+            for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+                if abs(x) >= div:
+                    return f"{x / div:.2f}{unit}"
+            return f"{x:.0f}"
+
+        blocks = (f"{self.num_blocks} x {self.block_class} at {self.blocks_path or '(listed paths)'}"
+                  if self.repeated else f"{self.num_blocks} top-level units (no repeated blocks found)")
+        lines = [
+            f"model {self.model_class} ({self.fingerprint})",
+            f"  parameters    {n(self.num_params)} ({n(self.num_params_in_blocks)} in blocks, "
+            f"{n(self.num_params_outside_blocks)} outside), {self.param_dtype}, {self.param_bytes / 2**20:.1f} MiB",
+            f"  blocks        {blocks}",
+        ]
+        if self.tied_params:
+            lines.append("  tied          " + "; ".join(" = ".join(g) for g in self.tied_params))
+        shape = [f"{k}={v}" for k, v in (("hidden", self.hidden_dim), ("heads", self.num_heads),
+                                          ("kv_heads", self.num_kv_heads), ("layers", self.num_layers),
+                                          ("ffn", self.ffn_dim), ("vocab", self.vocab_size)) if v is not None]
+        if shape:
+            lines.append("  shape         " + ", ".join(shape))
+        tokens = f", {self.tokens_per_sample} tokens each" if self.tokens_per_sample else ""
+        lines += [
+            f"  sample        {self.sample_batch_size} samples{tokens}",
+            f"  per step      {n(self.flops)}FLOP (forward {n(self.forward_flops)}FLOP), "
+            f"{self.saved_bytes / 2**20:.1f} MiB saved for backward ({self.profile_precision}), "
+            f"largest tensor {self.largest_transient_bytes / 2**20:.1f} MiB ({self.largest_transient_op})",
+        ]
+        for note in self.notes:
+            lines.append(f"  note          {note}")
+        return "\n".join(lines)
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the model class and its parameter names and shapes (not values, not dtype)."""
+    items = [type(model).__qualname__] + [
+        f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters(remove_duplicate=False)
+    ]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def sample_batch_size(sample: Any) -> int:
+    """The batch size of a sample: dim 0 of its first tensor (`input_ids` first for a dict)."""
+    first = _first_tensor(sample)
+    if first is None or first.dim() == 0:
+        raise ProfileError(
+            "sample must hold a batched tensor (a tensor, a tuple/list of tensors, or a dict of them with the "
+            f"batch in dim 0); got {type(sample).__name__}."
+        )
+    return int(first.shape[0])
+
+
+def _first_tensor(sample: Any) -> torch.Tensor | None:
+    if isinstance(sample, torch.Tensor):
+        return sample
+    if isinstance(sample, Mapping):
+        if isinstance(sample.get("input_ids"), torch.Tensor):
+            return sample["input_ids"]
+        values = list(sample.values())
+    elif isinstance(sample, (tuple, list)):
+        values = list(sample)
+    else:
+        return None
+    for v in values:
+        t = _first_tensor(v)
+        if t is not None:
+            return t
+    return None
+
+
+def split_sample(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) of a sample as autopar passes it: model(x), model(*tuple) or model(**dict)."""
+    if isinstance(sample, Mapping):
+        return (), dict(sample)
+    if isinstance(sample, (tuple, list)):
+        return tuple(sample), {}
+    return (sample,), {}
+
+
+def call_model(model: Callable[..., Any], sample: Any) -> Any:
+    """Call the model with a sample the way autopar does everywhere (see `split_sample`)."""
+    args, kwargs = split_sample(sample)
+    return model(*args, **kwargs)
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """The loss used to drive backward when none is given: `output.loss` if present, else a sum of the output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    t = output if isinstance(output, torch.Tensor) else None
+    if t is None:
+        if isinstance(output, Mapping):
+            t = output.get("logits")
+            t = t if isinstance(t, torch.Tensor) else _first_tensor(list(output.values()))
+        elif isinstance(output, (tuple, list)):
+            t = _first_tensor(list(output))
+    if t is None or not t.is_floating_point():
+        raise ProfileError(
+            f"cannot make a loss from the model's output ({type(output).__name__}): pass loss_fn=, a function "
+            "from the model's output to a scalar loss."
+        )
+    return t.float().sum()
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op outputs (bytes) and which op made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbytes, self.op = 0, "none"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:  # views allocate nothing
+                nbytes = t.numel() * t.element_size()
+                if nbytes > self.nbytes:
+                    self.nbytes, self.op = nbytes, str(func.overloadpacket.__name__)
+        return out
+
+
+def _flop_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas FlopCounterMode lacks: the CPU flash-attention kernels SDPA picks on CPU."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    out: dict[Any, Callable[..., int]] = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        out[aten._scaled_dot_product_flash_attention_for_cpu] = (
+            lambda q, k, v, *args, out_shape=None, **kwargs: fc.sdpa_flop_count(q, k, v))
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+            lambda g, q, k, v, *args, out_shape=None, **kwargs: fc.sdpa_backward_flop_count(g, q, k, v))
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _config_value(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _shape_facts(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, int | None]:
+    """Hidden size, heads, layers, vocab and FFN size: from a Hugging Face style config, else from structure."""
+    cfg = getattr(model, "config", None)
+    facts = {
+        "hidden_dim": _config_value(cfg, "hidden_size", "n_embd", "hidden_dim", "d_model", "dim"),
+        "num_heads": _config_value(cfg, "num_attention_heads", "n_head", "num_heads", "n_heads"),
+        "num_kv_heads": _config_value(cfg, "num_key_value_heads", "n_kv_heads", "num_kv_heads"),
+        "num_layers": _config_value(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"),
+        "vocab_size": _config_value(cfg, "vocab_size"),
+        "ffn_dim": _config_value(cfg, "intermediate_size", "n_inner", "ffn_dim"),
+    }
+    if facts["num_layers"] is None and units:
+        facts["num_layers"] = len(units)
+    if units:
+        block = units[0][1]
+        if facts["num_heads"] is None:
+            for m in block.modules():
+                facts["num_heads"] = _config_value(m, "num_heads", "n_head", "num_attention_heads", "n_heads")
+                if facts["num_heads"]:
+                    break
+        if facts["hidden_dim"] is None:
+            dims = collections.Counter(
+                m.in_features for m in block.modules() if isinstance(m, nn.Linear)
+            )
+            if dims:
+                facts["hidden_dim"] = dims.most_common(1)[0][0]
+    if facts["vocab_size"] is None:
+        embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+        if embeddings:
+            facts["vocab_size"] = max(m.num_embeddings for m in embeddings)
+    if facts["num_kv_heads"] is None and facts["num_heads"] is not None and cfg is not None:
+        facts["num_kv_heads"] = facts["num_heads"]
+    return facts
+
+
+def _fake_state(model: nn.Module, fake_mode: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fake copies of every parameter and buffer (tied ones stay one tensor), on `device`."""
+    out: dict[str, torch.Tensor] = {}
+    memo: dict[int, torch.Tensor] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        if id(t) not in memo:
+            with fake_mode:
+                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+            if isinstance(t, nn.Parameter):
+                fake.requires_grad_(t.requires_grad)
+            memo[id(t)] = fake
+        out[name] = memo[id(t)]
+    return out
+
+
+def _fake_sample(sample: Any, fake_mode: Any, device: torch.device) -> Any:
+    def convert(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        with fake_mode:
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+
+    return torch.utils._pytree.tree_map(convert, sample)
+
+
+def _profile_device(model: nn.Module, sample: Any) -> torch.device:
+    for t in list(model.parameters()) + ([_first_tensor(sample)] if _first_tensor(sample) is not None else []):
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def profile_model(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    blocks: str | Sequence[str] | type | tuple[type, ...] | None = None,
+    precision: str = "fp32",
+    warn: bool = True,
+) -> ModelProfile:
+    """Profile `model` on `sample` (one rank's batch as the user's loop feeds it) without real memory.
+
+    `sample` is passed as `model(sample)`, `model(*sample)` or `model(**sample)`; meta tensors are fine.
+    `loss_fn(output, sample) -> scalar` drives backward (it gets fake tensors: it must not capture real
+    ones); without it, `output.loss` (Hugging Face with labels) or the sum of the output is used (the
+    loss's own FLOPs are then slightly off; the model's are exact).
+    `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if precision not in ("fp32", "bf16"):
+        raise ProfileError(f"precision must be 'fp32' or 'bf16', got {precision!r}.")
+    params = list(model.parameters())
+    if not params:
+        raise ProfileError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelise.")
+    batch = sample_batch_size(sample)
+    blocks_path, units, repeated = find_blocks(model, blocks)
+    notes: list[str] = []
+    if not repeated:
+        names = ", ".join(n for n, _ in units) or "(none)"
+        notes.append(
+            f"no repeated blocks (a ModuleList/Sequential of same-structure layers) found; the top-level "
+            f"children ({names}) are the units instead. Sharding and checkpointing then work at that "
+            "coarser grain: a whole unit's parameters are gathered at once (higher peak memory, less overlap) "
+            "and pipeline stages can only split between those children. Pass blocks='path.to.layers' to name them."
+        )
+        if warn:
+            warnings.warn("autopar: " + notes[-1], stacklevel=2)
+
+    # Parameters: unique, per block, tied groups.
+    by_id: dict[int, list[str]] = collections.defaultdict(list)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(name)
+    tied = tuple(tuple(names) for names in by_id.values() if len(names) > 1)
+    unique = {id(p): p for p in model.parameters()}
+    seen: set[int] = set()
+    block_params: list[tuple[int, int]] = []
+    for _, module in units:
+        count = nbytes = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                count += p.numel()
+                nbytes += p.numel() * p.element_size()
+        block_params.append((count, nbytes))
+    num_params = sum(p.numel() for p in unique.values())
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matmul_weights = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
+                      for p in m.parameters(recurse=False)}
+    num_lookup = sum(unique[i].numel() for i in embedding_weights - matmul_weights if i in unique)
+    dtypes = collections.Counter(str(p.dtype).replace("torch.", "") for p in unique.values())
+
+    # One fake step: FLOPs per module, bytes saved for backward per block, the largest tensor.
+    device = _profile_device(model, sample)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state = _fake_state(model, fake_mode, device)
+    fake_sample = _fake_sample(sample, fake_mode, device)
+    param_storages = {_storage_key(t) for t in state.values()}
+    block_of = {id(m): i for i, (_, m) in enumerate(units)}
+    current: list[int] = []
+    saved = [0] * len(units)
+    saved_outside = 0
+    counted: set[Any] = set()
+
+    def pre_hook(module: nn.Module, _args: Any) -> None:
+        current.append(block_of[id(module)])
+
+    def post_hook(module: nn.Module, _args: Any, _out: Any) -> None:
+        current.pop()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved_outside
+        key = _storage_key(t)
+        if key not in param_storages and key not in counted:
+            counted.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            if current:
+                saved[current[-1]] += nbytes
+            else:
+                saved_outside += nbytes
+        return t
+
+    handles = []
+    for _, m in units:
+        handles.append(m.register_forward_pre_hook(pre_hook))
+        handles.append(m.register_forward_hook(post_hook))
+    flop_counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
+    largest = _LargestTensor()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    try:
+        with fake_mode, flop_counter, largest:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with autocast:
+                    args, kwargs = split_sample(fake_sample)
+                    output = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
+                    loss = loss_fn(output, fake_sample) if loss_fn is not None else default_loss(output)
+            forward_flops = float(flop_counter.get_total_flops())
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ProfileError("loss_fn must return a scalar tensor.")
+            loss.backward()
+    except ProfileError:
+        raise
+    except Exception as exc:  # a model that cannot run on fake tensors, or a sample that does not fit it
+        raise ProfileError(
+            f"could not run one step of {type(model).__name__} on the sample without real memory "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Check that the sample is "
+            "what the model takes (model(x), model(*tuple) or model(**dict)); a model whose forward reads tensor "
+            "values (data-dependent Python control flow) cannot be profiled on fake tensors: pass a plan explicitly."
+        ) from exc
+    finally:
+        for h in handles:
+            h.remove()
+    counts = flop_counter.get_flop_counts()
+    root = type(model).__name__
+
+    def module_flops(name: str) -> float:
+        return float(sum(counts.get(f"{root}.{name}", {}).values()))
+
+    # Forward FLOPs per block: the counter's per-module totals include backward, so take the forward share
+    # of the whole step (forward/total is the same for every matmul-dominated block to within the loss's FLOPs).
+    total_flops = float(flop_counter.get_total_flops())
+    fwd_share = forward_flops / total_flops if total_flops else 1 / 3
+    block_profiles = tuple(
+        BlockProfile(name=name, num_params=block_params[i][0], param_bytes=block_params[i][1],
+                     forward_flops=module_flops(name) * fwd_share, flops=module_flops(name),
+                     saved_bytes=saved[i])
+        for i, (name, _) in enumerate(units)
+    )
+    facts = _shape_facts(model, units if repeated else [])
+    first = _first_tensor(sample)
+    tokens = int(first.shape[1]) if first is not None and first.dim() == 2 and not first.is_floating_point() else None
+    block_classes = {type(m).__name__ for _, m in units}
+    return ModelProfile(
+        model_class=type(model).__name__,
+        fingerprint=model_fingerprint(model),
+        blocks_path=blocks_path,
+        block_class=block_classes.pop() if len(block_classes) == 1 else None,
+        repeated=repeated,
+        blocks=block_profiles,
+        num_params=num_params,
+        num_trainable_params=sum(p.numel() for p in unique.values() if p.requires_grad),
+        num_params_outside_blocks=num_params - sum(c for c, _ in block_params),
+        num_lookup_params=num_lookup,
+        param_bytes=sum(p.numel() * p.element_size() for p in unique.values()),
+        param_dtype=dtypes.most_common(1)[0][0],
+        tied_params=tied,
+        forward_flops=forward_flops,
+        flops=total_flops,
+        saved_bytes_outside_blocks=saved_outside,
+        largest_transient_bytes=largest.nbytes,
+        largest_transient_op=largest.op,
+        sample_batch_size=batch,
+        tokens_per_sample=tokens,
+        profile_precision=precision,
+        notes=tuple(notes),
+        **facts,
+    )
+
+
+def iter_block_modules(model: nn.Module, profile: ModelProfile) -> Iterable[tuple[str, nn.Module]]:
+    """The model's block modules, by the names the profile recorded."""
+    named = dict(model.named_modules())
+    for block in profile.blocks:
+        if block.name not in named:
+            raise ProfileError(
+                f"the profile names a block {block.name!r} that this model does not have: the profile was made "
+                "for another model; profile this one."
+            )
+        yield block.name, named[block.name]

@@ -1,0 +1,29 @@
+"""torch.compile, in place: per block under FSDP (the sharding hooks stay outside the graphs, and the
+identical blocks share one compiled graph), the whole model otherwise (the loss and the logits fuse too).
+
+`nn.Module.compile()` compiles in place, so the module keeps its type, names and `state_dict` keys.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch.nn as nn
+
+
+def default_backend() -> str:
+    """The compile backend: `AUTOPAR_COMPILE_BACKEND` if set (tests use "aot_eager"), else inductor."""
+    return os.environ.get("AUTOPAR_COMPILE_BACKEND", "inductor")
+
+
+def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, per_block: bool,
+                  backend: str | None = None) -> list[str]:
+    """Compile the blocks (per_block) or the whole model; returns the names of what was compiled."""
+    backend = backend or default_backend()
+    if per_block and blocks:
+        for _, block in blocks:
+            block.compile(backend=backend)
+        return [name for name, _ in blocks]
+    model.compile(backend=backend)
+    return ["<model>"]

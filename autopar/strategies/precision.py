@@ -1,0 +1,62 @@
+"""Mixed precision: bf16 compute with fp32 master weights, gradients and optimizer state.
+
+Under FSDP2 the MixedPrecisionPolicy casts the gathered parameters to bf16 for compute and reduces
+gradients in fp32 (`fsdp_policy`). Without FSDP, the model's forward runs under `torch.autocast`
+(`apply_autocast`). Either way the parameters the optimizer sees stay fp32, and the model's floating
+outputs are returned in fp32, so the user's loss is computed as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return DTYPES[precision]
+
+
+def fsdp_policy(precision: str, *, root: bool) -> Any:
+    """The FSDP2 MixedPrecisionPolicy for a unit; the root's outputs are cast back to fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(
+        param_dtype=compute_dtype(precision),
+        reduce_dtype=torch.float32,
+        output_dtype=torch.float32 if root else None,
+    )
+
+
+def to_fp32_outputs(output: Any) -> Any:
+    """Cast the low-precision floating tensors of a model output (tensor, tuple, list, dict, HF ModelOutput) to fp32."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.is_floating_point() and output.dtype != torch.float32 else output
+    if isinstance(output, dict):  # includes Hugging Face ModelOutput (an OrderedDict): update in place
+        for key in list(output.keys()):
+            output[key] = to_fp32_outputs(output[key])
+        return output
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # namedtuple
+        return type(output)(*(to_fp32_outputs(o) for o in output))
+    if isinstance(output, (tuple, list)):
+        return type(output)(to_fp32_outputs(o) for o in output)
+    return output
+
+
+def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast(device_type, dtype=dtype):
+        output = forward(*args, **kwargs)
+    return to_fp32_outputs(output)
+
+
+def apply_autocast(model: nn.Module, *, precision: str, device_type: str) -> None:
+    """Run `model`'s forward under autocast in `precision` (no-op for fp32). The module keeps its type and names."""
+    if precision == "fp32":
+        return
+    model.forward = functools.partial(_autocast_forward, model.forward, device_type, compute_dtype(precision))

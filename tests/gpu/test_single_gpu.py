@@ -1,0 +1,96 @@
+"""On one GPU (run on the H200 device machine): autopar's plans on a GPT-2-355M-shaped Hugging Face model.
+
+bf16 + torch.compile + activation checkpointing must train (loss falls on a repeated batch), agree with a
+plain bf16-autocast run of the same model within bf16 tolerance, and use less memory than that run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autopar
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 6
+MB, SEQ = 8, 1024
+
+
+def _gpt2_355m():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=SEQ, attn_implementation="sdpa",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _batch(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (MB, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _train(model, batch, *, autocast: bool) -> tuple[list[float], int]:
+    batch = {k: v.cuda() for k, v in batch.items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    torch.cuda.reset_peak_memory_stats()
+    losses = []
+    for _ in range(STEPS):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    return losses, torch.cuda.max_memory_allocated()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = _gpt2_355m().cuda()
+    losses, peak = _train(model, _batch(model.config.vocab_size), autocast=True)
+    del model
+    torch.cuda.empty_cache()
+    return losses, peak
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_bf16_compile_checkpointing_trains_like_plain_bf16(reference, checkpointing):
+    ref_losses, ref_peak = reference
+    model = _gpt2_355m()
+    batch = _batch(model.config.vocab_size)
+    plan = autopar.Plan(micro_batch_size=MB, precision="bf16", compile=True, checkpointing=checkpointing)
+    model = autopar.wrap(model, sample=batch, plan=plan)
+    assert autopar.applied(model).checkpointed and autopar.applied(model).compiled == ("<model>",)
+    losses, peak = _train(model, batch, autocast=False)
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.5, losses  # the repeated batch is being learnt
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+    assert peak < ref_peak, (peak, ref_peak)  # checkpointing saved memory
+    del model
+    torch.cuda.empty_cache()
+
+
+def test_topology_detects_this_gpu():
+    topo = autopar.Topology.detect()
+    assert topo.is_gpu and topo.world_size == torch.cuda.device_count()
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert abs(topo.device.memory_bytes - total) / total < 0.05
+    assert topo.device.supports("bf16")
+
+
+def test_rule_on_one_gpu_chooses_bf16_and_compile_and_trains():
+    model = _gpt2_355m()
+    batch = _batch(model.config.vocab_size)
+    plan = autopar.plan(model, sample=batch)
+    assert (plan.world_size, plan.precision, plan.compile) == (1, "bf16", True)
+    model = autopar.wrap(model, sample=batch)
+    assert autopar.plan_of(model) == plan
+    losses, _ = _train(model, batch, autocast=False)
+    assert losses[-1] < losses[0]
+    del model
+    torch.cuda.empty_cache()

@@ -1,0 +1,293 @@
+"""Tests of autopar.strategies.checkpointing: names, state_dict keys and types are kept; full and selective
+checkpointing give the same loss and gradients as none; the memory kept for backward is ordered
+none > selective > full, and every=2 lies between none and full; the forward really runs again."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+from autopar.strategies.checkpointing import apply_checkpointing, selective_policy
+
+CFG = GPTConfig(vocab_size=128, seq_len=64, num_layers=4, hidden_dim=64, num_heads=4)
+MODES = [("full", 1), ("selective", 1), ("full", 2), ("selective", 2)]
+
+
+def _model(mode: str = "none", every: int = 1) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    apply_checkpointing(list(model.blocks.named_children()), mode=mode, every=every)
+    return model
+
+
+def _blocks(model: GPT):
+    return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+
+
+def _x(batch: int = 4) -> torch.Tensor:
+    return synthetic_tokens(batch, CFG, seed=3)
+
+
+def _loss_and_grads(model: nn.Module):
+    x = _x()
+    loss = lm_loss(model(x), x)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ---- structure ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode, every", MODES)
+def test_names_state_dict_and_types_are_kept(mode, every):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    names = [n for n, _ in model.named_modules()]
+    keys = list(model.state_dict())
+    types = [type(m) for m in model.modules()]
+    done = apply_checkpointing(_blocks(model), mode=mode, every=every)
+    assert done == [f"blocks.{i}" for i in range(0, CFG.num_layers, every)]
+    assert [n for n, _ in model.named_modules()] == names
+    assert list(model.state_dict()) == keys
+    assert [type(m) for m in model.modules()] == types
+    for i, block in enumerate(model.blocks):
+        assert ("forward" in vars(block)) == (i % every == 0)  # only the instance's forward is replaced
+    assert "forward" not in vars(model)
+    # a state dict saved before loads into the checkpointed model and back
+    fresh = GPT(CFG)
+    fresh.load_state_dict(model.state_dict())
+    model.load_state_dict(fresh.state_dict())
+
+
+def test_none_changes_nothing_and_bad_arguments_are_refused():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    assert apply_checkpointing(_blocks(model), mode="none") == []
+    assert all("forward" not in vars(b) for b in model.blocks)
+    with pytest.raises(ValueError, match="'none', 'full' or 'selective'"):
+        apply_checkpointing(_blocks(model), mode="partial")
+    with pytest.raises(ValueError, match="n >= 1"):
+        apply_checkpointing(_blocks(model), mode="full", every=0)
+    assert all("forward" not in vars(b) for b in model.blocks)
+
+
+# ---- numerics ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def baseline():
+    return _loss_and_grads(_model("none"))
+
+
+@pytest.mark.parametrize("mode, every", MODES)
+def test_same_loss_and_gradients_as_no_checkpointing(baseline, mode, every):
+    ref_loss, ref_grads = baseline
+    loss, grads = _loss_and_grads(_model(mode, every))
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    assert set(grads) == set(ref_grads)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=0, atol=1e-6, msg=n)
+
+
+def test_eval_mode_and_no_grad_still_work():
+    model = _model("full").eval()
+    x = _x()
+    with torch.no_grad():
+        out = model(x)
+    ref = _model("none").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(out, ref(x), rtol=0, atol=1e-6)
+
+
+class _ForwardCounter:
+    """Counts calls of a module (a pre-hook: recomputation may stop early, before a module returns)."""
+
+    def __init__(self, module: nn.Module):
+        self.calls = 0
+        module.register_forward_pre_hook(self)
+
+    def __call__(self, *_):
+        self.calls += 1
+
+
+@pytest.mark.parametrize("mode, every, block, expected", [
+    ("none", 1, 0, 1), ("full", 1, 0, 2), ("selective", 1, 0, 2), ("full", 2, 0, 2), ("full", 2, 1, 1),
+])
+def test_checkpointed_blocks_run_their_forward_again_in_backward(mode, every, block, expected):
+    model = _model(mode, every)
+    counter = _ForwardCounter(model.blocks[block].attn.q_proj)
+    x = _x()
+    loss = lm_loss(model(x), x)
+    assert counter.calls == 1
+    loss.backward()
+    assert counter.calls == expected
+
+
+def test_selective_policy_keeps_matmuls_and_recomputes_the_rest():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    assert selective_policy(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, aten.addmm.default) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, aten._scaled_dot_product_flash_attention_for_cpu.default) == CheckpointPolicy.MUST_SAVE
+    for op in (aten.gelu.default, aten.native_layer_norm.default, aten.add.Tensor, aten.mul.Tensor):
+        assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# ---- memory --------------------------------------------------------------------------------------------
+def _hooked_saved_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct storages autograd saves for backward, seen by saved_tensors_hooks in forward."""
+    params = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+    seen: dict = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in params:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    x = _x()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lm_loss(model(x), x)
+    return sum(seen.values())
+
+
+class _Allocations(TorchDispatchMode):
+    """Weak references to every storage an op creates."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                self.storages[StorageWeakRef(s)] = s.nbytes()
+        return out
+
+
+def _live_bytes_after_forward(model: nn.Module) -> int:
+    """Bytes of the storages created by forward that are still alive when backward could start.
+
+    This is what checkpointing saves: non-reentrant checkpointing keeps what it needs behind its own
+    saved-tensor hooks (which take precedence over an outer `saved_tensors_hooks`), so the memory it
+    keeps is measured by what stays alive, not by what an outer hook sees.
+    """
+    x = _x()
+    with _Allocations() as alloc:
+        loss = lm_loss(model(x), x)
+    gc.collect()
+    live = sum(n for ref, n in alloc.storages.items() if not ref.expired())
+    del loss
+    return live
+
+
+@pytest.fixture(scope="module")
+def live_bytes():
+    return {(mode, every): _live_bytes_after_forward(_model(mode, every))
+            for mode, every in [("none", 1)] + MODES}
+
+
+def test_memory_kept_for_backward_is_ordered_none_selective_full(live_bytes):
+    none, selective, full = live_bytes["none", 1], live_bytes["selective", 1], live_bytes["full", 1]
+    assert none > selective > full
+    # full checkpointing keeps little more than each block's input: well under half of none here
+    assert full < 0.5 * none
+    # selective keeps the matmul outputs: a real saving, but less than full
+    assert selective < 0.9 * none
+
+
+def test_checkpointing_every_second_block_lies_between(live_bytes):
+    assert live_bytes["none", 1] > live_bytes["full", 2] > live_bytes["full", 1]
+    assert live_bytes["none", 1] > live_bytes["selective", 2] > live_bytes["selective", 1]
+    # half of the blocks checkpointed: about halfway
+    mid = (live_bytes["none", 1] + live_bytes["full", 1]) / 2
+    assert live_bytes["full", 2] == pytest.approx(mid, rel=0.15)
+
+
+def test_saved_tensor_hooks_see_less_saved_with_checkpointing():
+    none = _hooked_saved_bytes(_model("none"))
+    every2 = _hooked_saved_bytes(_model("full", 2))
+    full = _hooked_saved_bytes(_model("full", 1))
+    assert none > every2 > full > 0
+
+
+def test_live_measure_follows_the_batch():
+    small = _live_bytes_after_forward(_model("none"))
+    x8 = synthetic_tokens(8, CFG, seed=3)
+    model = _model("none")
+    with _Allocations() as alloc:
+        loss = lm_loss(model(x8), x8)
+    gc.collect()
+    big = sum(n for ref, n in alloc.storages.items() if not ref.expired())
+    del loss
+    assert big == pytest.approx(2 * small, rel=0.1)
+
+
+# ---- a Hugging Face model ------------------------------------------------------------------------------
+def _llama_loss_and_grads(mode, **call_kwargs):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    keys = list(model.state_dict())
+    done = apply_checkpointing(list(model.model.layers.named_children()), mode=mode)
+    assert list(model.state_dict()) == keys and len(done) == (0 if mode == "none" else 2)
+    out = model(input_ids=ids, labels=ids, **call_kwargs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def llama_baseline():
+    return _llama_loss_and_grads("none")
+
+
+def _assert_same(result, baseline):
+    (loss, grads), (ref_loss, ref_grads) = result, baseline
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
+    for n in ref_grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_llama_layers_checkpointed_without_cache_give_the_same_gradients(llama_baseline, mode):
+    _assert_same(_llama_loss_and_grads(mode, use_cache=False), llama_baseline)
+
+
+def test_llama_full_checkpointing_with_the_default_call(llama_baseline):
+    _assert_same(_llama_loss_and_grads("full"), llama_baseline)
+
+
+def test_llama_selective_checkpointing_needs_the_kv_cache_off(llama_baseline, monkeypatch):
+    """With the cache on (the default call), the recomputed layer appends to the cache the first run
+    filled and selective checkpointing's replay no longer matches: disable_kv_cache (which apply_plan
+    calls) turns it off on the config, after which the default call works."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.strategies.checkpointing import disable_kv_cache
+
+    with pytest.raises(RuntimeError, match="encountered during backward"):
+        _llama_loss_and_grads("selective")
+    real_init = transformers.LlamaForCausalLM.__init__
+
+    def init_without_cache(self, config):
+        real_init(self, config)
+        assert disable_kv_cache(self) is True and self.config.use_cache is False
+        assert disable_kv_cache(self) is False  # already off
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", init_without_cache)
+    _assert_same(_llama_loss_and_grads("selective"), llama_baseline)
+
+
+def test_disable_kv_cache_ignores_models_without_a_cache():
+    from autopar.strategies.checkpointing import disable_kv_cache
+
+    assert disable_kv_cache(_model()) is False  # GPT's config has no use_cache
+    assert disable_kv_cache(nn.Linear(2, 2)) is False
