@@ -24,6 +24,12 @@ _LAZY = {
     "applied": ".api",
     "plan_of": ".api",
     "data_shard": ".api",
+    "train_step": ".step",
+    "sampler": ".data",
+    "dataloader": ".data",
+    "local_batch": ".data",
+    "save": ".checkpoint",
+    "load": ".checkpoint",
     "AutoparError": ".errors",
     "PlanError": ".errors",
     "PlanMismatchError": ".errors",
@@ -36,6 +42,9 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import applied, data_shard, plan, plan_of, wrap
+    from .checkpoint import load, save
+    from .data import dataloader, local_batch, sampler
+    from .step import train_step
     from .errors import AutoparError, InfeasiblePlanError, PlanError, PlanMismatchError, ProfileError, TopologyError
     from .plans import Plan
     from .profile import ModelProfile, profile_model

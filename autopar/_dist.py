@@ -75,3 +75,29 @@ def broadcast_text(text: str | None, *, src: int = 0) -> str:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dist.broadcast(buf, src=src)
     return bytes(buf.cpu().tolist()).decode()
+
+
+def ensure_single_process_group() -> None:
+    """A one-process group (NCCL on a GPU, gloo on CPU) for FSDP2 on a job without one (CPU offload on one GPU)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def first_failure(error: BaseException | None) -> None:
+    """Collective: raise on every rank if any rank had `error` (so no rank waits forever for a failed one)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([dist.get_rank() if error is not None else dist.get_world_size()], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    failed = int(flag.item())
+    if error is not None:
+        raise error
+    if failed < dist.get_world_size():
+        from .errors import AutoparError
+
+        raise AutoparError(f"rank {failed} failed (its error is in its own output); every rank stops.")

@@ -9,10 +9,14 @@ _logger = logging.getLogger("autopar")
 
 
 def get_logger() -> logging.Logger:
-    if not _logger.handlers:
+    """The "autopar" logger. Unless the user configured it (a handler, or a level), autopar's INFO messages go
+    to stderr once; `logging.getLogger("autopar").setLevel(logging.WARNING)` silences them."""
+    if not _logger.handlers and not getattr(_logger, "_autopar_configured", False):
+        _logger._autopar_configured = True  # type: ignore[attr-defined]
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("[autopar] %(message)s"))
         _logger.addHandler(handler)
-        _logger.setLevel(logging.INFO)
+        if _logger.level == logging.NOTSET:
+            _logger.setLevel(logging.INFO)
         _logger.propagate = False
     return _logger

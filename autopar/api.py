@@ -13,6 +13,7 @@ from . import _dist
 from ._log import get_logger
 from .errors import PlanError
 from .plans import Plan
+from .errors import ProfileError
 from .profile import ModelProfile, profile_model, sample_batch_size
 from .topology import Topology
 
@@ -109,14 +110,33 @@ def wrap(
     """
     if getattr(model, _ATTR, None) is not None:
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
+    log = get_logger()
     world = _dist.ensure_process_group()
-    topo = _resolve_topology(topology)
-    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
-    global_batch = _global_batch(sample, global_batch_size, world.size)
+    say = verbose and world.rank == 0
+
+    # Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
+    error: BaseException | None = None
+    profile: ModelProfile | None = None
+    try:
+        topo = _resolve_topology(topology)
+        try:
+            profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
+        except ProfileError as exc:
+            if plan is None or "could not run one step" not in str(exc):
+                raise
+            # A given plan needs only the model's structure (its blocks).
+            profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
+            if say:
+                log.warning("the model could not be traced on fake tensors (%s); applying the given plan from "
+                            "the model's structure alone.", exc.__cause__)
+        global_batch = _global_batch(sample, global_batch_size, world.size)
+    except Exception as exc:
+        error = exc
+    _dist.first_failure(error)
+    assert profile is not None
 
     # Every rank applies the same plan: rank 0's, sent as YAML text (nothing is unpickled).
     chosen: Plan | None = None
-    error: Exception | None = None
     if world.rank == 0:
         try:
             if plan is None:
@@ -136,18 +156,24 @@ def wrap(
     from .strategies.apply import apply_plan, check_plan
     from .strategies.mesh import build_mesh
 
-    if not force:
-        chosen.check_batch(global_batch)
-        chosen.check_model(profile.fingerprint)
-    check_plan(chosen, profile, topo, world_size=world.size)
-    log = get_logger()
-    if verbose and world.rank == 0:
+    # Checks before anything is changed: processes, batch, model, hardware.
+    chosen.check_world(world.size)
+    chosen.check_batch(global_batch)
+    chosen.check_model(profile.fingerprint, force=force)
+    check_plan(chosen, profile, topo, world_size=world.size, model=model)
+    if say:
         source = "given" if plan is not None else "chosen by rule"
         log.info("%s\n%s   (%s)", profile.describe(), chosen.describe(), source)
+        if chosen.topology_fingerprint not in (None, topo.fingerprint()):
+            log.warning("this plan was made for other hardware (topology %s; here: %s): it runs, but its memory "
+                        "and speed estimates may not hold.", chosen.topology_fingerprint, topo.fingerprint())
         if chosen.needs_train_step:
             log.info("this plan splits the step (pp > 1 or grad_accum > 1): drive it with autopar.train_step.")
     mesh = build_mesh(chosen, _dist.device_type())
     applied = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
+    if say:
+        for note in applied.notes:
+            log.info("%s", note)
     object.__setattr__(model, _ATTR, applied)
     return model
 
@@ -166,5 +192,7 @@ def plan_of(model: nn.Module) -> Plan:
 
 
 def data_shard(model: nn.Module) -> Any:
-    """(rank, size): which slice of the global batch this process reads. Ranks with one rank read the same data."""
+    """(rank, size): which of `size` equal slices of the global batch this process reads.
+
+    Processes with the same data-shard rank (tensor- or pipeline-parallel peers) read the same samples."""
     return applied(model).data_shard

@@ -57,6 +57,11 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise PlanError(f"Plan.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}.")
 
 
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _plain_mapping(name: str, value: Any) -> dict[str, Any] | None:
     """A copy of `value` holding only str keys and numbers, strings, bools or None (YAML-safe, comparable)."""
     if value is None:
@@ -118,7 +123,7 @@ class Plan:
         if self.schema_version != SCHEMA_VERSION:
             raise PlanError(
                 f"this plan has schema version {self.schema_version}; this autopar reads version "
-                f"{SCHEMA_VERSION}. Make the plan again with this autopar (autopar.plan or `autopar plan`)."
+                f"{SCHEMA_VERSION}. Make the plan again with this autopar (autopar.plan)."
             )
         for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile"):
             _check_bool(name, getattr(self, name))
@@ -287,8 +292,12 @@ class Plan:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.to_yaml())
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(self.to_yaml())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
@@ -334,14 +343,14 @@ class Plan:
                 f"  pipeline      pp={self.pp}, schedule {self.pp_schedule}, {self.pp_stages_per_rank} stage(s) per rank, "
                 f"{self.grad_accum} micro-batches"
             )
-        every = "" if self.checkpoint_every == 1 else f" (every {self.checkpoint_every}th block)"
+        every = "" if self.checkpoint_every == 1 else f" (every {_ordinal(self.checkpoint_every)} block)"
         lines.append(f"  checkpointing {self.checkpointing}{every}")
         lines.append(f"  precision     {self.precision}   compile: {self.compile}")
         if self.prediction:
             p = self.prediction
             parts = []
             if "memory_bytes" in p:
-                parts.append(f"{p['memory_bytes'] / 2**30:.2f} GiB/GPU")
+                parts.append(f"{p['memory_bytes'] / 2**30:.2f} GiB per device")
             if "step_s" in p:
                 parts.append(f"{p['step_s'] * 1e3:.1f} ms/step")
             if "tokens_per_s" in p:

@@ -140,6 +140,27 @@ class BlockProfile:
 
 
 @dataclass(frozen=True)
+class MatmulCall:
+    """One call of a Linear-like layer during the traced step: what tensor parallelism splits."""
+
+    name: str  # fully qualified module name
+    kind: str  # "linear" (nn.Linear, weight out x in) or "conv1d" (Hugging Face Conv1D, weight in x out)
+    input_id: int  # calls with one input_id read the same tensor (e.g. q, k and v projections)
+    in_features: int
+    out_features: int
+
+
+def is_matmul_layer(module: nn.Module) -> str | None:
+    """"linear" for nn.Linear, "conv1d" for Hugging Face's Conv1D (transposed weight), else None."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None \
+            and module.weight.dim() == 2:
+        return "conv1d"
+    return None
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """What the planner knows about a model, for the sample it was profiled with.
 
@@ -168,6 +189,14 @@ class ModelProfile:
     sample_batch_size: int
     tokens_per_sample: int | None  # sequence length for token inputs, else None
     profile_precision: str  # "fp32" or "bf16" (autocast) during the profile
+    traced: bool = True  # False: structure only (trace=False), FLOPs and bytes unknown (zero)
+    matmul_calls: tuple[MatmulCall, ...] = ()  # Linear-like calls in order (empty when not traced)
+    block_input: str | None = None  # how a block receives the hidden states: "arg0" or "kwarg:NAME"
+    block_input_shape: tuple[int, ...] | None = None  # shape of those hidden states for the sample (batch first)
+    block_num_args: int = 1  # positional arguments a block is called with
+    block_output_arity: int = 0  # 0: a block returns a tensor; n: a tuple of n items, hidden states first
+    modules_before_blocks: tuple[str, ...] = ()  # modules with parameters called before the first block
+    modules_after_blocks: tuple[str, ...] = ()  # ... after the last block (final norm, head)
     hidden_dim: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
@@ -221,6 +250,7 @@ class ModelProfile:
         d["blocks"] = [asdict(b) for b in self.blocks]
         d["tied_params"] = [list(g) for g in self.tied_params]
         d["notes"] = list(self.notes)
+        d["matmul_calls"] = [asdict(c) for c in self.matmul_calls]
         return d
 
     def describe(self) -> str:
@@ -329,18 +359,28 @@ def default_loss(output: Any) -> torch.Tensor:
     return t.float().sum()
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op outputs (bytes) and which op made it."""
+class _StepWatcher(TorchDispatchMode):
+    """Watches every op of the traced step: the largest tensor it creates (bytes, op), and which storages
+    derive from parameters only (casts, transposes and views of weights, e.g. autocast's bf16 weight
+    copies): those are weights, not activations, and do not grow with the batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, param_storages: set[Any]) -> None:
         super().__init__()
         self.nbytes, self.op = 0, "none"
+        self.weight_storages = set(param_storages)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {_storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = [_storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)]
+        from_weights = bool(inputs) and all(k in self.weight_storages for k in inputs)
         for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _storage_key(t) not in inputs:  # views allocate nothing
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if from_weights:
+                self.weight_storages.add(key)
+            elif key not in inputs:  # views allocate nothing
                 nbytes = t.numel() * t.element_size()
                 if nbytes > self.nbytes:
                     self.nbytes, self.op = nbytes, str(func.overloadpacket.__name__)
@@ -445,6 +485,151 @@ def _profile_device(model: nn.Module, sample: Any) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass
+class _Trace:
+    """What one traced step measured (zeros when the step is not traced)."""
+
+    forward_flops: float
+    flops: float
+    block_flops: list[float]
+    saved: list[int]
+    saved_outside: int
+    largest_bytes: int
+    largest_op: str
+    matmul_calls: tuple[MatmulCall, ...] = ()
+    block_input: str | None = None
+    block_input_shape: tuple[int, ...] | None = None
+    block_num_args: int = 1
+    block_output_arity: int = 0
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]],
+                loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str) -> _Trace:
+    """One forward and backward on fake tensors: FLOPs per module, bytes saved for backward per unit, and
+    the largest tensor created."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.utils.flop_counter import FlopCounterMode
+
+    device = _profile_device(model, sample)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    state = _fake_state(model, fake_mode, device)
+    fake_sample = _fake_sample(sample, fake_mode, device)
+    block_of = {id(m): i for i, (_, m) in enumerate(units)}
+    current: list[int] = []
+    saved = [0] * len(units)
+    saved_outside = 0
+    counted: set[Any] = set()
+
+    calls: list[MatmulCall] = []
+    input_ids: dict[Any, int] = {}
+    block_io: dict[str, Any] = {}
+    finished = [0]  # blocks whose forward has finished
+    before: list[str] = []
+    after: list[str] = []
+
+    def outer_hook(module: nn.Module, _args: Any) -> None:
+        if current:
+            return
+        name = outer_names[id(module)]
+        if finished[0] == 0 and name not in before:
+            before.append(name)
+        elif finished[0] == len(units) and name not in after:
+            after.append(name)
+
+    def pre_hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+        current.append(block_of[id(module)])
+        if "input" not in block_io:
+            block_io["nargs"] = len(args)
+            if args and isinstance(args[0], torch.Tensor):
+                block_io["input"], block_io["shape"] = "arg0", tuple(args[0].shape)
+            else:
+                tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+                block_io["input"] = f"kwarg:{tensors[0]}" if tensors else None
+                block_io["shape"] = tuple(kwargs[tensors[0]].shape) if tensors else None
+
+    def post_hook(module: nn.Module, _args: Any, out: Any) -> None:
+        current.pop()
+        finished[0] += 1 if not current else 0
+        if "output" not in block_io:
+            block_io["output"] = len(out) if isinstance(out, (tuple, list)) else 0
+
+    def matmul_hook(module: nn.Module, args: Any) -> None:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return
+        key = _storage_key(args[0])
+        kind = is_matmul_layer(module)
+        in_f, out_f = ((module.in_features, module.out_features) if kind == "linear"
+                       else (module.weight.shape[0], module.weight.shape[1]))
+        calls.append(MatmulCall(name=names[id(module)], kind=kind, input_id=input_ids.setdefault(key, len(input_ids)),
+                                in_features=int(in_f), out_features=int(out_f)))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved_outside
+        key = _storage_key(t)
+        if key not in watcher.weight_storages and key not in counted:
+            counted.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            if current:
+                saved[current[-1]] += nbytes
+            else:
+                saved_outside += nbytes
+        return t
+
+    handles = []
+    for _, m in units:
+        handles.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(m.register_forward_hook(post_hook))
+    names = {}
+    outer_names = {}
+    unit_ids = {id(m) for _, m in units}
+    for name, m in model.named_modules():
+        if is_matmul_layer(m):
+            names[id(m)] = name
+            handles.append(m.register_forward_pre_hook(matmul_hook))
+        if list(m.parameters(recurse=False)) and not any(name.startswith(u + ".") or name == u for u, _ in units):
+            outer_names[id(m)] = name
+            handles.append(m.register_forward_pre_hook(outer_hook))
+    del unit_ids
+    flop_counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
+    watcher = _StepWatcher({_storage_key(t) for t in state.values()})
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    try:
+        with fake_mode, flop_counter, watcher:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with autocast:
+                    args, kwargs = split_sample(fake_sample)
+                    output = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
+                    loss = loss_fn(output, fake_sample) if loss_fn is not None else default_loss(output)
+            forward_flops = float(flop_counter.get_total_flops())
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ProfileError("loss_fn must return a scalar tensor.")
+            loss.backward()
+    except ProfileError:
+        raise
+    except Exception as exc:  # a model that cannot run on fake tensors, or a sample that does not fit it
+        raise ProfileError(
+            f"could not run one step of {type(model).__name__} on the sample without real memory "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Check that the sample is "
+            "what the model takes (model(x), model(*tuple) or model(**dict)); a model whose forward reads tensor "
+            "values (data-dependent Python control flow) cannot be traced on fake tensors: pass wrap a plan "
+            "(then only the model's structure is read: profile_model(..., trace=False))."
+        ) from exc
+    finally:
+        for h in handles:
+            h.remove()
+    counts = flop_counter.get_flop_counts()
+    root = type(model).__name__
+    per_block = [float(sum(counts.get(f"{root}.{name}", {}).values())) for name, _ in units]
+    return _Trace(forward_flops=forward_flops, flops=float(flop_counter.get_total_flops()), block_flops=per_block,
+                  saved=saved, saved_outside=saved_outside, largest_bytes=watcher.nbytes, largest_op=watcher.op,
+                  matmul_calls=tuple(calls), block_input=block_io.get("input"), block_input_shape=block_io.get("shape"),
+                  block_num_args=block_io.get("nargs", 1),
+                  block_output_arity=block_io.get("output", 0), before=tuple(before), after=tuple(after))
+
+
 def profile_model(
     model: nn.Module,
     sample: Any,
@@ -453,6 +638,7 @@ def profile_model(
     blocks: str | Sequence[str] | type | tuple[type, ...] | None = None,
     precision: str = "fp32",
     warn: bool = True,
+    trace: bool = True,
 ) -> ModelProfile:
     """Profile `model` on `sample` (one rank's batch as the user's loop feeds it) without real memory.
 
@@ -461,11 +647,8 @@ def profile_model(
     ones); without it, `output.loss` (Hugging Face with labels) or the sum of the output is used (the
     loss's own FLOPs are then slightly off; the model's are exact).
     `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them).
+    `trace=False` reads only the structure (blocks, parameters); FLOPs and bytes are then zero.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-    from torch.utils.flop_counter import FlopCounterMode
-
     if precision not in ("fp32", "bf16"):
         raise ProfileError(f"precision must be 'fp32' or 'bf16', got {precision!r}.")
     params = list(model.parameters())
@@ -508,80 +691,17 @@ def profile_model(
     num_lookup = sum(unique[i].numel() for i in embedding_weights - matmul_weights if i in unique)
     dtypes = collections.Counter(str(p.dtype).replace("torch.", "") for p in unique.values())
 
-    # One fake step: FLOPs per module, bytes saved for backward per block, the largest tensor.
-    device = _profile_device(model, sample)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = _fake_state(model, fake_mode, device)
-    fake_sample = _fake_sample(sample, fake_mode, device)
-    param_storages = {_storage_key(t) for t in state.values()}
-    block_of = {id(m): i for i, (_, m) in enumerate(units)}
-    current: list[int] = []
-    saved = [0] * len(units)
-    saved_outside = 0
-    counted: set[Any] = set()
-
-    def pre_hook(module: nn.Module, _args: Any) -> None:
-        current.append(block_of[id(module)])
-
-    def post_hook(module: nn.Module, _args: Any, _out: Any) -> None:
-        current.pop()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved_outside
-        key = _storage_key(t)
-        if key not in param_storages and key not in counted:
-            counted.add(key)
-            nbytes = t.untyped_storage().nbytes()
-            if current:
-                saved[current[-1]] += nbytes
-            else:
-                saved_outside += nbytes
-        return t
-
-    handles = []
-    for _, m in units:
-        handles.append(m.register_forward_pre_hook(pre_hook))
-        handles.append(m.register_forward_hook(post_hook))
-    flop_counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
-    largest = _LargestTensor()
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-    try:
-        with fake_mode, flop_counter, largest:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with autocast:
-                    args, kwargs = split_sample(fake_sample)
-                    output = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
-                    loss = loss_fn(output, fake_sample) if loss_fn is not None else default_loss(output)
-            forward_flops = float(flop_counter.get_total_flops())
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ProfileError("loss_fn must return a scalar tensor.")
-            loss.backward()
-    except ProfileError:
-        raise
-    except Exception as exc:  # a model that cannot run on fake tensors, or a sample that does not fit it
-        raise ProfileError(
-            f"could not run one step of {type(model).__name__} on the sample without real memory "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Check that the sample is "
-            "what the model takes (model(x), model(*tuple) or model(**dict)); a model whose forward reads tensor "
-            "values (data-dependent Python control flow) cannot be profiled on fake tensors: pass a plan explicitly."
-        ) from exc
-    finally:
-        for h in handles:
-            h.remove()
-    counts = flop_counter.get_flop_counts()
-    root = type(model).__name__
-
-    def module_flops(name: str) -> float:
-        return float(sum(counts.get(f"{root}.{name}", {}).values()))
-
+    if trace:
+        t = _trace_step(model, sample, units, loss_fn, precision)
+    else:
+        t = _Trace(0.0, 0.0, [0.0] * len(units), [0] * len(units), 0, 0, "not traced")
+        notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
     # Forward FLOPs per block: the counter's per-module totals include backward, so take the forward share
     # of the whole step (forward/total is the same for every matmul-dominated block to within the loss's FLOPs).
-    total_flops = float(flop_counter.get_total_flops())
-    fwd_share = forward_flops / total_flops if total_flops else 1 / 3
+    fwd_share = t.forward_flops / t.flops if t.flops else 1 / 3
     block_profiles = tuple(
         BlockProfile(name=name, num_params=block_params[i][0], param_bytes=block_params[i][1],
-                     forward_flops=module_flops(name) * fwd_share, flops=module_flops(name),
-                     saved_bytes=saved[i])
+                     forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved[i])
         for i, (name, _) in enumerate(units)
     )
     facts = _shape_facts(model, units if repeated else [])
@@ -602,14 +722,22 @@ def profile_model(
         param_bytes=sum(p.numel() * p.element_size() for p in unique.values()),
         param_dtype=dtypes.most_common(1)[0][0],
         tied_params=tied,
-        forward_flops=forward_flops,
-        flops=total_flops,
-        saved_bytes_outside_blocks=saved_outside,
-        largest_transient_bytes=largest.nbytes,
-        largest_transient_op=largest.op,
+        forward_flops=t.forward_flops,
+        flops=t.flops,
+        saved_bytes_outside_blocks=t.saved_outside,
+        largest_transient_bytes=t.largest_bytes,
+        largest_transient_op=t.largest_op,
         sample_batch_size=batch,
         tokens_per_sample=tokens,
         profile_precision=precision,
+        traced=trace,
+        matmul_calls=t.matmul_calls,
+        block_input=t.block_input,
+        block_input_shape=t.block_input_shape,
+        block_num_args=t.block_num_args,
+        block_output_arity=t.block_output_arity,
+        modules_before_blocks=t.before,
+        modules_after_blocks=t.after,
         notes=tuple(notes),
         **facts,
     )

@@ -64,6 +64,8 @@ def estimate_memory_bytes(profile: ModelProfile, *, micro_batch_size: int, shard
 
 def rule_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
     """The plan chosen by the rule in this module's docstring."""
+    if not profile.traced:
+        raise PlanError("choosing a plan needs a traced profile (FLOPs and activation bytes); pass a plan instead.")
     if topology.world_size != world_size and topology.is_gpu:
         # A detected topology describes this job; a spec for other hardware must match the world asked for.
         raise PlanError(
@@ -78,7 +80,8 @@ def rule_plan(profile: ModelProfile, topology: Topology, *, world_size: int, glo
         dp_replicate, dp_shard = 1, world_size
     micro_batch = _split_batch(global_batch_size, dp_replicate * dp_shard)
     precision = "bf16" if topology.is_gpu and topology.device.supports("bf16") else "fp32"
-    compile_ = topology.is_gpu and importlib.util.find_spec("triton") is not None
+    # Compile on GPUs; when planning for the GPUs here, only if Triton (inductor's GPU backend) is installed.
+    compile_ = topology.is_gpu and (topology.source != "detected" or importlib.util.find_spec("triton") is not None)
 
     budget = MEMORY_BUDGET_FRACTION * topology.device.memory_bytes
     options = [("none", False), ("full", False)] + ([("full", True)] if topology.is_gpu else [])
@@ -92,11 +95,6 @@ def rule_plan(profile: ModelProfile, topology: Topology, *, world_size: int, glo
             f"{profile.model_class} with a micro-batch of {micro_batch} needs about {need / 2**30:.1f} GiB per "
             f"device even with full checkpointing and CPU offload, more than {budget / 2**30:.1f} GiB: use more "
             "devices, a smaller batch, or a shorter sequence."
-        )
-    if offload and world_size == 1:
-        raise InfeasiblePlanError(
-            f"{profile.model_class} only fits with CPU offload, which runs through FSDP2 and needs a process "
-            "group: launch with torchrun (even --nproc-per-node 1), or use more GPUs."
         )
     return Plan(
         dp_replicate=dp_replicate, dp_shard=dp_shard, micro_batch_size=micro_batch, grad_accum=1,

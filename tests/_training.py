@@ -20,9 +20,36 @@ STEPS = 10
 LR = 3e-3
 
 
-def make_model(seed: int = 0) -> GPT:
+def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
+    """The built-in GPT, or a tiny Hugging Face Llama (GQA) or GPT-2 (Conv1D, fused qkv, tied head)."""
     torch.manual_seed(seed)
-    return GPT(CFG)
+    if kind == "gpt":
+        return GPT(CFG)
+    import transformers
+
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_dim, intermediate_size=128,
+                                       num_hidden_layers=CFG.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=CFG.seq_len, attn_implementation="sdpa")
+        return transformers.LlamaForCausalLM(cfg)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=CFG.vocab_size, n_embd=CFG.hidden_dim, n_layer=CFG.num_layers,
+                                      n_head=4, n_positions=CFG.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
+                                      attn_pdrop=0.0, attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(cfg)
+    raise ValueError(kind)
+
+
+def sample_of(kind: str, tokens: torch.Tensor):
+    """What the model is called with: the tokens (built-in GPT) or a Hugging Face dict with labels."""
+    return tokens if kind == "gpt" else {"input_ids": tokens, "labels": tokens}
+
+
+def loss_of(kind: str):
+    """loss_fn(output, sample) for the model kind."""
+    if kind == "gpt":
+        return lambda output, sample: lm_loss(output, sample)
+    return lambda output, sample: output.loss
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -39,24 +66,30 @@ def local_rows(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 
 def _bf16_forward(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(x: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor) -> torch.Tensor:  # the built-in GPT only
         params = {name: p.to(torch.bfloat16) for name, p in model.named_parameters()}
         return torch.func.functional_call(model, params, (x,), tie_weights=True).float()
 
     return forward
 
 
-def reference(precision: str = "fp32", steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses per step and final parameters of one process training on the full batch."""
-    model = make_model()
+def reference(precision: str = "fp32", steps: int = STEPS, kind: str = "gpt", *, grads: bool = False):
+    """Losses per step and final parameters of one process training on the full batch (and, with
+    grads=True, the gradients of the first step as a third item)."""
+    model = make_model(kind)
     opt = make_optimizer(model)
     forward = _bf16_forward(model) if precision == "bf16" else model
+    compute = loss_of(kind)
     losses = []
     for step in range(steps):
-        x = batch(step)
-        loss = lm_loss(forward(x), x)
+        x = sample_of(kind, batch(step))
+        loss = compute(forward(x) if kind == "gpt" else forward(**x), x)
         loss.backward()
+        if step == 0:
+            first = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
+                     if p.grad is not None}
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return (losses, params, first) if grads else (losses, params)

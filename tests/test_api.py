@@ -5,7 +5,6 @@ data_shard(); the refusals a user meets and their messages; the rule's choices f
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 
 import pytest
@@ -95,7 +94,7 @@ def test_plan_for_two_nodes_of_h100_is_hsdp_in_bf16():
     assert p.precision == "bf16"
     assert p.global_batch_size == 4 * 16 and p.micro_batch_size == 4 and p.grad_accum == 1
     assert p.checkpointing == "none" and not p.cpu_offload
-    assert p.compile == (importlib.util.find_spec("triton") is not None)
+    assert p.compile  # planned for GPUs that are not here: compile does not depend on this machine's Triton
     assert p.topology_fingerprint == Topology.from_spec("2x8xH100-SXM").fingerprint()
     assert "HSDP" in p.describe()
 
@@ -185,11 +184,11 @@ def test_rule_raises_when_nothing_fits():
     assert "use more devices, a smaller batch, or a shorter sequence" in msg
 
 
-def test_rule_refuses_offload_on_one_process():
+def test_rule_offloads_to_cpu_when_one_gpu_cannot_hold_the_model_state():
     cfg = GPTConfig(vocab_size=32000, seq_len=128, num_layers=6, hidden_dim=8192, num_heads=64)
     model, x = _meta_gpt(cfg, 1)  # 4.9 B parameters: 78 GB of model state on one 80 GB GPU
-    with pytest.raises(InfeasiblePlanError, match="only fits with CPU offload.*torchrun"):
-        autopar.plan(model, sample=x, topology="1xH100-SXM")
+    p = autopar.plan(model, sample=x, topology="1xH100-SXM")
+    assert p.cpu_offload and p.checkpointing == "full" and p.world_size == 1
     # on two GPUs the sharded state fits
     p = autopar.plan(model, sample=x, topology="2xH100-SXM")
     assert p.dp_shard == 2 and not p.cpu_offload
@@ -204,7 +203,7 @@ def test_wrap_without_a_plan_trains_exactly_like_plain_pytorch(ref):
     p = autopar.plan_of(model)
     assert (p.world_size, p.precision, p.compile, p.checkpointing, p.micro_batch_size) == (1, "fp32", False, "none", 8)
     assert _train(model) == ref_losses
-    assert set(dict(model.named_parameters())) == set(ref_params)
+    assert set(dict(model.named_parameters(remove_duplicate=False))) == set(ref_params)
     for n, q in model.named_parameters():
         assert torch.equal(q.detach(), ref_params[n]), n
 
@@ -271,9 +270,6 @@ def test_wrap_materialises_a_meta_model():
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: materialize() calls model.to_empty(), which gives each module its own "
-                                       "new Parameter: tied weights (GPT's tok_emb/lm_head) come out untied, so a "
-                                       "meta-device model trains with an extra, separately initialised head")
 def test_wrap_keeps_tied_weights_of_a_meta_model():
     with torch.device("meta"):
         model = GPT(CFG)
@@ -307,10 +303,6 @@ def test_wrap_refuses_a_plan_object_for_another_world_size():
         autopar.wrap(make_model(), sample=batch(0), plan=Plan(dp_shard=2, micro_batch_size=4), verbose=False)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: wrap checks a Plan object's global batch before its world size, so "
-                                       "a plan made on 2 ranks (4 samples each) run on 1 process is reported as a "
-                                       "batch mismatch ('choose micro_batch_size...') instead of PlanMismatchError "
-                                       "about the number of processes (a YAML path reports the world first)")
 def test_wrap_reports_the_world_mismatch_first_for_a_plan_object():
     x = batch(0)[:4]  # the sample each of 2 ranks fed when the plan was made
     with pytest.raises(PlanMismatchError, match="2 processes, but this job has 1"):
@@ -345,9 +337,6 @@ def test_wrap_refuses_a_global_batch_the_plan_does_not_make():
     assert autopar.plan_of(model) == plan
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: force=True (documented for a plan made for another model or world "
-                                       "size) also skips Plan.check_batch in wrap, so a plan for another global "
-                                       "batch is applied silently although 'autopar never changes the global batch'")
 def test_force_does_not_skip_the_global_batch_check():
     with pytest.raises(PlanError, match="global batch is 8"):
         autopar.wrap(make_model(), sample=batch(0), plan=Plan(micro_batch_size=4), force=True, verbose=False)
@@ -361,18 +350,19 @@ def test_wrap_refuses_cpu_offload_without_a_gpu():
     assert _unchanged(model, before)
 
 
-@pytest.mark.parametrize("plan, axis", [
-    (Plan(tp=2, micro_batch_size=8), "tp=2: tensor parallelism is not available in this version"),
-    (Plan(pp=2, pp_schedule="gpipe", micro_batch_size=4, grad_accum=2),
-     "pp=2: pipeline parallelism is not available in this version"),
-])
-def test_wrap_refuses_tp_and_pp_in_this_version(monkeypatch, plan, axis):
-    _fake_world(monkeypatch, 2)  # the plans need two processes; the refusal comes before any collective
+@pytest.mark.parametrize("plan, message", [
+    (Plan(tp=3, micro_batch_size=8), "tp=3 does not divide the 4 attention heads (num_heads)"),
+    (Plan(pp=3, pp_schedule="1f1b", micro_batch_size=4, grad_accum=2),
+     "the 1f1b schedule needs at least as many micro-batches as pipeline ranks: grad_accum=2 < pp=3"),
+], ids=["tp-heads", "pp-micro-batches"])
+def test_wrap_refuses_tp_and_pp_the_model_cannot_take(monkeypatch, plan, message):
+    _fake_world(monkeypatch, 3)  # the plans need three processes; the refusal comes before any collective
     model = make_model()
     before = _snapshot(model)
     with pytest.raises(PlanError) as info:
-        autopar.wrap(model, sample=batch(0)[:4], plan=plan, verbose=False)
-    assert axis in str(info.value) and "dp_shard" in str(info.value)
+        autopar.wrap(model, sample=batch(0)[:4], global_batch_size=plan.global_batch_size, plan=plan,
+                     topology=Topology.cpu(3), verbose=False)
+    assert message in str(info.value)
     assert _unchanged(model, before)
 
 
@@ -380,13 +370,21 @@ def test_check_plan_refusals_directly():
     from autopar.profile import profile_model
     from autopar.strategies.apply import check_plan
 
-    profile = profile_model(make_model(), batch(0))
+    model = make_model()
+    profile = profile_model(model, batch(0))
     cpu = Topology.cpu(4)
     check_plan(Plan(dp_shard=4, micro_batch_size=2), profile, cpu, world_size=4)
-    with pytest.raises(PlanError, match="tensor parallelism is not available"):
-        check_plan(Plan(tp=4), profile, cpu, world_size=4)
-    with pytest.raises(PlanError, match="pipeline parallelism is not available"):
-        check_plan(Plan(pp=4, pp_schedule="1f1b"), profile, cpu, world_size=4)
+    check_plan(Plan(tp=4), profile, cpu, world_size=4, model=model)  # 4 heads split 4 ways
+    with pytest.raises(PlanError, match="tp=8 does not divide the 4 attention heads"):
+        check_plan(Plan(tp=8), profile, Topology.cpu(8), world_size=8, model=model)
+    with pytest.raises(PlanError, match="tp=4 spans more than one node"):
+        check_plan(Plan(tp=4), profile, Topology.cpu(4, num_nodes=2), world_size=4, model=model)
+    with pytest.raises(PlanError, match="8 pipeline stages but GPT has 4 blocks"):
+        check_plan(Plan(pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, grad_accum=4), profile, cpu,
+                   world_size=4)
+    with pytest.raises(PlanError, match="needs at least as many micro-batches as pipeline ranks: grad_accum=2 < pp=4"):
+        check_plan(Plan(pp=4, pp_schedule="1f1b", grad_accum=2), profile, cpu, world_size=4)
+    check_plan(Plan(pp=4, pp_schedule="gpipe", grad_accum=2), profile, cpu, world_size=4)  # GPipe takes any number
     with pytest.raises(PlanMismatchError):
         check_plan(Plan(dp_shard=2), profile, cpu, world_size=4)
     # a GPU without bf16 (a V100-like device: compute capability 7.0)

@@ -220,10 +220,6 @@ def test_gpt_saved_bytes_scale_with_batch_and_precision():
     assert bf16.flops == pytest.approx(p1.flops, rel=0.01)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a bf16 profile counts the bf16 copies autocast makes of the weights "
-                                       "(batch-independent) as activation bytes saved for backward, so saved_bytes is "
-                                       "not linear in the batch and saved_bytes_per_sample / the rule's scaling are off; "
-                                       "at batch 1 the bf16 profile even saves more than the fp32 one")
 def test_bf16_saved_bytes_are_linear_in_the_batch_too():
     model = _gpt()
     p1 = profile_model(model, synthetic_tokens(1, SMALL), precision="bf16")

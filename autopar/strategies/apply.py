@@ -1,17 +1,22 @@
 """Apply a Plan to a model, in the one valid order (as torchtitan's parallelize does it):
 
-  0. check the plan against the model and the hardware (every refusal says what to change)
+  0. check the plan against the model and the hardware (every refusal says what to change), before
+     anything is changed
   1. float8 swap           (not offered by this version's Plan)
-  2. pipeline split        (Plan.pp > 1: not in this version; refused in `check_plan`)
-  3. tensor parallel       (Plan.tp > 1: not in this version; refused in `check_plan`)
+  2. pipeline split: keep this rank's stages; other blocks become pass-throughs (before everything
+     else, so that later steps only touch what this rank keeps)
+  3. tensor parallel (+ sequence parallel) over the "tp" axis: shards the kept blocks' weights as
+     DTensors, which FSDP then shards further over the data-parallel axes
   4. activation checkpointing, per block: wraps the block's forward, so it must come before compile
      (the checkpoint becomes part of the compiled graph) and before FSDP (whose hooks wrap the call)
-  5. torch.compile, per block under FSDP (before sharding, so FSDP's hooks stay outside the graphs),
-     the whole model otherwise
-  6. FSDP2 `fully_shard` per block, then the root, with the MixedPrecisionPolicy; this also moves
+  5. torch.compile of each block's forward under FSDP or PP (module hooks stay outside the graphs),
+     of the whole model otherwise
+  6. FSDP2 `fully_shard` per block, then the root (under PP: the modules around the blocks, each its
+     own unit, since a stage's forward stops early), with the MixedPrecisionPolicy; this also moves
      the parameters to the mesh's device
-  7. materialise a meta-device model (`to_empty` + its own init)
+  7. materialise a meta-device model (`to_empty` + its own init; tied weights tied again)
   8. without FSDP: move to the device, and bf16 through autocast around the forward
+  9. pipeline: gate the kept blocks (outermost, after FSDP's hooks) and build the schedule
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._log import get_logger
 from ..errors import PlanError
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
@@ -47,27 +51,35 @@ class Applied:
     data_shard: DataShard
     checkpointed: tuple[str, ...]
     compiled: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # what was changed besides the plan's techniques, for the log
+    pipeline: Any = None  # the PipelineRuntime of a pipeline-parallel plan
+    tensor_parallel: Any = None  # the TPLayout of a tensor-parallel plan
 
 
-def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_size: int) -> None:
+def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_size: int,
+               model: nn.Module | None = None) -> None:
     """Raise a PlanError if `plan` cannot run on this model and hardware, saying what to change."""
     plan.check_world(world_size)
-    if plan.tp > 1:
-        raise PlanError(
-            f"tp={plan.tp}: tensor parallelism is not available in this version of autopar; set tp=1 and use "
-            "dp_shard for the same processes."
-        )
-    if plan.pp > 1:
-        raise PlanError(
-            f"pp={plan.pp}: pipeline parallelism is not available in this version of autopar; set pp=1 and use "
-            "dp_shard for the same processes."
-        )
     if plan.checkpointing != "none" and not profile.blocks:
         raise PlanError(
             f"checkpointing={plan.checkpointing!r} needs blocks to checkpoint, and {profile.model_class} has none "
             "(no repeated layers, no top-level children with parameters): set checkpointing='none', or pass "
             "blocks= naming the layers."
         )
+    if plan.tp > 1:
+        if topology.devices_per_node and plan.tp > topology.devices_per_node:
+            raise PlanError(
+                f"tp={plan.tp} spans more than one node ({topology.devices_per_node} devices per node): tensor "
+                "parallelism communicates in every layer and stays within a node; lower tp."
+            )
+        if model is not None:
+            from .tensor_parallel import check_tensor_parallel
+
+            check_tensor_parallel(model, profile, plan.tp)
+    if plan.pp > 1:
+        from .pipeline import check_pipeline
+
+        check_pipeline(plan, profile)
     if not topology.is_gpu:
         if plan.cpu_offload:
             raise PlanError(
@@ -84,7 +96,16 @@ def materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.Mo
     """Give a meta-device model real (sharded) storage on `device` and initialise it; False if nothing was meta."""
     if not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
         return False
+    # to_empty gives every module a new Parameter: remember which names shared one, and share again after.
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
     model.to_empty(device=device)
+    for names in groups.values():
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
     with torch.no_grad():
         if init_fn is not None:
             init_fn(model)
@@ -111,40 +132,89 @@ def apply_plan(
     compile_backend: str | None = None,
 ) -> Applied:
     """Apply `plan` to `model` in place (see the module docstring for the order) and describe what was done."""
-    blocks = list(iter_block_modules(model, profile))
-    # 1-3. float8, pipeline and tensor parallel: refused by check_plan in this version.
+    notes: list[str] = []
+    # 1. float8: not offered by this version's Plan.
+    # 2. Pipeline split.
+    runtime = None
+    if plan.pp > 1:
+        from .pipeline import apply_pipeline_split
+
+        assert mesh is not None, "a pipeline plan runs on several processes"
+        runtime = apply_pipeline_split(model, plan, profile, mesh.get_local_rank("pp"))
+    blocks = [(name, module) for name, module in iter_block_modules(model, profile) if _kept(module)]
+    # 3. Tensor parallel (+ sequence parallel).
+    layout = None
+    if plan.tp > 1:
+        from .tensor_parallel import apply_tensor_parallel
+
+        assert mesh is not None, "a tensor-parallel plan runs on several processes"
+        ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else [blocks[-1][0]]
+        layout = apply_tensor_parallel(model, mesh["tp"], profile=profile, blocks=blocks,
+                                       sequence_parallel=plan.sequence_parallel, stage_ends=ends)
     # 4. Activation checkpointing.
     checkpointed = apply_checkpointing(blocks, mode=plan.checkpointing, every=plan.checkpoint_every)
     if checkpointed and disable_kv_cache(model):
-        get_logger().info("checkpointing: turned the model's key/value cache off (config.use_cache = False), "
-                          "as Hugging Face does under its own gradient checkpointing.")
-    # 5. torch.compile: per block when FSDP will wrap the blocks, else the whole model (after step 8's
-    #    move and autocast, which the compiled call picks up since compile wraps the module's call).
-    fsdp_mesh = dp_mesh(mesh, plan)
+        notes.append("checkpointing: turned the model's key/value cache off (config.use_cache = False), "
+                     "as Hugging Face does under its own gradient checkpointing.")
+    # 5. torch.compile: per block when FSDP or the pipeline wraps the blocks, else the whole model (after
+    #    step 8's move and autocast, which the compiled call picks up since compile wraps the module's call).
     use_fsdp = plan.uses_fsdp
     compiled: list[str] = []
-    if plan.compile and use_fsdp:
+    if plan.compile and (use_fsdp or runtime is not None):
         compiled = apply_compile(model, blocks, per_block=True, backend=compile_backend)
-    # 6. FSDP2 (a one-rank mesh when CPU offload is asked for on a single process).
+    # 6. FSDP2 (over a one-process mesh when CPU offload is asked for on a single process).
     if use_fsdp:
+        fsdp_mesh = dp_mesh(mesh, plan)
         if fsdp_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            if not torch.distributed.is_initialized():
-                raise PlanError(
-                    "cpu_offload on one process runs through FSDP2, which needs a process group: launch with "
-                    "torchrun (even --nproc-per-node 1) or call torch.distributed.init_process_group first."
-                )
+            from .._dist import ensure_single_process_group
+
+            ensure_single_process_group()
             fsdp_mesh = init_device_mesh(device.type, (1,))
+        outer = None
+        if runtime is not None:  # the stage's forward stops early: no unit may wrap the whole model
+            outer = _outer_units(model, profile)
         apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
-                   reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload)
+                   reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
+                   outer_units=outer)
+    elif runtime is not None or plan.tp > 1:
+        model.to(device)
     # 7. Materialise a meta-device model.
     materialize(model, torch.device("cpu") if plan.cpu_offload else device, init_fn)
     # 8. Without FSDP: move to the device, autocast for bf16, compile the whole model.
     if not use_fsdp:
         model.to(device)
-        apply_autocast(model, precision=plan.precision, device_type=device.type)
-        if plan.compile:
+        if runtime is None:
+            apply_autocast(model, precision=plan.precision, device_type=device.type)
+        else:  # each pipeline stage's forward runs under autocast
+            runtime.autocast = (device.type, plan.precision)
+        if plan.compile and runtime is None:
             compiled = apply_compile(model, blocks, per_block=False, backend=compile_backend)
+    # 9. Pipeline: gates and schedule.
+    if runtime is not None:
+        from .pipeline import build_schedule, install_stage_gates
+
+        install_stage_gates(model, runtime)
+        build_schedule(model, runtime, mesh["pp"], device)
     return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
-                   data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled))
+                   data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
+                   notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
+
+
+def _kept(module: nn.Module) -> bool:
+    """False for the pass-through standing in for a block of another pipeline rank."""
+    from .pipeline import _PassThrough
+
+    return not isinstance(module, _PassThrough)
+
+
+def _outer_units(model: nn.Module, profile: ModelProfile) -> list[nn.Module]:
+    """The modules around the blocks that this stage kept, each its own FSDP unit."""
+    named = dict(model.named_modules())
+    out = []
+    for name in (*profile.modules_before_blocks, *profile.modules_after_blocks):
+        module = named.get(name)
+        if module is not None and any(True for _ in module.parameters()):
+            out.append(module)
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+import torch
 import torch.nn as nn
 
 
@@ -22,8 +23,9 @@ def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, 
     """Compile the blocks (per_block) or the whole model; returns the names of what was compiled."""
     backend = backend or default_backend()
     if per_block and blocks:
+        # The block's forward, not its call: module hooks (FSDP's, the pipeline's) stay outside the graph.
         for _, block in blocks:
-            block.compile(backend=backend)
+            block.forward = torch.compile(block.forward, backend=backend)
         return [name for name, _ in blocks]
     model.compile(backend=backend)
     return ["<model>"]

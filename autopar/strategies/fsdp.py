@@ -24,8 +24,13 @@ def apply_fsdp(
     precision: str,
     reshard_after_forward: bool,
     cpu_offload: bool,
+    outer_units: Sequence[nn.Module] | None = None,
 ) -> None:
-    """Shard `model` over `mesh`: one FSDP unit per block, the rest (embeddings, head) in the root unit."""
+    """Shard `model` over `mesh`: one FSDP unit per block, the rest (embeddings, head) in the root unit.
+
+    With `outer_units` (a pipeline stage, whose forward stops after its last block), the modules around
+    the blocks are units of their own and no unit wraps the whole model.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
@@ -34,5 +39,10 @@ def apply_fsdp(
         reshard = reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
                     mp_policy=fsdp_policy(precision, root=False), offload_policy=offload)
+    if outer_units is not None:
+        for module in outer_units:
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                        mp_policy=fsdp_policy(precision, root=True), offload_policy=offload)
+        return
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
                 mp_policy=fsdp_policy(precision, root=True), offload_policy=offload)

@@ -35,9 +35,9 @@ def fsdp_policy(precision: str, *, root: bool) -> Any:
 
 
 def to_fp32_outputs(output: Any) -> Any:
-    """Cast the low-precision floating tensors of a model output (tensor, tuple, list, dict, HF ModelOutput) to fp32."""
+    """Cast the bf16/fp16 tensors of a model output (tensor, tuple, list, dict, HF ModelOutput) to fp32."""
     if isinstance(output, torch.Tensor):
-        return output.float() if output.is_floating_point() and output.dtype != torch.float32 else output
+        return output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
     if isinstance(output, dict):  # includes Hugging Face ModelOutput (an OrderedDict): update in place
         for key in list(output.keys()):
             output[key] = to_fp32_outputs(output[key])

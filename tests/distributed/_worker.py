@@ -1,9 +1,10 @@
 """One rank of a multi-process test, launched by torchrun (see _launch.py).
 
-argv: SPEC.json OUT.pt. The spec is a list of scenarios; for each, build the model, autopar.wrap it with
-the scenario's plan (or none), train STEPS steps on this rank's data shard with a plain loop, and record
-per-step losses (averaged over data-parallel ranks), the plan every rank applied, and the final full
-parameters. Rank 0 writes everything to OUT.pt.
+argv: SPEC.json OUT.pt. The spec is a list of scenarios; for each, build the model (the built-in GPT, or a
+tiny Hugging Face Llama or GPT-2), autopar.wrap it with the scenario's plan (or none), train STEPS steps on
+this rank's data shard - with a plain loop, or with autopar.train_step when the scenario says so (pipeline
+and accumulation plans need it) - and record per-step losses (averaged over ranks), the plan every rank
+applied, each rank's data shard, and the final full parameters. Rank 0 writes everything to OUT.pt.
 """
 
 from __future__ import annotations
@@ -16,45 +17,85 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.models.gpt import lm_loss
-from tests._training import GLOBAL_BATCH, STEPS, batch, local_rows, make_model, make_optimizer
+from autopar.profile import call_model
+from tests._training import GLOBAL_BATCH, STEPS, batch, local_rows, loss_of, make_model, make_optimizer, sample_of
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, p in model.named_parameters():
+    """Every parameter of the model as a full tensor on rank 0, gathered from all ranks (any plan)."""
+    local = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
         t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().float().cpu().clone()
+        local[name] = t.detach().float().cpu().clone()
+    return gather(local)  # pipeline stages hold different parameters
+
+
+class FirstGrads(torch.optim.Optimizer):
+    """Wraps the optimizer: records every gradient (full tensors) at the first step, then steps as usual."""
+
+    def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer) -> None:
+        self.__dict__.update(inner.__dict__)
+        self.model, self.inner, self.grads = model, inner, None
+
+    def step(self, closure=None):
+        if self.grads is None:
+            self.grads = {}
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                g = p.grad
+                if g is not None:
+                    g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                    self.grads[name] = g.detach().float().cpu().clone()
+        return self.inner.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        return self.inner.zero_grad(set_to_none=set_to_none)
+
+
+def gather(local: dict) -> dict:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    out = {}
+    for part in gathered:
+        for name, t in part.items():
+            out.setdefault(name, t)
     return out
 
 
 def run(scenario: dict) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
+    kind = scenario.get("model", "gpt")
+    model = make_model(kind)
     plan = autopar.Plan(**scenario["plan"]) if scenario.get("plan") is not None else None
     topology = scenario.get("topology")
     if isinstance(topology, dict):  # per-rank topology spec, to check that rank 0's choice wins
         topology = topology.get(str(rank))
-    model = autopar.wrap(model, sample=batch(0)[: GLOBAL_BATCH // world], plan=plan,
-                         topology=topology, global_batch_size=scenario.get("global_batch"),
-                         verbose=False)
-    opt = make_optimizer(model)
+    dp = plan.dp_size if plan is not None else world
+    compute = loss_of(kind)
+    model = autopar.wrap(model, sample=sample_of(kind, batch(0)[: GLOBAL_BATCH // dp]), plan=plan,
+                         topology=topology, global_batch_size=GLOBAL_BATCH, verbose=False,
+                         loss_fn=compute)
+    opt = FirstGrads(model, make_optimizer(model))
     shard = autopar.data_shard(model)
+    step_fn = autopar.train_step(model, opt, compute) if scenario.get("train_step") else None
     losses = []
     for step in range(scenario.get("steps", STEPS)):
-        x = local_rows(batch(step), shard.rank, shard.size)
-        loss = lm_loss(model(x), x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
+        x = sample_of(kind, local_rows(batch(step), shard.rank, shard.size))
+        if step_fn is not None:
+            loss = step_fn(x)
+        else:
+            loss = compute(call_model(model, x), x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone().reshape(())
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     plans = [None] * world
     dist.all_gather_object(plans, autopar.plan_of(model).to_yaml())
     shards = [None] * world
     dist.all_gather_object(shards, tuple(shard))
-    return {"losses": losses, "params": full_params(model), "plans": plans, "shards": shards,
+    return {"losses": losses, "params": full_params(model), "grads": gather(opt.grads or {}), "plans": plans,
+            "shards": shards,
             "applied_checkpointed": list(autopar.applied(model).checkpointed)}
 
 

@@ -146,9 +146,6 @@ def test_to_fp32_outputs_on_a_hugging_face_output():
     assert res.loss.dtype == torch.float32
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: to_fp32_outputs casts every non-fp32 floating tensor to fp32, so a "
-                                       "float64 output is silently truncated to float32 (only bf16/fp16 should be "
-                                       "upcast)")
 def test_to_fp32_outputs_leaves_float64_alone():
     d = torch.ones(2, dtype=torch.float64)
     assert to_fp32_outputs(d).dtype == torch.float64

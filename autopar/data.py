@@ -1,0 +1,56 @@
+"""Data that follows the plan: which samples each rank reads.
+
+Ranks that share a data-parallel index (`autopar.data_shard(model).rank`) - the tensor- and pipeline-
+parallel peers of one group - must read the same samples; ranks with different indices read disjoint
+slices. `sampler` and `dataloader` do that for a map-style dataset; `local_batch` cuts this rank's
+slice out of a global batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .errors import PlanError
+
+
+def sampler(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int = 0,
+            drop_last: bool = True) -> torch.utils.data.DistributedSampler:
+    """A DistributedSampler over the data-parallel ranks of the wrapped model's plan."""
+    from .api import data_shard
+
+    shard = data_shard(model)
+    return torch.utils.data.DistributedSampler(dataset, num_replicas=shard.size, rank=shard.rank,
+                                               shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int = 0, **kwargs: Any
+               ) -> torch.utils.data.DataLoader:
+    """A DataLoader yielding this rank's batches of the plan's local batch size (micro-batch x accumulation).
+
+    Call `loader.sampler.set_epoch(epoch)` each epoch to reshuffle, as with any DistributedSampler.
+    """
+    from .api import plan_of
+
+    if "batch_size" in kwargs or "sampler" in kwargs:
+        raise PlanError("autopar.dataloader sets batch_size and sampler from the plan: leave them out.")
+    plan = plan_of(model)
+    return torch.utils.data.DataLoader(dataset, batch_size=plan.local_batch_size, drop_last=True,
+                                       sampler=sampler(model, dataset, shuffle=shuffle, seed=seed), **kwargs)
+
+
+def local_batch(model: nn.Module, global_batch: Any) -> Any:
+    """This rank's slice of a global batch (dim 0 of every tensor), by the plan's data-parallel index."""
+    from .api import data_shard
+    from .profile import sample_batch_size
+
+    shard = data_shard(model)
+    size = sample_batch_size(global_batch)
+    if size % shard.size:
+        raise PlanError(f"a global batch of {size} samples does not split over {shard.size} data-parallel ranks.")
+    n = size // shard.size
+    lo, hi = shard.rank * n, (shard.rank + 1) * n
+    return torch.utils._pytree.tree_map(
+        lambda x: x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size else x, global_batch)

@@ -1,0 +1,186 @@
+"""`autopar.train_step`: one optimizer step, owned by autopar, for plans a plain loop cannot run.
+
+A plan with gradient accumulation (grad_accum > 1) or pipeline parallelism (pp > 1) splits the step into
+micro-batches; `train_step(model, optimizer, loss_fn)` returns `step(batch) -> loss` that does it:
+
+- splits this rank's batch (plan.local_batch_size samples) into plan.grad_accum micro-batches,
+- runs them (each micro-batch's loss divided by their number, so gradients are those of the whole
+  batch's mean loss), or drives the pipeline schedule,
+- synchronises what must be (FSDP's reduce-scatter on the last micro-batch only when parameters are
+  replicated, not sharded; the copies of a weight tied across pipeline stages),
+- clips the gradient norm if asked (computed over every rank's shards exactly once),
+- steps the optimizer, zeroes the gradients, and returns the mean loss of the batch, as the user's loop
+  would see it (the same on every rank of a pipeline).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import PlanError
+from .profile import call_model, default_loss, sample_batch_size
+
+
+def split_batch(batch: Any, num: int) -> list[Any]:
+    """`num` equal micro-batches of `batch` along dim 0 (tensors, or tuples / lists / dicts of them)."""
+    size = sample_batch_size(batch)
+    if size % num:
+        raise PlanError(
+            f"a batch of {size} samples does not split into {num} micro-batches: feed "
+            f"a multiple of {num} samples per step (the plan's local batch), or use a plan with another grad_accum."
+        )
+    n = size // num
+
+    def part(x: Any, i: int) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x[i * n:(i + 1) * n] if x.dim() > 0 and x.shape[0] == size else x
+        if isinstance(x, Mapping):
+            return type(x)({k: part(v, i) for k, v in x.items()}) if not hasattr(x, "_fields") else x
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(part(v, i) for v in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(part(v, i) for v in x)
+        return x
+
+    return [part(batch, i) for i in range(num)]
+
+
+def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
+    if loss_fn is not None:
+        return loss_fn
+    return lambda output, batch: default_loss(output)
+
+
+def _replication(grad: torch.Tensor, mesh: Any) -> int:
+    """How many ranks hold each element of `grad` (so that a world-wide sum counts it once)."""
+    if mesh is None:
+        return 1
+    world = mesh.size()
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(grad, DTensor):
+        return world // _pp_size(mesh)
+    distinct = 1
+    for size, placement in zip(grad.device_mesh.shape, grad.placements):
+        if isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard":
+            distinct *= size
+    return world // (distinct * _pp_size(mesh))
+
+
+def _pp_size(mesh: Any) -> int:
+    names = mesh.mesh_dim_names or ()
+    return mesh.size(names.index("pp")) if "pp" in names else 1
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied_copies: int = 1) -> torch.Tensor:
+    """Clip all gradients of `model` to a total L2 norm of `max_norm`; returns the norm before clipping.
+
+    Sums every element's square once over all ranks (sharded, replicated and pipeline-split parameters).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        total += g.detach().double().pow(2).sum() / _replication(p.grad, mesh)
+    if mesh is not None and dist.is_initialized():
+        dist.all_reduce(total)
+    norm = total.sqrt().float()
+    if not math.isfinite(norm.item()):
+        raise FloatingPointError(f"the gradient norm is {norm.item()}: the loss or a gradient is not finite.")
+    scale = max_norm / (norm.item() + 1e-6)
+    if scale < 1:
+        for p in params:
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g.mul_(scale)
+    return norm
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    *,
+    max_grad_norm: float | None = None,
+) -> Callable[[Any], torch.Tensor]:
+    """A callable `step(batch) -> loss` that owns one optimizer step of a model wrapped by autopar.
+
+    `batch` is this rank's batch as the plan reads it (`autopar.data_shard`, or `autopar.dataloader`):
+    plan.local_batch_size samples, as a tensor, tuple or dict (the model is called as model(x),
+    model(*x) or model(**x)). `loss_fn(output, batch)` returns the mean loss of a (micro-)batch;
+    without it, `output.loss` (Hugging Face models given labels). Works for every plan, also those
+    without accumulation or pipeline, so a loop written with it runs under any plan.
+    """
+    from .api import applied
+
+    state = applied(model)
+    plan, runtime = state.plan, state.pipeline
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+    loss_of = _loss(loss_fn)
+    n = plan.grad_accum
+    replicate_only = plan.dp_shard == 1 and plan.dp_replicate > 1
+
+    def _finish() -> None:
+        if max_grad_norm is not None:
+            clip_grad_norm(model, max_grad_norm, state.mesh)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def step(batch: Any) -> torch.Tensor:
+        size = sample_batch_size(batch)
+        if size != plan.local_batch_size:
+            raise PlanError(
+                f"train_step got {size} samples, but this rank's batch under the plan is {plan.local_batch_size} "
+                f"(micro-batch {plan.micro_batch_size} x accumulation {plan.grad_accum}): feed that many "
+                "(autopar.dataloader does)."
+            )
+        micro = split_batch(_to(batch, state.device), n)
+        if runtime is not None:
+            loss = _pipeline_step(runtime, micro, loss_of, state.device, state.mesh)
+        else:
+            total = torch.zeros((), device=state.device)
+            for i, mb in enumerate(micro):
+                if replicate_only and hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(i == n - 1)
+                loss = loss_of(call_model(model, mb), mb)
+                (loss / n).backward()
+                total += loss.detach() / n
+            loss = total
+        _finish()
+        return loss
+
+    return step
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+
+
+def _pipeline_step(runtime: Any, micro: list[Any], loss_of: Callable[[Any, Any], torch.Tensor],
+                   device: torch.device, mesh: Any) -> torch.Tensor:
+    from .strategies.pipeline import sync_tied_grads
+
+    n = len(micro)
+    runtime.microbatches = micro
+    runtime.loss_fn = loss_of
+    index = torch.arange(n, device=device, dtype=torch.float32).reshape(n, 1)
+    losses: list[torch.Tensor] = []
+    hosts_first = 0 in runtime.stage_blocks
+    if hosts_first:
+        runtime.schedule.step(index, target=index, losses=losses)
+    else:
+        runtime.schedule.step(target=index, losses=losses)
+    sync_tied_grads(runtime)
+    total = torch.zeros((), device=device)
+    for loss in losses:
+        total += loss.detach().sum()
+    # Every rank of the pipeline returns the loss (only the last stage computed it).
+    dist.all_reduce(total, group=mesh["pp"].get_group())
+    runtime.microbatches = []
+    return total
