@@ -26,9 +26,12 @@ def sampler(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int =
                                                shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
-def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int = 0, **kwargs: Any
-               ) -> torch.utils.data.DataLoader:
+def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True,
+               **kwargs: Any) -> torch.utils.data.DataLoader:
     """A DataLoader yielding this rank's batches of the plan's local batch size (micro-batch x accumulation).
+
+    A last, smaller batch is dropped by default: train_step needs the plan's batch size (drop_last=False
+    keeps it for other uses).
 
     Call `loader.sampler.set_epoch(epoch)` each epoch to reshuffle, as with any DistributedSampler.
     """
@@ -37,14 +40,15 @@ def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: in
     if "batch_size" in kwargs or "sampler" in kwargs:
         raise PlanError("autopar.dataloader sets batch_size and sampler from the plan: leave them out.")
     plan = plan_of(model)
-    return torch.utils.data.DataLoader(dataset, batch_size=plan.local_batch_size, drop_last=True,
-                                       sampler=sampler(model, dataset, shuffle=shuffle, seed=seed), **kwargs)
+    return torch.utils.data.DataLoader(dataset, batch_size=plan.local_batch_size, drop_last=drop_last,
+                                       sampler=sampler(model, dataset, shuffle=shuffle, seed=seed, drop_last=drop_last),
+                                       **kwargs)
 
 
 def local_batch(model: nn.Module, global_batch: Any) -> Any:
     """This rank's slice of a global batch (dim 0 of every tensor), by the plan's data-parallel index."""
     from .api import data_shard
-    from .profile import sample_batch_size
+    from .profile import map_tensors, sample_batch_size
 
     shard = data_shard(model)
     size = sample_batch_size(global_batch)
@@ -52,5 +56,4 @@ def local_batch(model: nn.Module, global_batch: Any) -> Any:
         raise PlanError(f"a global batch of {size} samples does not split over {shard.size} data-parallel ranks.")
     n = size // shard.size
     lo, hi = shard.rank * n, (shard.rank + 1) * n
-    return torch.utils._pytree.tree_map(
-        lambda x: x[lo:hi] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == size else x, global_batch)
+    return map_tensors(lambda x: x[lo:hi] if x.dim() > 0 and x.shape[0] == size else x, global_batch)

@@ -197,6 +197,7 @@ class ModelProfile:
     block_output_arity: int = 0  # 0: a block returns a tensor; n: a tuple of n items, hidden states first
     modules_before_blocks: tuple[str, ...] = ()  # modules with parameters called before the first block
     modules_after_blocks: tuple[str, ...] = ()  # ... after the last block (final norm, head)
+    root_param_names: tuple[str, ...] = ()  # parameters held by the model itself, not by a submodule
     hidden_dim: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
@@ -322,6 +323,24 @@ def _first_tensor(sample: Any) -> torch.Tensor | None:
         if t is not None:
             return t
     return None
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """`batch` with `fn` applied to every tensor in it: tensors, tuples, lists, namedtuples and any Mapping
+    (dicts and dict-likes such as Hugging Face's BatchEncoding, rebuilt as their own type)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        items = {k: map_tensors(fn, v) for k, v in batch.items()}
+        try:
+            return type(batch)(items)
+        except Exception:  # a mapping type that cannot be rebuilt from a dict
+            return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
 
 
 def split_sample(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -469,13 +488,11 @@ def _fake_state(model: nn.Module, fake_mode: Any, device: torch.device) -> dict[
 
 
 def _fake_sample(sample: Any, fake_mode: Any, device: torch.device) -> Any:
-    def convert(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
+    def convert(t: torch.Tensor) -> torch.Tensor:
         with fake_mode:
             return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
 
-    return torch.utils._pytree.tree_map(convert, sample)
+    return map_tensors(convert, sample)
 
 
 def _profile_device(model: nn.Module, sample: Any) -> torch.device:
@@ -589,7 +606,8 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
         if is_matmul_layer(m):
             names[id(m)] = name
             handles.append(m.register_forward_pre_hook(matmul_hook))
-        if list(m.parameters(recurse=False)) and not any(name.startswith(u + ".") or name == u for u, _ in units):
+        if name and list(m.parameters(recurse=False)) and \
+                not any(name.startswith(u + ".") or name == u for u, _ in units):
             outer_names[id(m)] = name
             handles.append(m.register_forward_pre_hook(outer_hook))
     del unit_ids
@@ -731,6 +749,7 @@ def profile_model(
         tokens_per_sample=tokens,
         profile_precision=precision,
         traced=trace,
+        root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,

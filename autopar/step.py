@@ -16,14 +16,14 @@ micro-batches; `train_step(model, optimizer, loss_fn)` returns `step(batch) -> l
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import PlanError
-from .profile import call_model, default_loss, sample_batch_size
+from .profile import call_model, default_loss, map_tensors, sample_batch_size
 
 
 def split_batch(batch: Any, num: int) -> list[Any]:
@@ -77,17 +77,34 @@ def _pp_size(mesh: Any) -> int:
     return mesh.size(names.index("pp")) if "pp" in names else 1
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied_copies: int = 1) -> torch.Tensor:
+def _tied_weights(model: nn.Module, tied: Sequence[Sequence[str]]) -> dict[int, float]:
+    """For a weight tied under several names: the share of the group's norm each parameter object here
+    carries (the names it holds / all names), so that copies on several pipeline stages count once."""
+    share: dict[int, float] = {}
+    for group in tied:
+        for name in group:
+            try:
+                p = model.get_parameter(name)
+            except AttributeError:  # on another pipeline stage
+                continue
+            share[id(p)] = share.get(id(p), 0.0) + 1.0 / len(group)
+    return share
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied: Sequence[Sequence[str]] = ()
+                   ) -> torch.Tensor:
     """Clip all gradients of `model` to a total L2 norm of `max_norm`; returns the norm before clipping.
 
-    Sums every element's square once over all ranks (sharded, replicated and pipeline-split parameters).
+    Sums every element's square once over all ranks (sharded, replicated and pipeline-split parameters,
+    and the copies of a weight tied across pipeline stages).
     """
     params = [p for p in model.parameters() if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
+    share = _tied_weights(model, tied)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        total += g.detach().double().pow(2).sum() / _replication(p.grad, mesh)
+        total += g.detach().double().pow(2).sum() * share.get(id(p), 1.0) / _replication(p.grad, mesh)
     if mesh is not None and dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt().float()
@@ -118,8 +135,12 @@ def train_step(
     """
     from .api import applied
 
+    from .strategies.tensor_parallel import loss_parallel_scope
+
     state = applied(model)
     plan, runtime = state.plan, state.pipeline
+    vocab_parallel = state.tensor_parallel is not None and state.tensor_parallel.head is not None and \
+        plan.tp > 1 and state.profile.vocab_size is not None and state.profile.vocab_size % plan.tp == 0
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
     loss_of = _loss(loss_fn)
@@ -128,7 +149,7 @@ def train_step(
 
     def _finish() -> None:
         if max_grad_norm is not None:
-            clip_grad_norm(model, max_grad_norm, state.mesh)
+            clip_grad_norm(model, max_grad_norm, state.mesh, tied=state.profile.tied_params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -142,14 +163,16 @@ def train_step(
             )
         micro = split_batch(_to(batch, state.device), n)
         if runtime is not None:
-            loss = _pipeline_step(runtime, micro, loss_of, state.device, state.mesh)
+            with loss_parallel_scope(vocab_parallel):
+                loss = _pipeline_step(runtime, micro, _local(loss_of), state.device, state.mesh)
         else:
             total = torch.zeros((), device=state.device)
             for i, mb in enumerate(micro):
                 if replicate_only and hasattr(model, "set_requires_gradient_sync"):
                     model.set_requires_gradient_sync(i == n - 1)
-                loss = loss_of(call_model(model, mb), mb)
-                (loss / n).backward()
+                with loss_parallel_scope(vocab_parallel):
+                    loss = _local(loss_of)(call_model(model, mb), mb)
+                    (loss / n).backward()
                 total += loss.detach() / n
             loss = total
         _finish()
@@ -158,8 +181,17 @@ def train_step(
     return step
 
 
+def _local(loss_of: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+    """The loss as a plain tensor (a vocab-parallel loss comes back as a replicated DTensor)."""
+    def compute(output: Any, batch: Any) -> torch.Tensor:
+        loss = loss_of(output, batch)
+        return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+
+    return compute
+
+
 def _to(batch: Any, device: torch.device) -> Any:
-    return torch.utils._pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    return map_tensors(lambda x: x.to(device), batch)
 
 
 def _pipeline_step(runtime: Any, micro: list[Any], loss_of: Callable[[Any, Any], torch.Tensor],

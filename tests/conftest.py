@@ -1,4 +1,9 @@
-"""Test settings: GPU tests are skipped without a GPU; CPU tests never see one."""
+"""Test settings: GPU tests are skipped without a GPU; CPU tests never see one.
+
+On a machine with GPUs (the device machine), every test not marked `gpu` runs as on a CPU-only machine:
+torch.cuda reports no device, and the processes the tests launch get CUDA_VISIBLE_DEVICES="". So the
+CPU suite checks the same behaviour everywhere, and `pytest tests/gpu -m gpu` checks the GPU paths.
+"""
 
 from __future__ import annotations
 
@@ -13,3 +18,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only_unless_gpu_test(request, monkeypatch):
+    if "gpu" in request.keywords:
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -127,6 +127,12 @@ def check_pipeline(plan: Plan, profile: ModelProfile) -> None:
             f"the {plan.pp_schedule} schedule needs a number of micro-batches divisible by pp={plan.pp}; "
             f"grad_accum={plan.grad_accum} is not."
         )
+    if profile.root_param_names:
+        raise PlanError(
+            f"pipeline parallelism places the parameters around the blocks on the first or last stage by module, "
+            f"and {profile.model_class} holds {', '.join(profile.root_param_names)} directly on the model: move them "
+            "into a submodule, or set pp=1."
+        )
     if profile.block_input is None or not profile.block_input_shape:
         raise PlanError("pipeline parallelism needs a traced profile (how blocks receive their input).")
     if profile.block_input_shape[0] != profile.sample_batch_size:

@@ -20,15 +20,18 @@ all-reduces become reduce-scatter + all-gather, and norms run under torch's Sequ
 hidden states are gathered again after a stage's last block, so the code around the blocks
 (embeddings, final norm, head, loss) sees plain tensors.
 
-The input embedding (vocab-parallel, RowwiseParallel) and the output head (ColwiseParallel, logits
-gathered) are split too when the vocabulary divides by the degree; a head tied to the embedding stays
-tied.
+The input embedding (vocab-parallel, RowwiseParallel) and the output head (ColwiseParallel) are split
+too when the vocabulary divides by the degree; a head tied to the embedding stays tied. Inside
+`autopar.train_step` the loss is vocab-parallel (torch's loss_parallel: cross-entropy on the vocabulary
+shards, the full logits never gathered); a plain loop receives the logits gathered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
+import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -162,6 +165,11 @@ def _pairs_from_names(model: nn.Module, block_names: Sequence[str]) -> list[TPPa
     named = dict(model.named_modules())
     pairs: list[TPPair] = []
     for block in block_names:
+        # BERT's MLP: block.intermediate.dense (column) -> block.output.dense (row)
+        col, row = f"{block}.intermediate.dense", f"{block}.output.dense"
+        if is_matmul_layer(named.get(col, nn.Module())) and is_matmul_layer(named.get(row, nn.Module())):
+            pairs.append(TPPair(colwise=(col,), rowwise=row, kinds=(is_matmul_layer(named[col]),
+                                                                     is_matmul_layer(named[row]))))
         for name, module in named.items():
             if not name.startswith(block + ".") and name != block:
                 continue
@@ -221,9 +229,14 @@ def _embedding_and_head(model: nn.Module, profile: ModelProfile) -> tuple[str | 
                    and not any(c.name.startswith(b.name + ".") for b in profile.blocks)]
         if outside:
             head = model.get_submodule(outside[-1].name)
+    if head is None and isinstance(emb, nn.Embedding):  # untraced: the Linear that shares the embedding's weight
+        head = next((m for m in model.modules() if isinstance(m, nn.Linear) and m.weight is emb.weight), None)
     emb_name = named.get(id(emb)) if isinstance(emb, nn.Embedding) else None
     head_name = named.get(id(head)) if isinstance(head, nn.Linear) else None
     tied = emb_name is not None and head_name is not None and head.weight is emb.weight
+    if emb_name is not None and not tied and any(emb.weight is p for n, p in model.named_parameters(
+            remove_duplicate=False) if not n.startswith(emb_name + ".")):
+        emb_name = None  # its weight is used elsewhere, by a layer that is not split with it: keep it whole
     return emb_name, head_name, tied
 
 
@@ -451,10 +464,45 @@ def apply_tensor_parallel(
             parallelize_module(named[emb], tp_mesh, RowwiseParallel(input_layouts=Replicate(),
                                                                     output_layouts=Replicate()))
         if head is not None and head in named:
+            # Logits stay split over the vocabulary inside autopar.train_step (vocab-parallel loss);
+            # a plain loop receives them gathered.
             parallelize_module(named[head], tp_mesh, ColwiseParallel(input_layouts=Replicate(),
-                                                                     output_layouts=Replicate()))
+                                                                     output_layouts=Shard(-1),
+                                                                     use_local_output=False))
+            named[head].register_forward_hook(_gather_logits)
     _retie(model, profile)
     return layout
+
+
+_LOSS_PARALLEL = threading.local()
+
+
+def _gather_logits(module: nn.Module, args: Any, output: Any) -> Any:
+    """The split head's logits, gathered over the vocabulary unless a vocab-parallel loss is running."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if getattr(_LOSS_PARALLEL, "active", False) or not isinstance(output, DTensor):
+        return None
+    return output.redistribute(output.device_mesh, [Replicate()]).to_local()
+
+
+@contextlib.contextmanager
+def loss_parallel_scope(enabled: bool):
+    """Within it, a split head returns its logits split over the vocabulary and cross-entropy runs on the
+    shards (torch's loss_parallel): the full logits tensor never exists. Forward, loss and backward must all
+    run inside it."""
+    if not enabled:
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    previous = getattr(_LOSS_PARALLEL, "active", False)
+    _LOSS_PARALLEL.active = True
+    try:
+        with loss_parallel():
+            yield
+    finally:
+        _LOSS_PARALLEL.active = previous
 
 
 def _retie(model: nn.Module, profile: ModelProfile) -> None:

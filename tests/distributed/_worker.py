@@ -74,6 +74,12 @@ def run(scenario: dict) -> dict:
     model = autopar.wrap(model, sample=sample_of(kind, batch(0)[: GLOBAL_BATCH // dp]), plan=plan,
                          topology=topology, global_batch_size=GLOBAL_BATCH, verbose=False,
                          loss_fn=compute)
+    head_outputs: list[str] = []
+    layout = autopar.applied(model).tensor_parallel
+    if layout is not None and layout.head is not None:  # what the loss receives from the split head
+        head = model.get_submodule(layout.head)
+        head.register_forward_hook(lambda m, a, out: head_outputs.append(
+            f"{type(out).__name__}{tuple(getattr(out, 'placements', ()))}"))
     opt = FirstGrads(model, make_optimizer(model))
     shard = autopar.data_shard(model)
     step_fn = autopar.train_step(model, opt, compute) if scenario.get("train_step") else None
@@ -94,8 +100,10 @@ def run(scenario: dict) -> dict:
     dist.all_gather_object(plans, autopar.plan_of(model).to_yaml())
     shards = [None] * world
     dist.all_gather_object(shards, tuple(shard))
+    heads = [None] * world
+    dist.all_gather_object(heads, sorted(set(head_outputs)))  # the head lives on the last pipeline stage
     return {"losses": losses, "params": full_params(model), "grads": gather(opt.grads or {}), "plans": plans,
-            "shards": shards,
+            "shards": shards, "head_outputs": sorted({h for part in heads for h in part}),
             "applied_checkpointed": list(autopar.applied(model).checkpointed)}
 
 

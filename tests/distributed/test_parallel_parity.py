@@ -41,6 +41,12 @@ SCENARIOS = {
         **{f"{m}-tp": {"model": m, "plan": {"tp": 2, "micro_batch_size": 8}} for m in MODELS},
         **{f"{m}-tp-sp": {"model": m, "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}}
            for m in MODELS},
+        # inside train_step the loss is vocab-parallel: the head's logits stay split over the vocabulary
+        **{f"{m}-tp-train-step": {"model": m, "train_step": True, "plan": {"tp": 2, "micro_batch_size": 4,
+                                                                          "grad_accum": 2}}
+           for m in ("gpt", "llama")},
+        "gpt2-tp-sp-train-step": {"model": "gpt2", "train_step": True,
+                                  "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}},
         "gpt-tp-sp-full-ac": {"plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True,
                                        "checkpointing": "full"}},
         # pipeline parallel, every schedule, on the GPT and on Llama
@@ -105,6 +111,19 @@ def test_parity_with_single_process(results, references, world_size, name):
     for n, p_ref in ref_params.items():
         err = ((result["params"][n] - p_ref).norm() / p_ref.norm()).item()
         assert err <= 1e-3, f"{n}: relative error {err:.2e}"
+
+
+TP_CASES = [(ws, n) for ws, n in CASES if SCENARIOS[ws][n]["plan"].get("tp", 1) > 1]
+
+
+@pytest.mark.parametrize("world_size,name", TP_CASES, ids=[f"ws{w}-{n}" for w, n in TP_CASES])
+def test_loss_is_vocab_parallel_inside_train_step_and_logits_gathered_outside(results, world_size, name):
+    result = results[world_size][name]
+    assert "error" not in result, result.get("error")
+    if SCENARIOS[world_size][name].get("train_step"):
+        assert result["head_outputs"] == ["DTensor(Shard(dim=2),)"]  # split over the vocabulary, never gathered
+    else:
+        assert result["head_outputs"] == ["Tensor()"]  # a plain loop gets plain, full logits
 
 
 @pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])

@@ -1,0 +1,248 @@
+"""Tests of autopar.strategies.tensor_parallel in one process (no process group): which layers tensor parallelism
+pairs up (column-wise group -> row-wise layer) in the built-in GPT, Hugging Face Llama (its own base_model_tp_plan),
+GPT-2 (Conv1D, one fused q/k/v projection, tied head) and BERT; the names fallback for untraced models; the
+refusals of `check_tensor_parallel` (each naming the dim that does not divide); `_divide_attrs`.
+
+Applying the styles on several ranks is covered by tests/distributed/test_parallel_parity.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.errors import PlanError
+from autopar.models.gpt import lm_loss
+from autopar.profile import profile_model
+from autopar.strategies.tensor_parallel import TPPair, _divide_attrs, check_tensor_parallel, tp_layout
+from tests._training import CFG, batch, make_model, sample_of
+
+L = CFG.num_layers
+
+
+def _profile(kind: str, model: nn.Module, *, trace: bool = True):
+    loss_fn = lm_loss if kind == "gpt" else None
+    return profile_model(model, sample_of(kind, batch(0)[:2]), loss_fn=loss_fn, warn=False, trace=trace)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model = make_model("gpt")
+    return model, _profile("gpt", model)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = make_model("llama")
+    return model, _profile("llama", model)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model = make_model("gpt2")
+    return model, _profile("gpt2", model)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=CFG.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=CFG.seq_len)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg)
+    x = batch(0)[:2]
+    return model, profile_model(model, {"input_ids": x, "labels": x}, warn=False)
+
+
+# ---- expected layouts ---------------------------------------------------------------------------------
+def _gpt_pairs(prefix: str = "blocks") -> tuple[TPPair, ...]:
+    out = []
+    for i in range(L):
+        b = f"{prefix}.{i}"
+        out.append(TPPair(colwise=(f"{b}.attn.q_proj", f"{b}.attn.k_proj", f"{b}.attn.v_proj"), rowwise=f"{b}.attn.o_proj",
+                          kinds=("linear",) * 4, chunks=1, attention=True))
+        out.append(TPPair(colwise=(f"{b}.mlp.up_proj",), rowwise=f"{b}.mlp.down_proj", kinds=("linear",) * 2,
+                          chunks=1, attention=False))
+    return tuple(out)
+
+
+def _llama_pairs() -> tuple[TPPair, ...]:
+    out = []
+    for i in range(L):
+        b = f"model.layers.{i}"
+        out.append(TPPair(colwise=tuple(f"{b}.self_attn.{p}_proj" for p in "qkv"), rowwise=f"{b}.self_attn.o_proj",
+                          kinds=("linear",) * 4, chunks=1, attention=True))
+        out.append(TPPair(colwise=(f"{b}.mlp.gate_proj", f"{b}.mlp.up_proj"), rowwise=f"{b}.mlp.down_proj",
+                          kinds=("linear",) * 3, chunks=1, attention=False))
+    return tuple(out)
+
+
+def _gpt2_pairs() -> tuple[TPPair, ...]:
+    out = []
+    for i in range(L):
+        b = f"transformer.h.{i}"
+        out.append(TPPair(colwise=(f"{b}.attn.c_attn",), rowwise=f"{b}.attn.c_proj", kinds=("conv1d", "conv1d"),
+                          chunks=3, attention=True))
+        out.append(TPPair(colwise=(f"{b}.mlp.c_fc",), rowwise=f"{b}.mlp.c_proj", kinds=("conv1d", "conv1d"),
+                          chunks=1, attention=False))
+    return tuple(out)
+
+
+def _bert_pairs() -> tuple[TPPair, ...]:
+    out = []
+    for i in range(2):
+        b = f"bert.encoder.layer.{i}"
+        out.append(TPPair(colwise=tuple(f"{b}.attention.self.{p}" for p in ("query", "key", "value")),
+                          rowwise=f"{b}.attention.output.dense", kinds=("linear",) * 4, chunks=1, attention=True))
+        out.append(TPPair(colwise=(f"{b}.intermediate.dense",), rowwise=f"{b}.output.dense", kinds=("linear",) * 2,
+                          chunks=1, attention=False))
+    return tuple(out)
+
+
+# ---- tp_layout from the trace -------------------------------------------------------------------------
+def test_gpt_layout_from_the_trace(gpt):
+    model, profile = gpt
+    layout = tp_layout(model, profile)
+    assert layout.source == "trace"
+    assert layout.pairs == _gpt_pairs()
+    assert layout.norms == tuple(f"blocks.{i}.{n}" for i in range(L) for n in ("ln_1", "ln_2"))
+    assert (layout.embedding, layout.head, layout.tied_head) == ("tok_emb", "lm_head", True)
+    assert layout.notes == ()
+    assert layout.pairs[0].parent == "blocks.0.attn" and layout.pairs[1].parent == "blocks.0.mlp"
+
+
+def test_llama_layout_from_its_own_tp_plan(llama):
+    model, profile = llama
+    assert model.config.base_model_tp_plan  # the model ships one: it is what the layout follows
+    layout = tp_layout(model, profile)
+    assert layout.source == "hf_tp_plan"
+    assert layout.pairs == _llama_pairs()
+    assert layout.norms == tuple(f"model.layers.{i}.{n}" for i in range(L)
+                                 for n in ("input_layernorm", "post_attention_layernorm"))
+    assert (layout.embedding, layout.head, layout.tied_head) == ("model.embed_tokens", "lm_head", False)
+    assert layout.pairs[0].parent == "model.layers.0.self_attn"
+
+
+def test_gpt2_layout_conv1d_fused_qkv_and_tied_head(gpt2):
+    model, profile = gpt2
+    layout = tp_layout(model, profile)
+    assert layout.source == "trace"
+    assert layout.pairs == _gpt2_pairs()
+    assert layout.norms == tuple(f"transformer.h.{i}.{n}" for i in range(L) for n in ("ln_1", "ln_2"))
+    assert (layout.embedding, layout.head, layout.tied_head) == ("transformer.wte", "lm_head", True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_bert_layout(bert):
+    model, profile = bert
+    layout = tp_layout(model, profile)
+    assert layout.source == "trace"  # BERT ships no base_model_tp_plan
+    assert layout.pairs == _bert_pairs()
+    assert layout.norms == tuple(f"bert.encoder.layer.{i}.{n}.LayerNorm" for i in range(2)
+                                 for n in ("attention.output", "output"))
+    assert (layout.embedding, layout.head, layout.tied_head) == (
+        "bert.embeddings.word_embeddings", "cls.predictions.decoder", True)
+
+
+# ---- the names fallback (trace=False) -----------------------------------------------------------------
+@pytest.mark.parametrize("kind, expected", [("gpt", _gpt_pairs), ("llama", _llama_pairs), ("gpt2", _gpt2_pairs)])
+def test_names_fallback_finds_the_same_pairs(kind, expected, request):
+    model, traced = request.getfixturevalue(kind)
+    profile = _profile(kind, model, trace=False)
+    assert profile.matmul_calls == ()
+    layout = tp_layout(model, profile)
+    assert layout.source == "names"
+    assert layout.pairs == expected() == tp_layout(model, traced).pairs
+    assert any("not traced" in n for n in layout.notes)
+    assert layout.norms == tp_layout(model, traced).norms
+
+
+# ---- check_tensor_parallel ----------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_check_accepts_degrees_that_divide(gpt, tp):
+    model, profile = gpt
+    assert check_tensor_parallel(model, profile, tp) == tp_layout(model, profile)
+
+
+def test_check_names_the_heads(gpt):
+    model, profile = gpt
+    with pytest.raises(PlanError, match=r"tp=3 does not divide the 4 attention heads \(num_heads\)"):
+        check_tensor_parallel(model, profile, 3)
+
+
+def test_check_names_the_key_value_heads(llama):
+    model, profile = llama
+    assert (profile.num_heads, profile.num_kv_heads) == (4, 2)
+    check_tensor_parallel(model, profile, 2)
+    with pytest.raises(PlanError, match="tp=4 does not divide the 2 key/value heads") as info:
+        check_tensor_parallel(model, profile, 4)
+    assert "num_kv_heads" in str(info.value)
+
+
+def test_check_names_a_fused_projection(gpt2):
+    model, profile = gpt2
+    headless = dataclasses.replace(profile, num_heads=None, num_kv_heads=None)  # only the layers' widths are left
+    check_tensor_parallel(model, headless, 2)
+    with pytest.raises(PlanError, match=r"transformer\.h\.0\.attn\.c_attn \(64 per fused projection\)"):
+        check_tensor_parallel(model, headless, 3)  # 192 = 3 x 64 divides by 3, but each projection's 64 does not
+
+
+def test_check_names_a_plain_layer(gpt):
+    model, profile = gpt
+    headless = dataclasses.replace(profile, num_heads=None, num_kv_heads=None)
+    with pytest.raises(PlanError, match=r"blocks\.0\.attn\.q_proj \(64\)") as info:
+        check_tensor_parallel(model, headless, 3)
+    assert "per fused projection" not in str(info.value)
+
+
+@pytest.mark.parametrize("model", [
+    nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)),
+    nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(3)]),
+], ids=["mlp", "repeated-linears"])
+def test_no_splittable_layers(model):
+    profile = profile_model(model, torch.randn(4, 16), warn=False)
+    with pytest.raises(PlanError, match="found no Linear layers to split") as info:
+        tp_layout(model, profile)
+    assert "Sequential" in str(info.value) and "tp=1" in str(info.value)
+    with pytest.raises(PlanError, match="found no Linear layers to split"):
+        check_tensor_parallel(model, profile, 2)
+
+
+# ---- _divide_attrs ------------------------------------------------------------------------------------
+def test_divide_attrs_on_gpt2_attention(gpt2):
+    model, profile = gpt2
+    attn = make_model("gpt2").transformer.h[0].attn  # a fresh copy: the fixture's model stays as it is
+    before = dict(vars(attn))
+    assert (attn.num_heads, attn.split_size, attn.head_dim, attn.embed_dim) == (4, 64, 16, 64)
+    changed = _divide_attrs(attn, 2, profile)
+    assert sorted(changed) == ["num_heads", "split_size"]
+    assert (attn.num_heads, attn.split_size) == (2, 32)
+    assert (attn.head_dim, attn.embed_dim) == (16, 64)  # head size and the module's input width stay
+    untouched = {k: v for k, v in vars(attn).items() if k not in ("num_heads", "split_size")}
+    assert untouched == {k: v for k, v in before.items() if k not in ("num_heads", "split_size")}
+
+
+def test_divide_attrs_leaves_what_does_not_match(gpt):
+    _, profile = gpt
+    module = nn.Module()
+    module.num_heads = 8  # not the profile's 4 heads: not this model's head count
+    module.split_size = profile.hidden_dim
+    module.n_head = True  # a flag, not a count
+    module.head_dim = 16
+    assert _divide_attrs(module, 2, profile) == ["split_size"]
+    assert (module.num_heads, module.split_size, module.n_head, module.head_dim) == (8, 32, True, 16)
+    module.num_attention_heads = 4
+    assert _divide_attrs(module, 3, profile) == []  # 3 divides neither 4 heads nor 32
+    assert module.num_attention_heads == 4
+
+
+def test_names_fallback_finds_the_head_tied_to_the_embedding(gpt):
+    model, traced = gpt
+    untraced = _profile("gpt", model, trace=False)
+    assert ("tok_emb.weight", "lm_head.weight") in untraced.tied_params  # the profile knows they are tied
+    layout = tp_layout(model, untraced)
+    expected = tp_layout(model, traced)
+    assert (layout.embedding, layout.head, layout.tied_head) == (expected.embedding, expected.head,
+                                                                 expected.tied_head) == ("tok_emb", "lm_head", True)

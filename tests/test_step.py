@@ -1,0 +1,263 @@
+"""Tests of autopar.train_step in one process: `split_batch` (tensors, tuples, dicts, what is not a batch), gradient
+accumulation giving the gradients, losses and parameters of one step on the whole batch (the built-in GPT and a
+Hugging Face Llama), the batch size check, gradient clipping (as torch.nn.utils.clip_grad_norm_, refusing a
+non-finite norm) and the clip's count of a weight tied across pipeline stages.
+
+Pipeline and tensor-parallel steps on several processes are covered by tests/distributed/."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanError
+from autopar.models.gpt import lm_loss
+from autopar.plans import Plan
+from autopar.step import clip_grad_norm, split_batch
+from tests._training import batch, make_model, sample_of
+
+TORCHRUN_VARS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
+ACCUM = Plan(micro_batch_size=4, grad_accum=2)
+LR = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _one_plain_process(monkeypatch):
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def wrapped_gpt():
+    """The GPT wrapped with the accumulation plan, for the tests that never step it."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in TORCHRUN_VARS:
+            mp.delenv(name, raising=False)
+        model = make_model("gpt")
+        autopar.wrap(model, sample=batch(0), plan=ACCUM, loss_fn=lm_loss, verbose=False)
+    return model
+
+
+# ---- split_batch --------------------------------------------------------------------------------------
+def test_split_a_tensor():
+    x = torch.arange(24).reshape(8, 3)
+    parts = split_batch(x, 2)
+    assert len(parts) == 2
+    assert torch.equal(parts[0], x[:4]) and torch.equal(parts[1], x[4:])
+    assert [p.shape[0] for p in split_batch(x, 8)] == [1] * 8
+    assert torch.equal(split_batch(x, 1)[0], x)
+
+
+def test_split_tuples_lists_and_named_tuples():
+    x, y = torch.randn(6, 4), torch.arange(6)
+    parts = split_batch((x, y), 3)
+    assert all(type(p) is tuple for p in parts)
+    for i, (px, py) in enumerate(parts):
+        assert torch.equal(px, x[2 * i:2 * i + 2]) and torch.equal(py, y[2 * i:2 * i + 2])
+    parts = split_batch([x, y], 2)
+    assert type(parts[1]) is list and torch.equal(parts[1][1], y[3:])
+    Pair = collections.namedtuple("Pair", "inputs targets")
+    parts = split_batch(Pair(x, y), 2)
+    assert type(parts[0]) is Pair and torch.equal(parts[1].targets, y[3:]) and torch.equal(parts[0].inputs, x[:3])
+
+
+def test_split_a_hugging_face_dict_and_leave_what_is_not_batched():
+    ids = torch.randint(0, 100, (8, 5))
+    positions = torch.arange(5)  # (seq,): not batched
+    scale = torch.tensor(2.0)  # 0-d
+    b = {"input_ids": ids, "attention_mask": torch.ones(8, 5), "labels": ids.clone(), "position_ids": positions,
+         "scale": scale, "return_dict": True}
+    parts = split_batch(b, 2)
+    assert [type(p) for p in parts] == [dict, dict] and list(parts[0]) == list(b)
+    for i, part in enumerate(parts):
+        assert torch.equal(part["input_ids"], ids[4 * i:4 * i + 4])
+        assert torch.equal(part["labels"], ids[4 * i:4 * i + 4])
+        assert part["attention_mask"].shape == (4, 5)
+        assert part["position_ids"] is positions and part["scale"] is scale and part["return_dict"] is True
+
+
+def test_split_keeps_a_hugging_face_batch_encoding():
+    transformers = pytest.importorskip("transformers")
+    enc = transformers.BatchEncoding({"input_ids": torch.arange(16).reshape(4, 4), "attention_mask": torch.ones(4, 4)})
+    parts = split_batch(enc, 2)
+    assert all(isinstance(p, transformers.BatchEncoding) for p in parts)
+    assert torch.equal(parts[1]["input_ids"], enc["input_ids"][2:])
+
+
+def test_the_step_moves_a_batch_encoding_to_the_device():
+    transformers = pytest.importorskip("transformers")
+    from autopar.step import _to
+
+    enc = transformers.BatchEncoding({"input_ids": torch.zeros(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3)})
+    moved = _to(enc, torch.device("meta"))
+    assert moved["input_ids"].device.type == "meta" and moved["attention_mask"].device.type == "meta"
+    assert torch.equal(_to(enc, torch.device("cpu"))["input_ids"], enc["input_ids"])
+
+
+def test_split_refuses_a_batch_that_does_not_divide():
+    with pytest.raises(PlanError, match="a batch of 6 samples does not split into 4 micro-batches"):
+        split_batch(torch.zeros(6, 2), 4)
+    with pytest.raises(PlanError, match="a batch of 5 samples does not split into 2"):
+        split_batch({"input_ids": torch.zeros(5, 2, dtype=torch.long)}, 2)
+
+
+# ---- train_step: accumulation == one step on the whole batch ------------------------------------------
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that keeps the gradients it stepped with."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model.parameters(), **kwargs)
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def step(self, closure=None):
+        self.grads.append({self.names[id(p)]: p.grad.detach().clone() for g in self.param_groups
+                           for p in g["params"] if p.grad is not None})
+        return super().step(closure)
+
+
+def _compute(kind):
+    return (lambda output, sample: lm_loss(output, sample)) if kind == "gpt" else (lambda output, sample: output.loss)
+
+
+def _call(model, sample):
+    return model(**sample) if isinstance(sample, dict) else model(sample)
+
+
+def _plain(kind, steps, *, max_norm=None):
+    model = make_model(kind)
+    opt = _RecordingSGD(model, lr=LR, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x = sample_of(kind, batch(step))
+        loss = _compute(kind)(_call(model, x), x)
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, opt.grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _wrapped(kind, plan=ACCUM, **step_kwargs):
+    model = make_model(kind)
+    autopar.wrap(model, sample=sample_of(kind, batch(0)), plan=plan, loss_fn=lm_loss if kind == "gpt" else None,
+                 verbose=False)
+    opt = _RecordingSGD(model, lr=LR, momentum=0.9)
+    # the Llama's loss is the default one: output.loss
+    step = autopar.train_step(model, opt, _compute(kind) if kind == "gpt" else None, **step_kwargs)
+    return model, opt, step
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> bool:
+    return float((a - b).norm()) <= rel * float(b.norm()) + 1e-9
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_accumulation_matches_one_step_on_the_whole_batch(kind):
+    steps = 3
+    ref_losses, ref_grads, ref_params = _plain(kind, steps)
+    model, opt, step = _wrapped(kind)
+    losses = [step(sample_of(kind, batch(s))).item() for s in range(steps)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert len(opt.grads) == steps  # one optimizer step per call
+    for got, want in zip(opt.grads, ref_grads):
+        assert got.keys() == want.keys()
+        bad = [n for n in want if not _close(got[n], want[n])]
+        assert not bad, f"gradients differ: {bad}"
+    params = dict(model.named_parameters())
+    assert params.keys() == ref_params.keys()
+    for name, want in ref_params.items():
+        torch.testing.assert_close(params[name].detach(), want, rtol=1e-5, atol=1e-6, msg=name)
+    assert all(p.grad is None for p in model.parameters())  # zeroed after the step
+
+
+def test_train_step_refuses_a_batch_of_another_size(wrapped_gpt):
+    model = wrapped_gpt
+    step = autopar.train_step(model, torch.optim.SGD(model.parameters(), lr=LR), lm_loss)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(PlanError, match=r"got 4 samples, but this rank's batch under the plan is 8 "
+                                        r"\(micro-batch 4 x accumulation 2\)"):
+        step(batch(0)[:4])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# ---- gradient clipping --------------------------------------------------------------------------------
+def test_max_grad_norm_clips_as_torch_does():
+    max_norm = 0.05
+    model, opt, step = _wrapped("gpt", max_grad_norm=max_norm)
+    loss = step(batch(0)).item()
+    ref_losses, ref_grads, ref_params = _plain("gpt", 1, max_norm=max_norm)
+    _, unclipped_grads, unclipped = _plain("gpt", 1)
+    total = math.sqrt(sum(float(g.double().pow(2).sum()) for g in unclipped_grads[0].values()))
+    assert total > 10 * max_norm  # the clip is active
+    assert loss == pytest.approx(ref_losses[0], rel=1e-5)
+    clipped = math.sqrt(sum(float(g.double().pow(2).sum()) for g in opt.grads[0].values()))
+    assert clipped == pytest.approx(max_norm, rel=1e-4)
+    for name, want in ref_params.items():
+        got = dict(model.named_parameters())[name].detach()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    assert any(not torch.allclose(ref_params[n], unclipped[n], rtol=1e-3, atol=1e-5) for n in ref_params)
+
+
+def test_a_non_finite_gradient_raises_before_the_step(wrapped_gpt):
+    model = wrapped_gpt
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    step = autopar.train_step(model, opt, lambda out, x: lm_loss(out, x) * float("nan"), max_grad_norm=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with pytest.raises(FloatingPointError, match="gradient norm is nan"):
+            step(batch(0))
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # no optimizer step
+    finally:
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, float("nan")])
+def test_max_grad_norm_must_be_positive(wrapped_gpt, bad):
+    model = wrapped_gpt
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+        autopar.train_step(model, opt, max_grad_norm=bad)
+
+
+def test_clip_grad_norm_returns_the_norm_and_leaves_small_gradients():
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.full((2, 3), 0.1)
+    model.bias.grad = torch.full((2,), 0.1)
+    norm = clip_grad_norm(model, 10.0, None)
+    assert float(norm) == pytest.approx(math.sqrt(8 * 0.01), rel=1e-6)
+    assert torch.equal(model.weight.grad, torch.full((2, 3), 0.1))  # below the max: untouched
+
+
+@pytest.mark.parametrize("plan", [
+    Plan(pp=2, pp_schedule="1f1b", micro_batch_size=4, grad_accum=2),
+    Plan(pp=2, pp_schedule="zero_bubble", pp_stages_per_rank=2, micro_batch_size=4, grad_accum=2),
+], ids=["1f1b", "zero-bubble-v"])
+def test_pipeline_clip_counts_a_tied_weight_once(plan):
+    from autopar.profile import profile_model
+    from autopar.strategies.pipeline import apply_pipeline_split
+
+    # The gradients of the whole model (the tied weight's is the sum over its two uses), and their norm.
+    original = make_model("gpt")
+    x = batch(0)
+    lm_loss(original(x), x).backward()
+    grads = {n: p.grad for n, p in original.named_parameters(remove_duplicate=False)}
+    want = float(torch.nn.utils.clip_grad_norm_(original.parameters(), 1e9))
+    profile = profile_model(make_model("gpt"), x, loss_fn=lm_loss, warn=False)
+    # Each pipeline rank's model, with those gradients (as sync_tied_grads leaves them: every copy holds the sum).
+    # clip_grad_norm all-reduces the ranks' sums of squares; here each rank's is added up by hand.
+    squares = 0.0
+    for rank in range(plan.pp):
+        model = make_model("gpt")
+        apply_pipeline_split(model, plan, profile, rank)
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        squares += float(clip_grad_norm(model, 1e9, None, tied=profile.tied_params)) ** 2
+    assert math.sqrt(squares) == pytest.approx(want, rel=1e-5)
