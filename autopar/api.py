@@ -30,9 +30,11 @@ def _resolve_topology(topology: Topology | str | None) -> Topology:
     return topology
 
 
-def _global_batch(sample: Any, global_batch_size: int | None, world_size: int) -> int:
+def _global_batch(sample: Any, global_batch_size: int | None, readers: int) -> int:
+    """The global batch: as given, else the sample's batch times the number of ranks that read different
+    data (every process today; a given plan's data-parallel degree)."""
     if global_batch_size is None:
-        return sample_batch_size(sample) * world_size
+        return sample_batch_size(sample) * readers
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
     return global_batch_size
@@ -101,7 +103,9 @@ def wrap(
       refused unless `force=True`. Without one, autopar chooses (see autopar.search) and every rank
       applies rank 0's choice.
     - `global_batch_size`: samples per optimizer step over all ranks; default: the sample's batch times
-      the number of processes. autopar never changes it.
+      the number of processes (each reads its own batch today), or, with a given plan, times the plan's
+      data-parallel degree (tensor- and pipeline-parallel peers read the same samples). autopar never
+      changes it.
     - `blocks`: the model's repeated layers, when autopar cannot find them (a path like "model.layers").
     - `loss_fn(output, sample)`: the loss, used when profiling the step (default: `output.loss` or a sum
       of the output); called on fake tensors, so it must take its targets from `sample`.
@@ -158,6 +162,8 @@ def wrap(
 
     # Checks before anything is changed: processes, batch, model, hardware.
     chosen.check_world(world.size)
+    if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
+        global_batch = _global_batch(sample, None, chosen.dp_size)
     chosen.check_batch(global_batch)
     chosen.check_model(profile.fingerprint, force=force)
     check_plan(chosen, profile, topo, world_size=world.size, model=model)

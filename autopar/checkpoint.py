@@ -51,6 +51,26 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     return path
 
 
+def _tied_aliases(path: Path, optim_sd: dict, state: Any) -> dict[str, str]:
+    """Optimizer-state names this model holds that the checkpoint keeps under another name of the same tied
+    weight (a model that ties its head to its embedding saves one state; a pipeline stage holds a copy under
+    the head's name): {name here: name in the checkpoint}."""
+    if state is None or not state.profile.tied_params or "state" not in optim_sd:
+        return {}
+    import torch.distributed.checkpoint as dcp
+
+    saved = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in dcp.FileSystemReader(str(path)).read_metadata()
+             .state_dict_metadata if k.startswith("optim.state.")}
+    aliases = {}
+    for group in state.profile.tied_params:
+        for name in group:
+            if name in optim_sd["state"] and name not in saved:
+                other = next((n for n in group if n in saved and n not in optim_sd["state"]), None)
+                if other is not None:
+                    aliases[name] = other
+    return aliases
+
+
 def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, force: bool = False) -> None:
     """Load a checkpoint saved by `save` into `model` and `optimizer`, under any plan and world size.
 
@@ -77,21 +97,28 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     if not force and meta.get("model_fingerprint") not in (None, fingerprint):
         raise PlanMismatchError(
             f"the checkpoint at {path} is of another model (fingerprint {meta.get('model_fingerprint')}, this model's "
-            f"is {fingerprint}): load it into the model that saved it, or pass force=True to load the parameters "
-            "whose names match."
+            f"is {fingerprint}): load it into the model that saved it, or pass force=True to skip this check (every "
+            "parameter of the model must still be in the checkpoint, by name and shape)."
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    aliases = _tied_aliases(path, optim_sd, state)
+    for mine, theirs in aliases.items():  # a tied weight saved under its other name
+        optim_sd["state"][theirs] = optim_sd["state"].pop(mine)
     # Which parameters each optimizer group holds is this plan's business (a pipeline stage saved only its
     # own): keep ours, and take the groups' settings (learning rate, betas, ...) from the checkpoint.
     own_params = [list(group["params"]) for group in optim_sd.get("param_groups", [])]
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise AutoparError(
             f"could not load {path} into this model and optimizer ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}). The optimizer must be of the kind that was saved, "
             "and every parameter of this model must be in the checkpoint."
         ) from exc
+    for mine, theirs in aliases.items():
+        optim_sd["state"][mine] = optim_sd["state"].pop(theirs)
     for group, params in zip(optim_sd.get("param_groups", []), own_params):
         group["params"] = params
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -212,7 +212,8 @@ class Plan:
                 f"the plan's batch micro_batch_size={self.micro_batch_size} x grad_accum={self.grad_accum} x "
                 f"data-parallel degree {self.dp_size} = {self.global_batch_size} samples per step, but the global "
                 f"batch is {global_batch_size}. autopar never changes the global batch: choose micro_batch_size "
-                f"and grad_accum whose product with {self.dp_size} is {global_batch_size}."
+                f"and grad_accum whose product with {self.dp_size} is {global_batch_size} (or, if the global batch "
+                "is not what you meant, pass global_batch_size= to wrap)."
             )
 
     def check_model(self, model_fingerprint: str | None, *, force: bool = False) -> None:

@@ -406,18 +406,36 @@ class _StepWatcher(TorchDispatchMode):
         return out
 
 
-def _flop_formulas() -> dict[Any, Callable[..., int]]:
-    """FLOP formulas FlopCounterMode lacks: the CPU flash-attention kernels SDPA picks on CPU."""
-    from torch.utils import flop_counter as fc
+def _sdpa_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
+    """Forward FLOPs of attention with q (b, hq, sq, d), k (b, hk, sk, d), v (b, hv, sk, dv): two matmuls per
+    query head. Grouped-query attention (hk < hq) does as many FLOPs as full attention: every query head
+    attends to all keys (torch's own formula refuses hk != hq before torch 2.13)."""
+    b, hq, sq, d = q[-4:] if len(q) == 4 else (1, *q[-3:])
+    sk, dv = k[-2], v[-1]
+    return 2 * b * hq * sq * sk * d + 2 * b * hq * sq * sk * dv
 
+
+def _sdpa_backward_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
+    """Backward FLOPs of attention as torch 2.13's sdpa_backward_flop_count counts them: the scores again,
+    the gradient of the scores, and the gradients of v, q and k (five matmuls per query head)."""
+    b, hq, sq, d = q[-4:] if len(q) == 4 else (1, *q[-3:])
+    sk, dv = k[-2], v[-1]
+    return 2 * b * hq * sq * sk * (3 * d + 2 * dv)
+
+
+def _flop_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas that replace or add to FlopCounterMode's: every scaled-dot-product-attention kernel
+    (CPU flash attention has none in torch; grouped-query attention fails torch's before 2.13)."""
     aten = torch.ops.aten
     out: dict[Any, Callable[..., int]] = {}
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        out[aten._scaled_dot_product_flash_attention_for_cpu] = (
-            lambda q, k, v, *args, out_shape=None, **kwargs: fc.sdpa_flop_count(q, k, v))
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-        out[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
-            lambda g, q, k, v, *args, out_shape=None, **kwargs: fc.sdpa_backward_flop_count(g, q, k, v))
+    forward = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    for name in forward:
+        if hasattr(aten, name):
+            out[getattr(aten, name)] = lambda q, k, v, *args, out_shape=None, **kwargs: _sdpa_flops(q, k, v)
+        if hasattr(aten, name + "_backward"):
+            out[getattr(aten, name + "_backward")] = (
+                lambda g, q, k, v, *args, out_shape=None, **kwargs: _sdpa_backward_flops(q, k, v))
     return out
 
 

@@ -124,6 +124,7 @@ def train_step(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     *,
     max_grad_norm: float | None = None,
+    vocab_parallel_loss: bool = True,
 ) -> Callable[[Any], torch.Tensor]:
     """A callable `step(batch) -> loss` that owns one optimizer step of a model wrapped by autopar.
 
@@ -132,6 +133,10 @@ def train_step(
     model(*x) or model(**x)). `loss_fn(output, batch)` returns the mean loss of a (micro-)batch;
     without it, `output.loss` (Hugging Face models given labels). Works for every plan, also those
     without accumulation or pipeline, so a loop written with it runs under any plan.
+
+    Under tensor parallelism the loss is vocab-parallel: the head's logits reach `loss_fn` as a DTensor
+    split over the vocabulary, and cross-entropy runs on the shards. A loss that needs the full logits as a
+    plain tensor: pass `vocab_parallel_loss=False` (the logits are then gathered first).
     """
     from .api import applied
 
@@ -139,7 +144,8 @@ def train_step(
 
     state = applied(model)
     plan, runtime = state.plan, state.pipeline
-    vocab_parallel = state.tensor_parallel is not None and state.tensor_parallel.head is not None and \
+    vocab_parallel = vocab_parallel_loss and state.tensor_parallel is not None and \
+        state.tensor_parallel.head is not None and \
         plan.tp > 1 and state.profile.vocab_size is not None and state.profile.vocab_size % plan.tp == 0
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")

@@ -69,7 +69,8 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
     if plan.tp > 1:
         if topology.devices_per_node and plan.tp > topology.devices_per_node:
             raise PlanError(
-                f"tp={plan.tp} spans more than one node ({topology.devices_per_node} devices per node): tensor "
+                f"tp={plan.tp} spans more than one node ({topology.devices_per_node} "
+                f"device{'s' if topology.devices_per_node != 1 else ''} per node): tensor "
                 "parallelism communicates in every layer and stays within a node; lower tp."
             )
         if model is not None:
@@ -151,6 +152,10 @@ def apply_plan(
         ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else [blocks[-1][0]]
         layout = apply_tensor_parallel(model, mesh["tp"], profile=profile, blocks=blocks,
                                        sequence_parallel=plan.sequence_parallel, stage_ends=ends)
+        notes += [f"tensor parallel: {n}" for n in layout.notes]
+        if profile.vocab_size and profile.vocab_size % plan.tp:
+            notes.append(f"tensor parallel: the vocabulary ({profile.vocab_size}) does not divide by tp={plan.tp}: "
+                         "the embedding and the head stay whole on every rank")
     # 4. Activation checkpointing.
     checkpointed = apply_checkpointing(blocks, mode=plan.checkpointing, every=plan.checkpoint_every)
     if checkpointed and disable_kv_cache(model):

@@ -29,4 +29,4 @@ def run_scenarios(scenarios: list[dict], world_size: int, tmp_path: Path) -> dic
     out = tmp_path / f"out{world_size}.pt"
     spec.write_text(json.dumps(scenarios))
     torchrun("tests/distributed/_worker.py", world_size, [str(spec), str(out)])
-    return torch.load(out, weights_only=True)
+    return torch.load(out, weights_only=False)  # our own test output; plain types only

@@ -42,7 +42,9 @@ def runs(tmp_path_factory):
     plan = {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2, "grad_accum": 4}
     torchrun(WORKER, 2, ["save", json.dumps(plan), str(tmp / "pp"), str(tmp / "pps.pt")])
     _single_process(["load", json.dumps({"micro_batch_size": 8}), str(tmp / "pp"), str(tmp / "ppone.pt")])
-    for name in ("s", "tp", "one", "pps", "ppone"):
+    # And the other way: the FSDP checkpoint (one tied weight) into a pipeline (a copy per stage).
+    torchrun(WORKER, 2, ["load", json.dumps(plan), str(tmp / "fsdp"), str(tmp / "topp.pt")])
+    for name in ("s", "tp", "one", "pps", "ppone", "topp"):
         out[name] = torch.load(tmp / f"{name}.pt", weights_only=False)
     out["dir"] = tmp
     return out
@@ -53,28 +55,32 @@ def _assert_same_state(saved: dict, loaded: dict) -> None:
     for name, tensor in saved["model"].items():
         torch.testing.assert_close(loaded["model"][name], tensor, rtol=0, atol=0, msg=name)
     s_opt, l_opt = saved["optim"]["state"], loaded["optim"]["state"]
-    assert set(l_opt) <= set(s_opt) and l_opt
-    # A pipeline keeps one copy of a tied weight per stage (and optimizer state for each): in a model where
-    # the weight is one parameter, one name holds the state, and the copies' states were equal.
-    for extra in set(s_opt) - set(l_opt):
-        partners = [n for n in l_opt if all(torch.equal(torch.as_tensor(s_opt[extra][k]), torch.as_tensor(s_opt[n][k]))
-                                            for k in s_opt[extra] if s_opt[n][k] is not None)]
-        assert partners, f"optimizer state of {extra} was lost"
-    for name, state in ((n, s_opt[n]) for n in l_opt):
+    assert l_opt and s_opt
+    # A pipeline keeps one copy of a tied weight per stage (and optimizer state for each); where the weight
+    # is one parameter, one name holds the state. A name on one side only must hold the state of a name
+    # on both sides.
+    for one, other in ((s_opt, l_opt), (l_opt, s_opt)):
+        for extra in set(one) - set(other):
+            partners = [n for n in set(one) & set(other)
+                        if all(torch.equal(torch.as_tensor(one[extra][k]), torch.as_tensor(one[n][k])) for k in one[n])]
+            assert partners, f"optimizer state of {extra} has no equal under another name"
+    for name, state in ((n, s_opt[n]) for n in set(l_opt) & set(s_opt)):
         assert set(state) == set(l_opt[name]) == {"step", "exp_avg", "exp_avg_sq"}
         for key, value in state.items():
             torch.testing.assert_close(torch.as_tensor(l_opt[name][key]), torch.as_tensor(value), rtol=0, atol=0,
                                        msg=f"{name}.{key}")
 
 
-@pytest.mark.parametrize("saved,loaded", [("s", "tp"), ("s", "one"), ("pps", "ppone")],
-                         ids=["fsdp4-to-tp2", "fsdp4-to-one-process", "pp2-to-one-process"])
+CASES = [("s", "tp"), ("s", "one"), ("pps", "ppone"), ("s", "topp")]
+IDS = ["fsdp4-to-tp2", "fsdp4-to-one-process", "pp2-to-one-process", "fsdp4-to-pp2"]
+
+
+@pytest.mark.parametrize("saved,loaded", CASES, ids=IDS)
 def test_loaded_state_equals_saved_state(runs, saved, loaded):
     _assert_same_state(runs[saved]["state"], runs[loaded]["state"])
 
 
-@pytest.mark.parametrize("saved,loaded", [("s", "tp"), ("s", "one"), ("pps", "ppone")],
-                         ids=["fsdp4-to-tp2", "fsdp4-to-one-process", "pp2-to-one-process"])
+@pytest.mark.parametrize("saved,loaded", CASES, ids=IDS)
 def test_resumed_training_matches_the_uninterrupted_run(runs, saved, loaded):
     uninterrupted, resumed = runs[saved]["losses"], runs[loaded]["losses"]
     assert len(resumed) == len(uninterrupted) == 5
@@ -87,6 +93,12 @@ def test_checkpoint_of_another_model_is_refused(runs):
     other = GPT(GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=64, num_heads=4))
     with pytest.raises(autopar.PlanMismatchError, match="another model"):
         autopar.load(other, torch.optim.AdamW(other.parameters()), runs["dir"] / "fsdp")
+
+
+def test_another_kind_of_optimizer_is_refused_with_a_clear_message(runs):
+    model = make_model()
+    with pytest.raises(autopar.AutoparError, match="optimizer must be of the kind that was saved"):
+        autopar.load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), runs["dir"] / "fsdp")
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
