@@ -13,6 +13,7 @@ saves for backward (saved-tensor hooks) and the largest single tensor the step c
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import warnings
@@ -137,6 +138,9 @@ class BlockProfile:
     forward_flops: float  # FLOPs of the block's forward on the sample
     flops: float  # forward + backward FLOPs of the block on the sample
     saved_bytes: int  # activation bytes the block saves for backward on the sample (no checkpointing)
+    matmul_params: int = 0  # parameters of the block's Linear-like layers (what tensor parallelism splits)
+    saved_hidden_bytes: int = 0  # of saved_bytes, tensors shaped like the hidden states (batch, seq, hidden)
+    selective_saved_bytes: int = 0  # outputs of matmuls and attention in the forward (what selective AC keeps)
 
 
 @dataclass(frozen=True)
@@ -188,16 +192,19 @@ class ModelProfile:
     largest_transient_op: str
     sample_batch_size: int
     tokens_per_sample: int | None  # sequence length for token inputs, else None
-    profile_precision: str  # "fp32" or "bf16" (autocast) during the profile
+    profile_precision: str  # "fp32", "bf16" (autocast) or "bf16-pure" (bf16 weights, as FSDP's mixed precision)
     traced: bool = True  # False: structure only (trace=False), FLOPs and bytes unknown (zero)
     matmul_calls: tuple[MatmulCall, ...] = ()  # Linear-like calls in order (empty when not traced)
     block_input: str | None = None  # how a block receives the hidden states: "arg0" or "kwarg:NAME"
     block_input_shape: tuple[int, ...] | None = None  # shape of those hidden states for the sample (batch first)
     block_num_args: int = 1  # positional arguments a block is called with
+    block_input_bytes: int = 0  # bytes of those hidden states (what full checkpointing keeps per block)
     block_output_arity: int = 0  # 0: a block returns a tensor; n: a tuple of n items, hidden states first
     modules_before_blocks: tuple[str, ...] = ()  # modules with parameters called before the first block
     modules_after_blocks: tuple[str, ...] = ()  # ... after the last block (final norm, head)
     root_param_names: tuple[str, ...] = ()  # parameters held by the model itself, not by a submodule
+    num_ops: int = 0  # ops that allocate an output in one step (eager kernel launches)
+    traffic_bytes: int = 0  # bytes read and written by the non-matmul ops of one step (memory-bound work)
     hidden_dim: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
@@ -379,20 +386,29 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 class _StepWatcher(TorchDispatchMode):
-    """Watches every op of the traced step: the largest tensor it creates (bytes, op), and which storages
-    derive from parameters only (casts, transposes and views of weights, e.g. autocast's bf16 weight
-    copies): those are weights, not activations, and do not grow with the batch."""
+    """Watches every op of the traced step: the largest tensor it creates (bytes, op); which storages derive
+    from parameters only (casts, transposes and views of weights, e.g. autocast's bf16 weight copies: those
+    are weights, not activations, and do not grow with the batch); how many ops run (kernel launches); the
+    bytes the non-matmul ops read and write (memory-bound time); and, per block in the forward, the bytes
+    of matmul and attention outputs (what selective checkpointing keeps)."""
 
-    def __init__(self, param_storages: set[Any]) -> None:
+    def __init__(self, param_storages: set[Any], current: list[int], num_blocks: int) -> None:
         super().__init__()
         self.nbytes, self.op = 0, "none"
         self.weight_storages = set(param_storages)
+        self.current = current  # the block stack, shared with the block hooks
+        self.forward = True
+        self.num_ops = 0
+        self.traffic_bytes = 0
+        self.selective = [0] * num_blocks
+        self._matmul = _matmul_ops()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = [_storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)]
+        tensors_in = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = [_storage_key(t) for t in tensors_in]
         from_weights = bool(inputs) and all(k in self.weight_storages for k in inputs)
+        allocated = 0
         for t in torch.utils._pytree.tree_leaves(out):
             if not isinstance(t, torch.Tensor):
                 continue
@@ -401,9 +417,55 @@ class _StepWatcher(TorchDispatchMode):
                 self.weight_storages.add(key)
             elif key not in inputs:  # views allocate nothing
                 nbytes = t.numel() * t.element_size()
+                allocated += nbytes
                 if nbytes > self.nbytes:
                     self.nbytes, self.op = nbytes, str(func.overloadpacket.__name__)
+        if allocated:
+            self.num_ops += 1
+            packet = func.overloadpacket
+            if packet in self._matmul:
+                if self.forward and self.current:
+                    self.selective[self.current[-1]] += allocated
+            else:
+                self.traffic_bytes += allocated + sum(t.numel() * t.element_size() for t in tensors_in)
         return out
+
+
+def _matmul_ops() -> set[Any]:
+    """Op packets whose time is FLOPs (matmuls, attention); everything else is memory-bound."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
+             "convolution")
+    return {getattr(aten, n) for n in names if hasattr(aten, n)}
+
+
+def _flash_like_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention as a GPU runs it, for the trace: a fused (flash) kernel in the autocast
+    dtype that saves q, k, v, the output and the softmax statistics for backward, never the (seq x seq)
+    attention matrix. On CPU tensors torch may pick the unfused math kernel, which saves that matrix in
+    fp32 and would overstate a GPU's activation memory many times over."""
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
+    gqa = key.size(-3) != query.size(-3)
+    if gqa:  # grouped-query attention: every query head reads its key/value head
+        groups = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    if gqa and query.dtype == torch.float32:
+        # CUDA's fused kernels take grouped-query attention only in 16-bit (flash); in fp32 SDPA falls back to
+        # the math kernel, which saves the attention matrix (seen on an H200: a Llama-1B shape in fp32 OOMs).
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
+    with torch.autocast(query.device.type, enabled=False):
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
 
 
 def _sdpa_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
@@ -488,16 +550,19 @@ def _shape_facts(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[s
     return facts
 
 
-def _fake_state(model: nn.Module, fake_mode: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """Fake copies of every parameter and buffer (tied ones stay one tensor), on `device`."""
+def _fake_state(model: nn.Module, fake_mode: Any, device: torch.device, dtype: torch.dtype | None = None
+                ) -> dict[str, torch.Tensor]:
+    """Fake copies of every parameter and buffer (tied ones stay one tensor), on `device`; floating
+    parameters in `dtype` when given (FSDP's mixed precision computes with bf16 weights)."""
     out: dict[str, torch.Tensor] = {}
     memo: dict[int, torch.Tensor] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
         model.named_buffers(remove_duplicate=False)
     ):
         if id(t) not in memo:
+            cast = dtype if dtype is not None and isinstance(t, nn.Parameter) and t.is_floating_point() else t.dtype
             with fake_mode:
-                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+                fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=cast, device=device)
             if isinstance(t, nn.Parameter):
                 fake.requires_grad_(t.requires_grad)
             memo[id(t)] = fake
@@ -505,10 +570,11 @@ def _fake_state(model: nn.Module, fake_mode: Any, device: torch.device) -> dict[
     return out
 
 
-def _fake_sample(sample: Any, fake_mode: Any, device: torch.device) -> Any:
+def _fake_sample(sample: Any, fake_mode: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
     def convert(t: torch.Tensor) -> torch.Tensor:
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
         with fake_mode:
-            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=device)
+            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=cast, device=device)
 
     return map_tensors(convert, sample)
 
@@ -535,9 +601,14 @@ class _Trace:
     block_input: str | None = None
     block_input_shape: tuple[int, ...] | None = None
     block_num_args: int = 1
+    block_input_bytes: int = 0
     block_output_arity: int = 0
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    saved_hidden: list[int] | None = None
+    selective: list[int] | None = None
+    num_ops: int = 0
+    traffic_bytes: int = 0
 
 
 def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]],
@@ -550,14 +621,17 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
 
     device = _profile_device(model, sample)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    state = _fake_state(model, fake_mode, device)
-    fake_sample = _fake_sample(sample, fake_mode, device)
+    pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
+    state = _fake_state(model, fake_mode, device, pure)
+    fake_sample = _fake_sample(sample, fake_mode, device, pure)
     block_of = {id(m): i for i, (_, m) in enumerate(units)}
     current: list[int] = []
     saved = [0] * len(units)
     saved_outside = 0
     counted: set[Any] = set()
 
+    saved_hidden = [0] * len(units)
+    hidden_numel = None  # batch x seq x hidden: the shape of the hidden states, from a block's input
     calls: list[MatmulCall] = []
     input_ids: dict[Any, int] = {}
     block_io: dict[str, Any] = {}
@@ -580,10 +654,14 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
             block_io["nargs"] = len(args)
             if args and isinstance(args[0], torch.Tensor):
                 block_io["input"], block_io["shape"] = "arg0", tuple(args[0].shape)
+                block_io["numel"] = args[0].numel()
+                block_io["bytes"] = args[0].numel() * args[0].element_size()
             else:
                 tensors = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
                 block_io["input"] = f"kwarg:{tensors[0]}" if tensors else None
                 block_io["shape"] = tuple(kwargs[tensors[0]].shape) if tensors else None
+                block_io["numel"] = kwargs[tensors[0]].numel() if tensors else None
+                block_io["bytes"] = kwargs[tensors[0]].numel() * kwargs[tensors[0]].element_size() if tensors else 0
 
     def post_hook(module: nn.Module, _args: Any, out: Any) -> None:
         current.pop()
@@ -609,6 +687,8 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
             nbytes = t.untyped_storage().nbytes()
             if current:
                 saved[current[-1]] += nbytes
+                if block_io.get("numel") and t.numel() == block_io["numel"]:
+                    saved_hidden[current[-1]] += nbytes
             else:
                 saved_outside += nbytes
         return t
@@ -630,10 +710,14 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
             handles.append(m.register_forward_pre_hook(outer_hook))
     del unit_ids
     flop_counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
-    watcher = _StepWatcher({_storage_key(t) for t in state.values()})
+    watcher = _StepWatcher({_storage_key(t) for t in state.values()}, current, len(units))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    import unittest.mock
+
+    flash = unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash_like_sdpa) \
+        if device.type == "cpu" else contextlib.nullcontext()
     try:
-        with fake_mode, flop_counter, watcher:
+        with fake_mode, flop_counter, watcher, flash:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 with autocast:
                     args, kwargs = split_sample(fake_sample)
@@ -642,6 +726,7 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
             forward_flops = float(flop_counter.get_total_flops())
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ProfileError("loss_fn must return a scalar tensor.")
+            watcher.forward = False
             loss.backward()
     except ProfileError:
         raise
@@ -661,8 +746,10 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
     per_block = [float(sum(counts.get(f"{root}.{name}", {}).values())) for name, _ in units]
     return _Trace(forward_flops=forward_flops, flops=float(flop_counter.get_total_flops()), block_flops=per_block,
                   saved=saved, saved_outside=saved_outside, largest_bytes=watcher.nbytes, largest_op=watcher.op,
+                  saved_hidden=saved_hidden, selective=watcher.selective, num_ops=watcher.num_ops,
+                  traffic_bytes=watcher.traffic_bytes,
                   matmul_calls=tuple(calls), block_input=block_io.get("input"), block_input_shape=block_io.get("shape"),
-                  block_num_args=block_io.get("nargs", 1),
+                  block_num_args=block_io.get("nargs", 1), block_input_bytes=block_io.get("bytes", 0) or 0,
                   block_output_arity=block_io.get("output", 0), before=tuple(before), after=tuple(after))
 
 
@@ -682,11 +769,12 @@ def profile_model(
     `loss_fn(output, sample) -> scalar` drives backward (it gets fake tensors: it must not capture real
     ones); without it, `output.loss` (Hugging Face with labels) or the sum of the output is used (the
     loss's own FLOPs are then slightly off; the model's are exact).
-    `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them).
+    `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them);
+    `precision="bf16-pure"` with bf16 weights and inputs and no autocast (as FSDP2's mixed precision runs).
     `trace=False` reads only the structure (blocks, parameters); FLOPs and bytes are then zero.
     """
-    if precision not in ("fp32", "bf16"):
-        raise ProfileError(f"precision must be 'fp32' or 'bf16', got {precision!r}.")
+    if precision not in ("fp32", "bf16", "bf16-pure"):
+        raise ProfileError(f"precision must be 'fp32', 'bf16' or 'bf16-pure', got {precision!r}.")
     params = list(model.parameters())
     if not params:
         raise ProfileError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelise.")
@@ -735,9 +823,14 @@ def profile_model(
     # Forward FLOPs per block: the counter's per-module totals include backward, so take the forward share
     # of the whole step (forward/total is the same for every matmul-dominated block to within the loss's FLOPs).
     fwd_share = t.forward_flops / t.flops if t.flops else 1 / 3
+    matmul_params = [sum(p.numel() for m in module.modules() if is_matmul_layer(m) for p in m.parameters(recurse=False))
+                     for _, module in units]
     block_profiles = tuple(
         BlockProfile(name=name, num_params=block_params[i][0], param_bytes=block_params[i][1],
-                     forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved[i])
+                     forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved[i],
+                     matmul_params=matmul_params[i],
+                     saved_hidden_bytes=(t.saved_hidden or [0] * len(units))[i],
+                     selective_saved_bytes=(t.selective or [0] * len(units))[i])
         for i, (name, _) in enumerate(units)
     )
     facts = _shape_facts(model, units if repeated else [])
@@ -768,10 +861,13 @@ def profile_model(
         profile_precision=precision,
         traced=trace,
         root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
+        num_ops=t.num_ops,
+        traffic_bytes=t.traffic_bytes,
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,
         block_num_args=t.block_num_args,
+        block_input_bytes=t.block_input_bytes,
         block_output_arity=t.block_output_arity,
         modules_before_blocks=t.before,
         modules_after_blocks=t.after,

@@ -1,0 +1,262 @@
+"""The cost model's measured factors: defaults from the H200 anchors, micro-benchmarks, fits from runs.
+
+`Calibration` holds every factor the memory and time models multiply by; each field says what it is,
+its unit, and where its default comes from. `measure(topology)` replaces the hardware factors with
+micro-benchmarks (a few GEMM shapes, the HBM bandwidth, an all-reduce and an all-gather per mesh axis)
+on the GPUs here; `fit(calibration, runs)` refits the efficiency factors from measured steps (what the
+tuner does after every trial). Both are cached per topology fingerprint as plain YAML, read with
+yaml.safe_load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from ..errors import AutoparError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Factors of the cost model; `source` says where the values in hand come from.
+
+    Defaults marked "anchor fit" are fitted to 19 plain-PyTorch runs of GPT-2 (124M, 355M, 1.5B) and a
+    Llama-1B shape on one NVIDIA H200 with torch 2.11 (../shared/anchors; bench/calibrate_anchors.py,
+    bench/results/calibration_anchors_2026-11-29.json); the others come from the sources named."""
+
+    # --- memory ---------------------------------------------------------------------------------------
+    context_bytes: float = 0.55 * GiB  # CUDA context, cuBLAS/cuDNN workspaces; bytes; typical H100/H200 torch 2.x
+    reserve_bytes: float = 1.5 * GiB  # allocator reserve over the allocated peak; bytes; anchors: 2.0-3.4 GiB
+    fragmentation_fraction: float = 0.02  # reserve growing with the allocated peak; fraction; anchors
+    transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count; anchor fit
+    compile_activation_factor: float = 0.58  # compiled/eager saved activations; ratio; anchor fit
+    compile_transient_factor: float = 0.61  # compiled loss fuses logits and their gradient; ratio; anchor fit
+    autocast_activation_factor: float = 1.17  # CUDA autocast / CPU-autocast-traced saved bytes; ratio; anchor fit
+    gradient_peak_fraction: float = 0.0004  # gradients alive at a single step's peak (backward start); ratio; anchor fit
+    # --- time -----------------------------------------------------------------------------------------
+    matmul_efficiency: float = 0.66  # model GEMMs' bf16 rate / datasheet peak (8192^3 alone: 812/989); ratio; anchor fit
+    matmul_half_width: float = 672.0  # GEMM width at which efficiency halves (eff x h/(h + this)); elements; anchor fit
+    fp32_matmul_efficiency: float = 0.75  # fp32 (no tensor cores) GEMM rate / fp32 peak; ratio; anchor fit
+    memory_efficiency: float = 0.57  # achieved / datasheet HBM bandwidth of memory-bound eager kernels; ratio; anchor fit
+    eager_traffic_factor: float = 1.0  # eager kernels move the traced bytes; ratio
+    compile_traffic_factor: float = 0.059  # inductor fuses elementwise ops; ratio of the traced bytes; anchor fit
+    launch_s: float = 6e-6  # CPU time to launch one eager op; seconds; PyTorch eager on x86
+    compile_launch_factor: float = 0.1  # compiled graphs launch fewer kernels; ratio
+    comm_efficiency: float = 0.75  # NCCL bus bandwidth / link bandwidth; ratio; nccl-tests (370 of ~450 GB/s)
+    comm_latency_s: float = 15e-6  # per collective; seconds; NCCL ring latency on NVLink
+    fsdp_overlap: float = 0.85  # share of FSDP communication hidden behind compute; ratio; FSDP2 prefetching
+    optimizer_bytes_per_param: float = 28.0  # fused AdamW reads/writes per parameter (fp32 w, g, m, v); bytes
+    pcie_bytes_per_s: float = 25e9  # host-device copies for CPU offload; bytes/s; PCIe gen5 x16 achieved
+    cpu_adam_bytes_per_s: float = 10e9  # CPU Adam step bandwidth; bytes/s; torch CPU AdamW (foreach)
+    zero_bubble_factor: float = 1 / 3  # bubble of a zero-bubble schedule / 1F1B's; ratio; Qi et al. 2023 (ZB-H1)
+    # --- provenance -----------------------------------------------------------------------------------
+    source: str = "defaults (fit to H200 anchors; datasheets)"
+    topology_fingerprint: str | None = None
+    fitted_runs: int = 0
+    extra: Mapping[str, float] = field(default_factory=dict)  # measured micro-benchmarks (GEMM rates, links)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not value >= 0:
+                raise ValueError(f"Calibration.{f.name} must be a non-negative number, got {value!r}.")
+        object.__setattr__(self, "extra", dict(self.extra))
+
+    def replace(self, **changes: Any) -> "Calibration":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["extra"] = dict(self.extra)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        if not isinstance(data, Mapping):
+            raise AutoparError("a calibration must be a mapping of factor names to numbers.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise AutoparError(f"unknown calibration factor(s) {', '.join(unknown)}.")
+        values = {}
+        for k, v in data.items():
+            if k in ("source", "topology_fingerprint"):
+                if v is not None and not isinstance(v, str):
+                    raise AutoparError(f"calibration {k} must be a string.")
+                values[k] = v
+            elif k == "fitted_runs":
+                values[k] = int(v)
+            elif k == "extra":
+                if not isinstance(v, Mapping) or not all(isinstance(x, (int, float)) for x in v.values()):
+                    raise AutoparError("calibration extra must map names to numbers.")
+                values[k] = {str(a): float(b) for a, b in v.items()}
+            else:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise AutoparError(f"calibration {k} must be a number, got {v!r}.")
+                values[k] = float(v)
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cache: one YAML file per topology fingerprint, in a directory private to the user
+# ---------------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar (created private: 0700)."""
+    base = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autopar")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def _check_private(path: Path) -> None:
+    st = path.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise AutoparError(f"{path} belongs to another user: autopar only reads its own cache files; remove it.")
+    if st.st_mode & 0o022:
+        raise AutoparError(f"{path} can be written by others: autopar refuses it; remove it or chmod go-w.")
+
+
+def save_calibration(cal: Calibration, fingerprint: str) -> Path:
+    path = cache_dir() / "calibration" / f"{fingerprint}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(yaml.safe_dump(cal.replace(topology_fingerprint=fingerprint).to_dict(), sort_keys=False))
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_calibration(fingerprint: str) -> Calibration | None:
+    """The cached calibration of this topology, or None. A file that is not ours or not plain YAML is refused."""
+    path = cache_dir() / "calibration" / f"{fingerprint}.yaml"
+    if not path.is_file():
+        return None
+    _check_private(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        raise AutoparError(f"{path} is not plain YAML: remove it (autopar will measure again).") from None
+    cal = Calibration.from_dict(data)
+    if cal.topology_fingerprint not in (None, fingerprint):
+        raise AutoparError(f"{path} holds the calibration of topology {cal.topology_fingerprint}: remove it.")
+    return cal
+
+
+# ---------------------------------------------------------------------------------------------------
+# Micro-benchmarks on the GPUs here
+# ---------------------------------------------------------------------------------------------------
+def _time_cuda(fn: Any, reps: int) -> float:
+    import torch
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / reps
+
+
+def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[int] = (1024, 2048, 4096, 8192)
+            ) -> Calibration:
+    """Micro-benchmarks on this GPU: bf16 GEMMs of several sizes (fits matmul_efficiency and
+    matmul_half_width), a device-to-device copy (memory_efficiency), and, in a process group of several
+    ranks, an all-reduce (comm_efficiency). Needs a CUDA GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise AutoparError("calibration micro-benchmarks need a CUDA GPU; plan with the defaults instead.")
+    base = base or Calibration()
+    peak = topology.device.peak_flops("bf16")
+    extra: dict[str, float] = {}
+    effs = []
+    for n in shapes:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        dt = _time_cuda(lambda: a @ b, reps=max(3, int(2e12 / (2 * n**3)) or 3))
+        rate = 2 * n**3 / dt
+        extra[f"gemm_bf16_{n}_flops"] = rate
+        effs.append((n, rate / peak))
+        del a, b
+    # eff(n) = e * n / (n + h): fit h from the smallest and largest shapes
+    (n0, e0), (n1, e1) = effs[0], effs[-1]
+    # e0 (n0 + h) / n0 = e1 (n1 + h) / n1  =>  h = (e1 - e0) / (e0 / n0 - e1 / n1)
+    denominator = e0 / n0 - e1 / n1
+    half = (e1 - e0) / denominator if denominator > 0 and e1 > e0 else base.matmul_half_width
+    half = min(max(half, 1.0), 8192.0)
+    e_max = e1 * (n1 + half) / n1
+    numel = 256 * 2**20
+    x = torch.empty(numel, device="cuda", dtype=torch.float32)
+    y = torch.empty_like(x)
+    dt = _time_cuda(lambda: y.copy_(x), reps=10)
+    extra["copy_bytes_per_s"] = 2 * x.numel() * 4 / dt
+    mem_eff = min(1.0, extra["copy_bytes_per_s"] / topology.device.hbm_bytes_per_s)
+    changes: dict[str, Any] = dict(matmul_efficiency=min(e_max, 1.0), matmul_half_width=half, memory_efficiency=mem_eff)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.empty(64 * 2**20, device="cuda", dtype=torch.bfloat16)
+        w = dist.get_world_size()
+        dt = _time_cuda(lambda: dist.all_reduce(t), reps=5)
+        bus = 2 * (w - 1) / w * t.numel() * 2 / dt
+        extra["allreduce_bus_bytes_per_s"] = bus
+        link = topology.link_bytes_per_s(w, spans_nodes=topology.num_nodes > 1)
+        changes["comm_efficiency"] = min(1.0, bus / link)
+    return base.replace(source=f"measured on {torch.cuda.get_device_name()}", extra=extra, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refitting the time model from measured steps
+# ---------------------------------------------------------------------------------------------------
+def fit(cal: Calibration, runs: Sequence[tuple[Any, float]], *, min_runs: int = 2) -> Calibration:
+    """Refit the time model's efficiencies to measured steps: `runs` is [(TimeTerms, measured step_s)],
+    the terms `autopar.cost.time.time_terms` returns for each run's plan. A non-negative least-squares
+    fit of the step time to those terms (one coefficient each, starting from the current calibration)
+    gives the new inverse efficiencies; fewer than `min_runs` runs change nothing."""
+    if len(runs) < min_runs:
+        return cal
+    import torch
+
+    names = ("matmul", "memory", "launch")
+    rows, target = [], []
+    for terms, measured in runs:
+        rows.append([getattr(terms, n) for n in names])
+        target.append(measured - terms.fixed_s)
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(target, dtype=torch.float64).unsqueeze(1)
+    coef = _nnls(a, b)
+    scale = {n: float(c) for n, c in zip(names, coef)}
+    changes: dict[str, Any] = {}
+    if scale["matmul"] > 0:
+        changes["matmul_efficiency"] = min(1.0, cal.matmul_efficiency / scale["matmul"])
+        changes["fp32_matmul_efficiency"] = min(1.0, cal.fp32_matmul_efficiency / scale["matmul"])
+    if scale["memory"] > 0:
+        changes["memory_efficiency"] = min(1.0, cal.memory_efficiency / scale["memory"])
+    changes["launch_s"] = cal.launch_s * scale["launch"]
+    return cal.replace(source=f"fitted to {len(runs)} measured steps", fitted_runs=cal.fitted_runs + len(runs),
+                       **changes)
+
+
+def _nnls(a: Any, b: Any, iters: int = 200) -> list[float]:
+    """Non-negative least squares by projected gradient (a handful of unknowns)."""
+    import torch
+
+    x = torch.linalg.lstsq(a, b).solution.clamp(min=0)
+    lip = float(torch.linalg.matrix_norm(a.T @ a, ord=2)) or 1.0
+    for _ in range(iters):
+        x = (x - (a.T @ (a @ x - b)) / lip).clamp(min=0)
+    return [float(v) for v in x.squeeze(1)]

@@ -1,0 +1,201 @@
+"""Per-rank peak memory of a plan, in parts, from the model's profile, the hardware and the plan.
+
+Every term is bytes on one GPU (the most loaded rank: the first pipeline stage, which holds the most
+micro-batches in flight). Sources: the ZeRO paper (Rajbhandari et al. 2020) for model states, Korthikanti
+et al. 2022 for how tensor/sequence parallelism and recomputation divide activations, the profile's own
+trace of the model for the activation bytes themselves, and measurements on an H200 (shared/anchors) for
+what the allocator and compile add. `Calibration` holds the measured factors; its defaults are the
+anchors' values and `autopar.cost.calibration` refits them from runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Mapping
+
+from ..plans import Plan
+from ..profile import ModelProfile
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .calibration import Calibration
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Peak bytes on the most loaded GPU, by what holds them."""
+
+    parameters_bytes: float  # master weights kept between steps (sharded by FSDP, split by TP/PP)
+    gradients_bytes: float  # gradients kept until the optimizer step (sharded like the weights)
+    optimizer_bytes: float  # optimizer state (Adam: two fp32 moments per weight)
+    gathered_bytes: float  # weights gathered (or cast to bf16) for compute, and unsharded gradients in flight
+    activations_bytes: float  # activations saved for backward at the peak, every micro-batch in flight
+    transient_bytes: float  # short-lived buffers at the peak: logits, loss and their gradients
+    overhead_bytes: float  # what the caching allocator reserves beyond the allocated peak, and the CUDA context
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            assert value >= 0, f"negative memory term {f.name}={value}"
+
+    @property
+    def allocated_bytes(self) -> float:
+        """The peak of allocated memory (torch.cuda.max_memory_allocated)."""
+        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.gathered_bytes
+                + self.activations_bytes + self.transient_bytes)
+
+    @property
+    def peak_bytes(self) -> float:
+        """What must fit on the GPU: the reserved peak plus the CUDA context."""
+        return self.allocated_bytes + self.overhead_bytes
+
+    def parts(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _bytes(precision: str) -> int:
+    return 2 if precision == "bf16" else 4
+
+
+def stage_blocks(profile: ModelProfile, plan: Plan) -> tuple[list[int], bool, bool]:
+    """The block indices of the most memory-loaded stage this plan gives a rank (the first stage under a
+    pipeline: it holds the most micro-batches), and whether it holds the embeddings / the head."""
+    if plan.pp == 1:
+        return list(range(len(profile.blocks))), True, True
+    from ..strategies.pipeline import split_stages, stage_ids
+
+    split = split_stages(profile, plan.pp * plan.pp_stages_per_rank)
+    stages = stage_ids(plan, 0)  # pipeline rank 0 holds the first stage
+    blocks = [i for s in stages for i in split[s]]
+    return blocks, True, (plan.pp * plan.pp_stages_per_rank - 1) in stages
+
+
+def in_flight_microbatches(plan: Plan) -> float:
+    """Micro-batches whose activations the first stage holds at once (Narayanan et al. 2021, Korthikanti
+    et al. 2022): all of them under GPipe; pp under 1F1B (fewer if there are fewer); interleaved 1F1B
+    adds (pp - 1) / v more chunks' worth; zero-bubble schedules defer weight gradients and hold about one
+    more."""
+    n, p, v = plan.grad_accum, plan.pp, plan.pp_stages_per_rank
+    if p == 1:
+        return 1.0  # micro-batches run one after another; each frees its activations in its backward
+    if plan.pp_schedule == "gpipe":
+        return float(n)
+    base = float(min(n, p))
+    if plan.pp_schedule == "interleaved_1f1b":
+        return base * (1 + (p - 1) / (p * v))
+    if plan.pp_schedule == "zero_bubble":
+        return min(float(n), base + 1)
+    return base
+
+
+def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, variants: Mapping[str, ModelProfile] | None = None,
+                   optimizer_state_bytes_per_param: int = 8) -> MemoryPrediction:
+    """Peak memory of `plan` on its most loaded GPU. `bf16_profile` (the model traced under bf16 autocast)
+    gives the activation bytes of bf16 plans more exactly than halving the fp32 profile's."""
+    blocks, first, last = stage_blocks(profile, plan)
+    tp, shard, compute = plan.tp, plan.dp_shard, _bytes(plan.precision)
+    vocab_split = profile.vocab_size is not None and tp > 1 and profile.vocab_size % tp == 0
+
+    # Parameters on this rank (count): the stage's blocks, their matmul weights split by TP; the modules
+    # around the blocks on the first/last stage (the vocabulary split by TP where it divides).
+    block_params = sum(profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks)
+    outside = profile.num_params - sum(b.num_params for b in profile.blocks)
+    if plan.pp > 1:
+        outside = outside * (0.5 * first + 0.5 * last)  # embeddings on the first stage, head on the last
+    if vocab_split:
+        outside /= tp
+    params = block_params + outside
+    largest_unit = max((profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks),
+                       default=0.0)
+
+    # Model states (ZeRO: 4 bytes weight + 4 gradient + K optimizer per parameter), sharded over dp_shard.
+    # The peak comes as backward starts (every activation saved, the loss's buffers alive): gradients
+    # exist then only if earlier micro-batches left them (accumulation, pipelines); otherwise a share of
+    # them (the head's, the first blocks') is counted (calibration.gradient_peak_fraction, measured).
+    on_gpu = 0.0 if plan.cpu_offload else 1.0
+    parameters = 4 * params / shard * on_gpu  # fp32 master weights; bytes; ZeRO-3
+    grads_live = 1.0 if (plan.grad_accum > 1 or plan.pp > 1) else cal.gradient_peak_fraction
+    gradients = 4 * params / shard * on_gpu * grads_live  # fp32 gradients alive at the peak; bytes; ZeRO-3
+    optimizer = optimizer_state_bytes_per_param * params / shard * on_gpu  # Adam m and v in fp32; bytes
+
+    # Gathered weights: FSDP all-gathers a unit's weights in the compute dtype for its forward and again
+    # for its backward; at the peak (backward of a unit) the unit, the prefetched next one and the root's
+    # (embeddings, head) are gathered, with the unit's unsharded gradient (compute dtype) and its fp32
+    # reduce-scatter buffer. Without resharding after forward every block stays gathered. Without FSDP,
+    # bf16 autocast keeps a bf16 copy of every weight used in forward until its backward (saved for it).
+    if plan.uses_fsdp:
+        units = (len(blocks) if not plan.reshard_after_forward else 2) * largest_unit
+        gathered = compute * (units + outside) + (compute + 4) * largest_unit
+        if plan.cpu_offload:  # sharded states live in host memory; gathered copies come over PCIe
+            gathered += 4 * largest_unit
+    else:
+        gathered = 2 * params if plan.precision == "bf16" else 0.0
+
+    # Activations saved for backward (the profile's trace, scaled from its sample to the micro-batch; a
+    # bf16 plan uses the bf16 trace, or half the fp32 one under FSDP's all-bf16 compute).
+    prof, scale_dtype = activation_profile(profile, plan, cal, variants)
+    scale = plan.micro_batch_size / prof.sample_batch_size * scale_dtype
+    per_block = []
+    for index, i in enumerate(blocks):
+        b = prof.blocks[i]
+        hidden, rest = b.saved_hidden_bytes, b.saved_bytes - b.saved_hidden_bytes
+        # Korthikanti et al.: TP splits what lies between a column and a row layer (rest / t); the
+        # hidden-state-shaped tensors (norm inputs, residuals, dropout masks) are split only by sequence
+        # parallelism.
+        full = (hidden / tp if plan.sequence_parallel else hidden) + rest / tp
+        checkpointed = plan.checkpointing != "none" and index % plan.checkpoint_every == 0
+        if not checkpointed:
+            per_block.append(full)
+        elif plan.checkpointing == "full":  # only the block's input is kept (2sbh of 34sbh at 16 bit)
+            per_block.append(_hidden_tensor(prof, plan, tp))
+        else:  # selective: matmul and attention outputs (split by TP) and the block's input
+            per_block.append(b.selective_saved_bytes / tp + _hidden_tensor(prof, plan, tp))
+    recompute_peak = 0.0
+    if plan.checkpointing != "none":  # one block's full activations exist again during its recompute
+        b = max((prof.blocks[i] for i in blocks), key=lambda blk: blk.saved_bytes, default=None)
+        if b is not None:
+            recompute_peak = ((b.saved_hidden_bytes / tp if plan.sequence_parallel else b.saved_hidden_bytes)
+                              + (b.saved_bytes - b.saved_hidden_bytes) / tp)
+    outside_saved = prof.saved_bytes_outside_blocks * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0)
+    activations = scale * (sum(per_block) * in_flight_microbatches(plan) + recompute_peak + outside_saved)
+    if plan.compile:
+        activations *= cal.compile_activation_factor
+
+    # Transient: the largest tensor the step makes (the logits, in fp32 for the loss) and its gradient,
+    # per micro-batch, on the stage with the head; split over the vocabulary under TP (vocab-parallel loss).
+    transient = 0.0
+    if last:
+        transient = cal.transient_factor * profile.largest_transient_bytes * plan.micro_batch_size \
+            / profile.sample_batch_size / (tp if vocab_split else 1)
+        if plan.compile:
+            transient *= cal.compile_transient_factor
+
+    allocated = parameters + gradients + optimizer + gathered + activations + transient
+    # Allocator and context: the caching allocator's reserve over the allocated peak grows with it
+    # (fragmentation), plus a fixed CUDA context (measured on the H200: 2.0-3.4 GiB reserved over allocated).
+    overhead = cal.context_bytes + cal.fragmentation_fraction * allocated + cal.reserve_bytes
+    return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
+                            gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
+                            overhead_bytes=overhead)
+
+
+def activation_profile(profile: ModelProfile, plan: Plan, cal: "Calibration",
+                       variants: Mapping[str, ModelProfile] | None) -> tuple[ModelProfile, float]:
+    """The profile whose activation bytes match the plan's precision, and a factor on them: the autocast
+    trace for bf16 without FSDP (times a measured factor: CPU autocast, where the trace runs, keeps fewer
+    ops in fp32 than CUDA's), the bf16-weights trace under FSDP's mixed precision, or half the fp32 trace."""
+    variants = variants or {}
+    if plan.precision == "bf16":
+        key = "bf16-pure" if plan.uses_fsdp else "bf16"
+        if key in variants:
+            return variants[key], (cal.autocast_activation_factor if key == "bf16" else 1.0)
+        return profile, 0.5 if profile.profile_precision == "fp32" else 1.0
+    return profile, 1.0
+
+
+def _hidden_tensor(profile: ModelProfile, plan: Plan, tp: int) -> float:
+    """Bytes of a block's input on the profile's sample: what full checkpointing keeps per block (2sbh of
+    Korthikanti's 34sbh); split by TP only under sequence parallelism."""
+    one = profile.block_input_bytes
+    return one / tp if plan.sequence_parallel else one
