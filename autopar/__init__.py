@@ -21,6 +21,9 @@ _LAZY = {
     "DeviceSpec": ".topology",
     "wrap": ".api",
     "plan": ".api",
+    "candidates": ".planning",
+    "predict": ".planning",
+    "autotune": ".tuners.optuna",
     "applied": ".api",
     "plan_of": ".api",
     "data_shard": ".api",
@@ -42,6 +45,8 @@ __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import applied, data_shard, plan, plan_of, wrap
+    from .planning import candidates, predict
+    from .tuners.optuna import autotune
     from .checkpoint import load, save
     from .data import dataloader, local_batch, sampler
     from .step import train_step

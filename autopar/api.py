@@ -59,25 +59,63 @@ def plan(
     global_batch_size: int | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     blocks: Any = None,
+    uses_train_step: bool = False,
 ) -> Plan:
     """Choose a plan for `model` without touching it (profiled on fake tensors: no memory, no gradients).
 
     `sample` is one batch as one rank's loop feeds it today; the global batch defaults to that batch times
     the world size. `topology` defaults to the hardware here; pass a spec ("4x8xH100-SXM") to plan for
-    hardware that is not here, and then `world_size` defaults to its GPU count.
+    hardware that is not here, and then `world_size` defaults to its GPU count. `uses_train_step=True`
+    lets autopar choose plans that only autopar.train_step and autopar.dataloader can drive
+    (accumulation, pipelines, tensor parallelism); by default every process reads its own batch.
+    The plan is the search's first (autopar.candidates ranks them all).
     """
     topo = _resolve_topology(topology)
     if world_size is None:
         world_size = topo.world_size if topology is not None else _dist.world().size
-    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks)
-    return _choose(profile, topo, world_size=world_size,
-                   global_batch_size=_global_batch(sample, global_batch_size, world_size))
+    from .planning import profile_variants
+
+    profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+    return _choose(profile, topo, world_size=world_size, global_batch_size=_global_batch(sample, global_batch_size,
+                                                                                         world_size),
+                   variants=variants, uses_train_step=uses_train_step)
 
 
-def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
-    from .search import rule_plan
+def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
+            variants: Any = None, uses_train_step: bool = False) -> Plan:
+    """The fastest plan the cost model predicts to fit (autopar.search), or a clear error."""
+    from .errors import InfeasiblePlanError
+    from .planning import calibration_for
+    from .search import search
 
-    return rule_plan(profile, topology, world_size=world_size, global_batch_size=global_batch_size)
+    if not profile.traced:
+        raise PlanError("choosing a plan needs a traced profile (FLOPs and activation bytes); pass a plan instead.")
+    if topology.is_gpu and topology.world_size != world_size:
+        # A detected topology describes this job; a spec for other hardware must match the world asked for.
+        raise PlanError(
+            f"the topology has {topology.world_size} GPUs but the job has {world_size} processes: "
+            "give a topology for this job (Topology.detect() under torchrun, or a spec with that many GPUs)."
+        )
+    ranked = search(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
+                    variants=variants, calibration=calibration_for(topology), allow_train_step=uses_train_step)
+    if not ranked:
+        raise PlanError(
+            f"the global batch of {global_batch_size} samples does not split over {world_size} data-parallel ranks: "
+            f"use a global batch divisible by {world_size} (e.g. {max(world_size, global_batch_size - global_batch_size % world_size)}), "
+            "or pass a plan with fewer data-parallel ranks.")
+    best = ranked[0]
+    if not best.feasible:
+        sized = [c for c in ranked if c.prediction is not None]
+        smallest = min(sized, key=lambda c: c.prediction.memory_bytes) if sized else None
+        need = f" (the smallest needs {smallest.prediction.memory_bytes / 2**30:.1f} GiB per device, with " \
+               f"{smallest.plan.checkpointing} checkpointing{' and CPU offload' if smallest.plan.cpu_offload else ''})" \
+            if smallest is not None else (f" ({best.reason})" if best.reason else "")
+        hint = "" if uses_train_step else " or let autopar split the step (uses_train_step=True with autopar.train_step),"
+        raise InfeasiblePlanError(
+            f"no plan for {profile.model_class} with a global batch of {global_batch_size} fits in "
+            f"{topology.device.memory_bytes / 2**30:.0f} GiB per device{need}: use more devices, a smaller batch,"
+            f"{hint} or a shorter sequence.")
+    return best.plan
 
 
 def wrap(
@@ -92,6 +130,7 @@ def wrap(
     force: bool = False,
     init_fn: Callable[[nn.Module], None] | None = None,
     verbose: bool = True,
+    uses_train_step: bool = False,
 ) -> nn.Module:
     """Choose (or take) a plan for `model` and apply it in place; returns the same module, ready to train.
 
@@ -111,10 +150,22 @@ def wrap(
       of the output); called on fake tensors, so it must take its targets from `sample`.
     - `init_fn(model)`: initialises a meta-device model after sharding (default: the model's own
       `reset_parameters` / `init_weights`).
+    - `uses_train_step`: True if the loop drives each step with `autopar.train_step` and reads its data
+      with `autopar.dataloader` (or `autopar.data_shard`); autopar may then choose plans a plain loop
+      cannot run: gradient accumulation, pipeline and tensor parallelism (whose peers read the same samples).
     """
     if getattr(model, _ATTR, None) is not None:
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
     log = get_logger()
+    from .tuners.trial import start_run
+
+    mode = start_run()  # under autopar's tuner: "probe" or "trial" (autopar/tuners/trial.py), else None
+    if mode == "trial":  # apply the trial's plan, as if it were given
+        from .tuners.trial import plan_path
+
+        plan, force = plan_path(), False
+    elif mode == "probe":  # profile as if choosing
+        plan = None
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
 
@@ -138,13 +189,34 @@ def wrap(
         error = exc
     _dist.first_failure(error)
     assert profile is not None
+    if mode is not None:  # a probe writes the profile for the tuner and ends the run here
+        from .tuners.trial import after_profile
+
+        after_profile(mode, model, sample, profile, topo, world_size=world.size, global_batch_size=global_batch,
+                      loss_fn=loss_fn, blocks=blocks)
 
     # Every rank applies the same plan: rank 0's, sent as YAML text (nothing is unpickled).
     chosen: Plan | None = None
+    cached_note: str | None = None
+    hit: Plan | None = None
     if world.rank == 0:
         try:
             if plan is None:
-                chosen = _choose(profile, topo, world_size=world.size, global_batch_size=global_batch)
+                from .tuners.cache import cached_plan_for
+
+                # A plan tuned for this model, hardware, batch and torch (autopar tune) wins over the model's.
+                # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
+                hit, cached_note = cached_plan_for(profile, topo, world_size=world.size,
+                                                   global_batch_size=global_batch, allow_train_step=uses_train_step)
+            if hit is not None:
+                chosen = hit
+            elif plan is None:
+                variants = {}
+                if topo.is_gpu and topo.device.supports("bf16"):  # the bf16 traces the cost model reads
+                    variants = {p: profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
+                                                 precision=p) for p in ("bf16", "bf16-pure")}
+                chosen = _choose(profile, topo, world_size=world.size, global_batch_size=global_batch,
+                                 variants=variants, uses_train_step=uses_train_step)
             else:
                 chosen = _load_plan(plan, profile, world.size, force)
         except Exception as exc:  # sent to the other ranks so that none waits forever
@@ -168,7 +240,9 @@ def wrap(
     chosen.check_model(profile.fingerprint, force=force)
     check_plan(chosen, profile, topo, world_size=world.size, model=model)
     if say:
-        source = "given" if plan is not None else "chosen by rule"
+        source = "given" if plan is not None else "from the plan cache" if hit is not None else "chosen by the cost model"
+        if cached_note:
+            (log.info if hit is not None else log.warning)("%s", cached_note)
         log.info("%s\n%s   (%s)", profile.describe(), chosen.describe(), source)
         if chosen.topology_fingerprint not in (None, topo.fingerprint()):
             log.warning("this plan was made for other hardware (topology %s; here: %s): it runs, but its memory "
@@ -181,6 +255,10 @@ def wrap(
         for note in applied.notes:
             log.info("%s", note)
     object.__setattr__(model, _ATTR, applied)
+    if mode == "trial":  # time the loop's optimizer steps, write the result, end the run
+        from .tuners.trial import install_recorder
+
+        install_recorder(model, chosen, profile)
     return model
 
 

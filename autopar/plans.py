@@ -183,8 +183,10 @@ class Plan:
 
     @property
     def uses_fsdp(self) -> bool:
-        """Whether parameters are managed by FSDP2 (sharded, replicated across ranks, or offloaded)."""
-        return self.dp_size > 1 or self.cpu_offload
+        """Whether parameters are managed by FSDP2 (sharded, replicated across ranks, or offloaded). Tensor-
+        parallel plans always are (over a data-parallel axis of one rank if need be), so that every
+        parameter is a DTensor: torch's foreach and fused optimizers refuse a mix of DTensors and tensors."""
+        return self.dp_size > 1 or self.cpu_offload or self.tp > 1
 
     @property
     def needs_train_step(self) -> bool:

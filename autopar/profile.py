@@ -17,7 +17,8 @@ import contextlib
 import hashlib
 import json
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -260,6 +261,33 @@ class ModelProfile:
         d["notes"] = list(self.notes)
         d["matmul_calls"] = [asdict(c) for c in self.matmul_calls]
         return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
+        """The profile `to_dict` wrote, also after a JSON round trip (lists become the tuples they were):
+        `ModelProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p`."""
+        if not isinstance(data, Mapping):
+            raise ProfileError(f"a profile must be a mapping of field names to values, got {type(data).__name__}.")
+        names = {f.name for f in dataclass_fields(cls)}
+        unknown = sorted(set(map(str, data)) - names)
+        if unknown:
+            raise ProfileError(f"unknown profile field(s) {', '.join(unknown)}; ModelProfile.to_dict writes: "
+                               f"{', '.join(sorted(names))}.")
+        values = dict(data)
+        values["blocks"] = tuple(b if isinstance(b, BlockProfile) else BlockProfile(**b)
+                                 for b in values.get("blocks", ()))
+        values["matmul_calls"] = tuple(c if isinstance(c, MatmulCall) else MatmulCall(**c)
+                                       for c in values.get("matmul_calls", ()))
+        values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
+        for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names"):
+            if name in values:
+                values[name] = tuple(values[name])
+        if values.get("block_input_shape") is not None:
+            values["block_input_shape"] = tuple(values["block_input_shape"])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ProfileError(f"not a profile written by ModelProfile.to_dict: {exc}") from None
 
     def describe(self) -> str:
         def n(x: float) -> str:
@@ -886,3 +914,45 @@ def iter_block_modules(model: nn.Module, profile: ModelProfile) -> Iterable[tupl
                 "for another model; profile this one."
             )
         yield block.name, named[block.name]
+
+
+def extrapolate_profile(shallow: ModelProfile, deeper: ModelProfile, num_blocks: int) -> ModelProfile:
+    """The profile of the same model with `num_blocks` blocks, from two traces of it at smaller depths.
+
+    Planning a 70B model needs no 70B trace: trace it with 1 and 2 blocks (say) and extend. Everything
+    linear in depth (FLOPs, ops, memory-bound bytes, parameters) grows by the per-block increment
+    measured between the two traces, so the result equals a full-depth trace for models whose blocks are
+    identical; the blocks are copies of `deeper`'s last one. The result plans; it cannot be applied (its
+    matmul calls are the shallow model's), and its fingerprint says it was extrapolated.
+    """
+    extra = deeper.num_blocks - shallow.num_blocks
+    if extra < 1 or shallow.num_blocks < 1:
+        raise ProfileError("extrapolate_profile needs two traces of one model, the second with more blocks "
+                           f"(got {shallow.num_blocks} and {deeper.num_blocks}).")
+    if num_blocks < deeper.num_blocks:
+        raise ProfileError(f"num_blocks={num_blocks} is fewer than the deeper trace's {deeper.num_blocks} blocks: "
+                           "profile the model at that depth instead.")
+    if (shallow.sample_batch_size, shallow.tokens_per_sample, shallow.profile_precision) != \
+            (deeper.sample_batch_size, deeper.tokens_per_sample, deeper.profile_precision):
+        raise ProfileError("extrapolate_profile: the two traces must use the same sample and precision.")
+    more = num_blocks - deeper.num_blocks
+
+    def grow(name: str) -> Any:
+        a, b = getattr(shallow, name), getattr(deeper, name)
+        step = (b - a) / extra
+        value = b + step * more
+        return type(b)(round(value)) if isinstance(b, int) else value
+
+    last = deeper.blocks[-1]
+    prefix = last.name.rsplit(".", 1)[0] + "." if "." in last.name else ""
+    blocks = deeper.blocks + tuple(replace(last, name=f"{prefix}{deeper.num_blocks + i}") for i in range(more))
+    digest = hashlib.sha256(f"{deeper.fingerprint}:{num_blocks}".encode()).hexdigest()[:16]
+    return replace(
+        deeper, blocks=blocks, fingerprint=f"x{digest}",
+        num_params=grow("num_params"), num_trainable_params=grow("num_trainable_params"),
+        param_bytes=grow("param_bytes"), forward_flops=grow("forward_flops"), flops=grow("flops"),
+        num_ops=grow("num_ops"), traffic_bytes=grow("traffic_bytes"),
+        num_layers=num_blocks if deeper.num_layers is not None else None,
+        notes=deeper.notes + (f"extrapolated from traces with {shallow.num_blocks} and {deeper.num_blocks} "
+                              f"blocks to {num_blocks} blocks (for planning only)",),
+    )

@@ -1,104 +1,265 @@
-"""Choosing a plan.
+"""Choosing a plan: the search over candidate plans, ranked by the cost model.
 
-This version chooses by a simple, documented rule (`rule_plan`); the cost model and search that rank
-every candidate by predicted step time replace it in a later version. The rule:
+`search(...)` enumerates plans for a model, a topology and a global batch (`enumerate_plans`): mesh
+factorisations with tensor parallelism inside a node and dividing the heads, pipeline degrees up to the
+number of blocks, micro-batch sizes, checkpointing, precision, compile, sequence parallelism,
+resharding; CPU offload only where nothing else fits. It predicts each plan's memory (autopar.cost),
+drops those that do not fit with a headroom, predicts the time of the rest and ranks them by predicted
+step time. `autopar.candidates` returns the ranking; `wrap` and `autopar.plan` apply its first plan.
 
-1. Data parallel over every process, keeping the global batch: micro-batch = global batch / processes,
-   no accumulation (so the user's plain loop keeps working). One node: FSDP2 over all its GPUs
-   (dp_shard = world). Several nodes: HSDP, sharded within a node and replicated across nodes
-   (dp_shard = GPUs per node, dp_replicate = nodes), so the per-step all-gathers stay on NVLink.
-2. Precision: bf16 on a GPU that has it (fp32 master weights and optimizer state), fp32 elsewhere.
-3. torch.compile on GPUs (Triton available), off on CPU (compiling costs more than a short CPU run saves).
-4. Memory: model states take 16 bytes per parameter (fp32 weights, gradients, Adam's two moments;
-   ZeRO, Rajbhandari et al. 2020), divided by the shard degree; activations are the profile's bytes
-   saved for backward, scaled to the micro-batch (halved for bf16 if the profile ran in fp32). If the
-   sum exceeds 85% of a GPU's memory, checkpoint every block fully (activations fall to about 1/17:
-   Korthikanti et al. 2022, 2sbh against 34sbh per layer); if that still does not fit, offload
-   parameters and optimizer state to CPU; if even that does not fit, raise InfeasiblePlanError.
+Pruned as dominated, never predicted for time:
+- fp32 where bf16 exists (slower and larger), eager where compile is available, tensor parallelism
+  without sequence parallelism (the same communication, more activation memory): not enumerated.
+- more recomputation or resharding than needed: of the plans that differ only in checkpointing
+  (none < selective < full) and `reshard_after_forward` (False < True), one is dropped when another
+  with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
+  never slower; it is listed as dropped, with the plan that dominates it.
+
+The work is one step per plan considered: the loops run over divisors of the world size and of the
+local batch, never over ranks, and only plans that fit are predicted for time.
+
+Without `allow_train_step` only plans a plain loop can run are enumerated: pure data parallelism (every
+process reads its own batch), no accumulation, no pipeline, no tensor parallelism. With it (a loop that
+steps with autopar.train_step and reads with autopar.dataloader / data_shard) everything is.
+torch.compile is enumerated on GPUs, and for the GPUs here only where Triton (inductor's GPU backend) is
+installed.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from .errors import InfeasiblePlanError, PlanError
+from .errors import PlanError
 from .plans import Plan
 from .profile import ModelProfile
 from .topology import Topology
 
-# Fraction of a GPU's memory the rule plans to use; the rest is the CUDA context, the allocator's
-# fragmentation and transient buffers (source: the 2-3.4 GiB reserved-over-allocated gap measured on
-# one H200, ../shared/anchors/published.md).
-MEMORY_BUDGET_FRACTION = 0.85
-# Bytes of model state per parameter with fp32 master weights and Adam (ZeRO paper, K = 12 + 4 grad).
-STATE_BYTES_PER_PARAM = 16
-# Full recomputation keeps 2sbh of the 34sbh bytes a layer saves (Korthikanti et al. 2022).
-FULL_RECOMPUTE_FRACTION = 2 / 34
+# ---------------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------------
+import dataclasses  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Any, Iterator, Mapping  # noqa: E402
 
 
-def _split_batch(global_batch_size: int, dp: int) -> int:
-    if global_batch_size % dp:
-        raise PlanError(
-            f"the global batch of {global_batch_size} samples does not split over {dp} data-parallel ranks: use "
-            f"a global batch divisible by {dp} (e.g. {max(dp, global_batch_size - global_batch_size % dp)}), "
-            f"or pass a plan with fewer data-parallel ranks."
-        )
-    return global_batch_size // dp
+@dataclass(frozen=True)
+class Candidate:
+    """A plan with its prediction. A dropped one (`feasible` False) says why in `reason`; its `prediction`
+    is None, and its plan's `prediction` holds the memory where that was predicted."""
+
+    plan: Plan
+    prediction: Any  # autopar.cost.Prediction
+    feasible: bool
+    reason: str | None = None
+    exact: Any = None  # autopar.cost.exact.ExactMemory, when the exact check verified this candidate
 
 
-def estimate_memory_bytes(profile: ModelProfile, *, micro_batch_size: int, shard: int, precision: str,
-                          checkpointing: str, cpu_offload: bool) -> float:
-    """The rule's rough per-GPU memory (model states + saved activations); the cost model replaces it."""
-    states = 0.0 if cpu_offload else profile.num_params * STATE_BYTES_PER_PARAM / shard
-    scale = micro_batch_size / profile.sample_batch_size
-    if precision == "bf16" and profile.profile_precision == "fp32":
-        scale /= 2
-    if checkpointing == "full":
-        biggest = max((b.saved_bytes for b in profile.blocks), default=0)
-        blocks = sum(b.saved_bytes for b in profile.blocks) * FULL_RECOMPUTE_FRACTION + biggest
-        acts = (blocks + profile.saved_bytes_outside_blocks) * scale
-    else:
-        acts = profile.saved_bytes * scale
-    return states + acts + profile.largest_transient_bytes * scale
+def _divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, in O(sqrt n) steps (never one step per rank of a large world)."""
+    small, large = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
 
 
-def rule_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
-    """The plan chosen by the rule in this module's docstring."""
-    if not profile.traced:
-        raise PlanError("choosing a plan needs a traced profile (FLOPs and activation bytes); pass a plan instead.")
-    if topology.world_size != world_size and topology.is_gpu:
-        # A detected topology describes this job; a spec for other hardware must match the world asked for.
-        raise PlanError(
-            f"the topology has {topology.world_size} GPUs but the job has {world_size} processes: "
-            "give a topology for this job (Topology.detect() under torchrun, or a spec with that many GPUs)."
-        )
-    if world_size == 1:
-        dp_replicate, dp_shard = 1, 1
-    elif topology.num_nodes > 1 and world_size % topology.num_nodes == 0:
-        dp_replicate, dp_shard = topology.num_nodes, world_size // topology.num_nodes
-    else:
-        dp_replicate, dp_shard = 1, world_size
-    micro_batch = _split_batch(global_batch_size, dp_replicate * dp_shard)
-    precision = "bf16" if topology.is_gpu and topology.device.supports("bf16") else "fp32"
-    # Compile on GPUs; when planning for the GPUs here, only if Triton (inductor's GPU backend) is installed.
-    compile_ = topology.is_gpu and (topology.source != "detected" or importlib.util.find_spec("triton") is not None)
+def _micro_batches(local: int, limit: int = 6) -> list[int]:
+    """Micro-batch sizes for a local batch: its divisors, at most `limit` of them spread over the range."""
+    divs = _divisors(local)
+    if len(divs) <= limit:
+        return divs
+    step = (len(divs) - 1) / (limit - 1)
+    return sorted({divs[round(i * step)] for i in range(limit)})
 
-    budget = MEMORY_BUDGET_FRACTION * topology.device.memory_bytes
-    options = [("none", False), ("full", False)] + ([("full", True)] if topology.is_gpu else [])
-    for checkpointing, offload in options:
-        need = estimate_memory_bytes(profile, micro_batch_size=micro_batch, shard=dp_shard, precision=precision,
-                                     checkpointing=checkpointing, cpu_offload=offload)
-        if need <= budget:
+
+def tensor_parallel_degrees(profile: ModelProfile, topology: Topology, world_size: int) -> list[int]:
+    """TP degrees the search tries: divisors of the GPUs of one node (a TP group never spans nodes), at most
+    8, that divide the attention heads, the key/value heads and the hidden size."""
+    per_node = min(topology.devices_per_node, world_size)
+    heads = [h for h in (profile.num_heads, profile.num_kv_heads) if h]
+    return [t for t in _divisors(per_node) if t <= 8 and all(h % t == 0 for h in heads)
+            and (t == 1 or profile.hidden_dim is None or profile.hidden_dim % t == 0)]
+
+
+def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_size: int,
+                          allow_train_step: bool = False) -> list[int]:
+    """The data-parallel degrees the search tries, ascending: a global batch must divide by one of them."""
+    out = set()
+    for tp in (tensor_parallel_degrees(profile, topology, world_size) if allow_train_step else [1]):
+        for pp in _divisors(world_size // tp):
+            if pp == 1 or (allow_train_step and pp <= len(profile.blocks)):
+                out.add(world_size // (tp * pp))
+    return sorted(out)
+
+
+def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
+                    allow_train_step: bool = False, offload: bool = False, compile_available: bool = True
+                    ) -> Iterator[Plan]:
+    """Every plan the search considers (see the module docstring). Plans that need autopar.train_step and
+    autopar.dataloader (accumulation, pipelines, tensor parallelism) only with `allow_train_step`; CPU
+    offload only with `offload`.
+
+    The work is one step per plan yielded: the loops run over divisors of the world size and of the
+    local batch, never over ranks."""
+    # A plain loop gives every process its own batch: only pure data parallelism keeps that true (tensor-
+    # parallel peers must read the same samples, which autopar.dataloader / data_shard arrange).
+    tps = tensor_parallel_degrees(profile, topology, world_size) if allow_train_step else [1]
+    # Pruned as dominated: fp32 where bf16 exists (slower and larger), eager where compile is available
+    # (compile is never slower or larger in the cost model; `compile=False` plans stay valid choices), and
+    # tensor parallelism without sequence parallelism (the same communication, more activation memory).
+    precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
+    compiles = [True] if topology.is_gpu and compile_available else [False]
+    blocks = len(profile.blocks)
+    fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}
+    for tp in tps:
+        for pp in _divisors(world_size // tp):
+            if pp > 1 and (not allow_train_step or pp > blocks or offload):
+                continue
+            dp = world_size // (tp * pp)
+            if global_batch_size % dp:
+                continue
+            local = global_batch_size // dp
+            splits = {(1, dp)}
+            in_node = max(1, topology.devices_per_node // (tp * pp)) if topology.devices_per_node % (tp * pp) == 0 else 1
+            if topology.num_nodes > 1 and dp % in_node == 0 and in_node > 1:
+                splits.add((dp // in_node, in_node))  # HSDP: shard within a node, replicate across nodes
+            if dp > 1 and not offload:
+                splits.add((dp, 1))  # replicated (DDP-like)
+            for replicate, shard in sorted(splits):
+                for mb in _micro_batches(local):
+                    accum = local // mb
+                    if accum > 1 and not allow_train_step:
+                        continue
+                    schedules: list[tuple[str | None, int]] = [(None, 1)]
+                    if pp > 1:
+                        schedules = [("1f1b", 1)] if accum >= pp else [("gpipe", 1)]
+                        if accum >= pp and accum % pp == 0 and 2 * pp <= blocks:
+                            schedules += [("interleaved_1f1b", 2), ("zero_bubble", 2)]
+                    for schedule, per_rank in schedules:
+                        for ckpt in ("none", "selective", "full"):
+                            for precision in precisions:
+                                for compile_ in compiles:
+                                    for sp in ([True] if tp > 1 else [False]):
+                                        for reshard in ([True, False] if shard > 1 else [True]):
+                                            yield Plan(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
+                                                       micro_batch_size=mb, grad_accum=accum, pp_schedule=schedule,
+                                                       pp_stages_per_rank=per_rank, reshard_after_forward=reshard,
+                                                       cpu_offload=offload, sequence_parallel=sp,
+                                                       checkpointing=ckpt, precision=precision, compile=compile_,
+                                                       **fingerprints)
+
+
+class _HashedOnce(ModelProfile):
+    """The same profile, with its hash computed once. The cost model caches pipeline stage splits by
+    profile (`strategies.pipeline.split_stages`, an lru_cache), and hashing a frozen ModelProfile hashes
+    every block each time: for an 80-block model that was half of the search's time."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = ModelProfile.__hash__(self)
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+
+def _hashed_once(profile: ModelProfile) -> ModelProfile:
+    if isinstance(profile, _HashedOnce):
+        return profile
+    return _HashedOnce(**{f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)})
+
+
+def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
+           variants: Mapping[str, ModelProfile] | None = None, calibration: Any = None,
+           allow_train_step: bool = False, headroom: float = 0.95) -> list[Candidate]:
+    """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
+    (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
+    Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, and
+    not dominated (see the module docstring). CPU offload is tried only when no other plan fits.
+
+    A plan is predicted for memory first; only a feasible one is predicted for time too. A dropped one
+    has no `Candidate.prediction` (None); its plan's `prediction` holds the memory (`memory_bytes`,
+    `allocated_bytes`) where it was predicted, and `reason` says why it was dropped.
+
+    `variants` may be any mapping (e.g. one that traces a precision on first use): only the precisions
+    some plan needs are read."""
+    from .cost import Calibration, predict_profile
+    from .cost.memory import predict_memory
+    from .strategies.pipeline import check_pipeline
+
+    world_size = world_size or topology.world_size
+    cal = calibration or Calibration()
+    # Compile for GPUs elsewhere (a spec); for the GPUs here only if Triton, inductor's GPU backend, is installed.
+    compile_available = topology.source != "detected" or importlib.util.find_spec("triton") is not None
+    budget = headroom * topology.device.memory_bytes
+    keyed = _hashed_once(profile)
+    out: list[Candidate] = []
+    for offload in ((False, True) if topology.is_gpu else (False,)):
+        groups: dict[tuple, list[Plan]] = {}
+        for plan in enumerate_plans(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
+                                    allow_train_step=allow_train_step, offload=offload,
+                                    compile_available=compile_available):
+            groups.setdefault(_group_key(plan), []).append(plan)
+        for plans in groups.values():
+            fits: list[Plan] = []
+            for plan in plans:
+                if plan.pp > 1:
+                    try:
+                        check_pipeline(plan, keyed)
+                    except PlanError as exc:
+                        out.append(Candidate(plan, None, False, str(exc).split(":")[0]))
+                        continue
+                memory = predict_memory(keyed, plan, cal, variants=variants)
+                need = plan.replace(prediction={"memory_bytes": float(memory.peak_bytes),
+                                                "allocated_bytes": float(memory.allocated_bytes)})
+                if memory.peak_bytes > budget:
+                    out.append(Candidate(need, None, False, f"needs {memory.peak_bytes / 2**30:.1f} GiB per GPU, "
+                                                            f"more than {budget / 2**30:.1f} GiB"))
+                else:
+                    fits.append(need)
+            for plan in fits:
+                better = next((q for q in fits if q is not plan and _no_more_work(q, plan)), None)
+                if better is not None:
+                    out.append(Candidate(plan, None, False, f"{DOMINATED} checkpointing={better.checkpointing}, "
+                                                            f"reshard_after_forward={better.reshard_after_forward}"))
+                    continue
+                pred = predict_profile(keyed, plan, topology, cal, variants=variants)
+                ok = pred.memory.peak_bytes <= budget
+                reason = None if ok else (f"needs {pred.memory.peak_bytes / 2**30:.1f} GiB per GPU, more than "
+                                          f"{budget / 2**30:.1f} GiB")
+                out.append(Candidate(plan.replace(prediction=pred.summary()), pred, ok, reason))
+        if any(c.feasible for c in out):
             break
-    else:
-        raise InfeasiblePlanError(
-            f"{profile.model_class} with a micro-batch of {micro_batch} needs about {need / 2**30:.1f} GiB per "
-            f"device even with full checkpointing and CPU offload, more than {budget / 2**30:.1f} GiB: use more "
-            "devices, a smaller batch, or a shorter sequence."
-        )
-    return Plan(
-        dp_replicate=dp_replicate, dp_shard=dp_shard, micro_batch_size=micro_batch, grad_accum=1,
-        checkpointing=checkpointing, cpu_offload=offload, precision=precision, compile=compile_,
-        model_fingerprint=profile.fingerprint, topology_fingerprint=topology.fingerprint(),
-        prediction={"memory_bytes": float(need)},
-    )
+    out.sort(key=_rank_key)
+    return out
+
+
+#: The start of the reason a dominated plan was dropped (the dominating variant follows).
+DOMINATED = "dominated: fits, but so does the same plan with no more recomputation or resharding,"
+_CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def _group_key(plan: Plan) -> tuple:
+    """Everything but checkpointing and resharding: plans with one key differ only in work they redo."""
+    return tuple(v for k, v in plan.strategy().items() if k not in ("checkpointing", "reshard_after_forward"))
+
+
+def _no_more_work(q: Plan, plan: Plan) -> bool:
+    """Whether q (same group as plan) recomputes and re-gathers no more than plan, and is a different plan."""
+    return (_CKPT_ORDER[q.checkpointing] <= _CKPT_ORDER[plan.checkpointing]
+            and q.reshard_after_forward <= plan.reshard_after_forward
+            and (q.checkpointing, q.reshard_after_forward) != (plan.checkpointing, plan.reshard_after_forward))
+
+
+def _rank_key(c: Candidate) -> tuple[bool, int, float]:
+    """Feasible first, by step time; then those that do not fit, by memory needed; then the dominated; then
+    those the model cannot run."""
+    if c.feasible:
+        return (False, 0, c.prediction.step_s)
+    if c.reason and c.reason.startswith(DOMINATED):
+        return (True, 1, 0.0)
+    need = (c.plan.prediction or {}).get("memory_bytes")
+    return (True, 0, float(need)) if need is not None else (True, 2, 0.0)

@@ -1,4 +1,4 @@
-"""Test settings: GPU tests are skipped without a GPU; CPU tests never see one.
+"""Test settings: GPU tests are skipped without a GPU; CPU tests never see one; each test has its own cache.
 
 On a machine with GPUs (the device machine), every test not marked `gpu` runs as on a CPU-only machine:
 torch.cuda reports no device, and the processes the tests launch get CUDA_VISIBLE_DEVICES="". So the
@@ -27,3 +27,10 @@ def _cpu_only_unless_gpu_test(request, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test (and the processes it launches) uses its own autopar cache directory: a plan cached or a
+    calibration fitted by one test, or by the user, never changes what another test chooses."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("autopar-cache")))

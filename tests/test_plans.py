@@ -175,7 +175,7 @@ def test_options_that_do_combine_are_accepted(kwargs):
     ({"dp_replicate": 2, "dp_shard": 8, "micro_batch_size": 2, "grad_accum": 3}, 16, 16, 6, 96, True, True),
     ({"dp_replicate": 4, "micro_batch_size": 5}, 4, 4, 5, 20, True, False),
     ({"tp": 4, "dp_shard": 2, "micro_batch_size": 8}, 8, 2, 8, 16, True, False),
-    ({"tp": 8, "micro_batch_size": 8}, 8, 1, 8, 8, False, False),
+    ({"tp": 8, "micro_batch_size": 8}, 8, 1, 8, 8, True, False),  # TP: FSDP over one rank, all DTensors
     ({"pp": 4, "pp_schedule": "1f1b", "dp_shard": 2, "micro_batch_size": 1, "grad_accum": 8}, 8, 2, 8, 16, True, True),
     ({"pp": 2, "pp_schedule": "gpipe", "tp": 2, "dp_replicate": 3, "dp_shard": 5, "micro_batch_size": 7},
      60, 15, 7, 105, True, True),

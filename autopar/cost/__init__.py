@@ -59,7 +59,7 @@ def predict_profile(profile: ModelProfile, plan: Plan, topology: Topology, calib
     step = time.step_s
     samples = plan.global_batch_size / step
     tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
-    peak = topology.device.peak_flops("bf16") * plan.world_size
+    peak = topology.device.peak_flops("bf16" if topology.device.supports("bf16") else "fp32") * plan.world_size
     mfu = model_flops_per_step(profile, plan) / step / peak
     return Prediction(plan=plan, memory=memory, time=time, tokens_per_s=tokens, samples_per_s=samples, mfu=mfu)
 

@@ -42,15 +42,26 @@ class Calibration:
     autocast_activation_factor: float = 1.17  # CUDA autocast / CPU-autocast-traced saved bytes; ratio; anchor fit
     gradient_peak_fraction: float = 0.0004  # gradients alive at a single step's peak (backward start); ratio; anchor fit
     # --- time -----------------------------------------------------------------------------------------
-    matmul_efficiency: float = 0.66  # model GEMMs' bf16 rate / datasheet peak (8192^3 alone: 812/989); ratio; anchor fit
-    matmul_half_width: float = 672.0  # GEMM width at which efficiency halves (eff x h/(h + this)); elements; anchor fit
-    fp32_matmul_efficiency: float = 0.75  # fp32 (no tensor cores) GEMM rate / fp32 peak; ratio; anchor fit
+    # The matmul factors are stated for Hopper (where the anchors ran); `matmul_arch` scales them to the GPU's
+    # architecture. One GEMM reaches peak x matmul_efficiency x depth/(depth + matmul_half_width) x
+    # out/(out + matmul_rows_half x 2048) (autopar.cost.time._gemm_fraction).
+    matmul_efficiency: float = 0.691  # model GEMMs' bf16 rate at any depth and size / datasheet peak (8192^3 alone:
+    # 812/989); ratio; anchor fit
+    matmul_half_width: float = 939.0  # GEMM reduction depth at which the efficiency halves; elements; anchor fit
+    matmul_rows_half: float = 1061.0  # rows (tokens) of a 2048-wide GEMM at which the efficiency halves (the
+    # output tiles rows x width fill the SMs); tokens; anchor fit (Llama-1B compiled at 4, 8, 16 x 2048 tokens)
+    microbatch_overhead_s: float = 5e-4  # fixed cost per micro-batch (graph launches, hooks, loss); seconds
+    fp32_matmul_efficiency: float = 0.866  # fp32 (no tensor cores) GEMM rate / fp32 peak, less the fill loss; ratio;
+    # anchor fit
     memory_efficiency: float = 0.57  # achieved / datasheet HBM bandwidth of memory-bound eager kernels; ratio; anchor fit
     eager_traffic_factor: float = 1.0  # eager kernels move the traced bytes; ratio
     compile_traffic_factor: float = 0.059  # inductor fuses elementwise ops; ratio of the traced bytes; anchor fit
     launch_s: float = 6e-6  # CPU time to launch one eager op; seconds; PyTorch eager on x86
     compile_launch_factor: float = 0.1  # compiled graphs launch fewer kernels; ratio
-    comm_efficiency: float = 0.75  # NCCL bus bandwidth / link bandwidth; ratio; nccl-tests (370 of ~450 GB/s)
+    comm_efficiency: float = 0.75  # NCCL bus bandwidth / NVLink bandwidth in a node; ratio; nccl-tests (H100/H200:
+    # ~370 of 450 GB/s a direction; A100: ~230 of 300)
+    network_efficiency: float = 0.94  # NCCL bus bandwidth / network line rate across nodes; ratio; NCCL maintainers
+    # in nccl/nccl-tests issues: 46-48 GB/s measured per 400 Gb/s (50 GB/s) InfiniBand NDR NIC
     comm_latency_s: float = 15e-6  # per collective; seconds; NCCL ring latency on NVLink
     fsdp_overlap: float = 0.85  # share of FSDP communication hidden behind compute; ratio; FSDP2 prefetching
     optimizer_bytes_per_param: float = 28.0  # fused AdamW reads/writes per parameter (fp32 w, g, m, v); bytes
@@ -103,6 +114,54 @@ class Calibration:
                     raise AutoparError(f"calibration {k} must be a number, got {v!r}.")
                 values[k] = float(v)
         return cls(**values)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GEMM rates by GPU architecture, relative to the anchors' (Hopper, sm90)
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MatmulArch:
+    """How one GPU architecture's bf16 GEMMs differ from Hopper's (where the matmul factors are fitted)."""
+
+    mamf_fraction: float  # best dense bf16 GEMM rate / datasheet peak (maximum achievable matmul FLOPS); ratio
+    flops_per_clock_per_sm: int  # dense bf16 tensor-core FLOPs per clock per SM; FLOP
+    source: str
+
+    @property
+    def efficiency_ratio(self) -> float:
+        """Scales Calibration.matmul_efficiency (fitted on Hopper) to this architecture's best GEMMs."""
+        return self.mamf_fraction / _HOPPER.mamf_fraction
+
+    @property
+    def half_width_ratio(self) -> float:
+        """Scales Calibration.matmul_half_width: a GEMM tile's fixed costs (first operand loads, the epilogue)
+        take about as many clocks on every generation while the main loop's work per clock grows with the
+        SM's tensor rate, so the reduction depth that amortises them grows in proportion."""
+        return self.flops_per_clock_per_sm / _HOPPER.flops_per_clock_per_sm
+
+
+_HOPPER = MatmulArch(
+    0.821, 4096,
+    "H200: 812 of 989 TFLOP/s on an 8192^3 bf16 GEMM (measured here, shared/anchors); H100 SXM 794.5 (80.3%), "
+    "GH200 828.6 (83.8%) in S. Bekman's MAMF table (ml-engineering, compute/accelerator); 4 tensor cores x "
+    "512 FMA x 2 per clock per SM (989e12 = 132 SMs x 1.83 GHz x 4096)")
+#: By CUDA compute capability (major, minor); architectures not listed use Hopper's figures.
+MATMUL_ARCH: dict[tuple[int, int], MatmulArch] = {
+    (8, 0): MatmulArch(
+        0.869, 2048,
+        "A100 SXM: 271.2 of 312 TFLOP/s (86.9%, S. Bekman's MAMF table, torch 2.6); 4 tensor cores x 256 FMA x 2 "
+        "per clock per SM (312e12 = 108 SMs x 1.41 GHz x 2048; NVIDIA A100 whitepaper)"),
+    (9, 0): _HOPPER,
+    (10, 0): MatmulArch(
+        0.776, 8192,
+        "B200: about 1745 of 2250 TFLOP/s (77.6%, S. Bekman's ml-engineering); 2.25e15 / (148 SMs x ~1.86 GHz) "
+        "~ 8192 per clock per SM, twice Hopper's"),
+}
+
+
+def matmul_arch(device: Any) -> MatmulArch:
+    """The GEMM factors of a DeviceSpec's architecture (Hopper's for CPUs and unlisted GPUs)."""
+    return MATMUL_ARCH.get(getattr(device, "compute_capability", None) or (0, 0), _HOPPER)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,7 +234,7 @@ def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[
             ) -> Calibration:
     """Micro-benchmarks on this GPU: bf16 GEMMs of several sizes (fits matmul_efficiency and
     matmul_half_width), a device-to-device copy (memory_efficiency), and, in a process group of several
-    ranks, an all-reduce (comm_efficiency). Needs a CUDA GPU."""
+    ranks, an all-reduce (comm_efficiency inside a node, network_efficiency across nodes). Needs a CUDA GPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -190,15 +249,19 @@ def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[
         dt = _time_cuda(lambda: a @ b, reps=max(3, int(2e12 / (2 * n**3)) or 3))
         rate = 2 * n**3 / dt
         extra[f"gemm_bf16_{n}_flops"] = rate
-        effs.append((n, rate / peak))
+        out_half = base.matmul_rows_half * 2048  # the fill loss of an n x n output (autopar.cost.time)
+        effs.append((n, rate / peak * (n * n + out_half) / (n * n)))
         del a, b
-    # eff(n) = e * n / (n + h): fit h from the smallest and largest shapes
+    # eff(n) = e * n / (n + h) once the fill loss is taken out: fit h from the smallest and largest shapes
     (n0, e0), (n1, e1) = effs[0], effs[-1]
     # e0 (n0 + h) / n0 = e1 (n1 + h) / n1  =>  h = (e1 - e0) / (e0 / n0 - e1 / n1)
     denominator = e0 / n0 - e1 / n1
-    half = (e1 - e0) / denominator if denominator > 0 and e1 > e0 else base.matmul_half_width
+    arch = matmul_arch(topology.device)
+    half = (e1 - e0) / denominator if denominator > 0 and e1 > e0 else base.matmul_half_width * arch.half_width_ratio
     half = min(max(half, 1.0), 8192.0)
     e_max = e1 * (n1 + half) / n1
+    # Stored as Hopper-equivalent factors: the time model scales them back by this GPU's architecture.
+    e_max, half = e_max / arch.efficiency_ratio, half / arch.half_width_ratio
     numel = 256 * 2**20
     x = torch.empty(numel, device="cuda", dtype=torch.float32)
     y = torch.empty_like(x)
@@ -214,8 +277,9 @@ def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[
         dt = _time_cuda(lambda: dist.all_reduce(t), reps=5)
         bus = 2 * (w - 1) / w * t.numel() * 2 / dt
         extra["allreduce_bus_bytes_per_s"] = bus
-        link = topology.link_bytes_per_s(w, spans_nodes=topology.num_nodes > 1)
-        changes["comm_efficiency"] = min(1.0, bus / link)
+        spans = topology.num_nodes > 1 and topology.inter_node_bytes_per_s < topology.device.intra_node_bytes_per_s
+        link = topology.link_bytes_per_s(w, spans_nodes=spans)
+        changes["network_efficiency" if spans else "comm_efficiency"] = min(1.0, bus / link)
     return base.replace(source=f"measured on {torch.cuda.get_device_name()}", extra=extra, **changes)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Mapping
 
 from ..plans import Plan
-from ..profile import ModelProfile
+from ..profile import BlockProfile, ModelProfile
 
 if TYPE_CHECKING:  # pragma: no cover
     from .calibration import Calibration
@@ -58,20 +58,20 @@ def _bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
-def stage_blocks(profile: ModelProfile, plan: Plan) -> tuple[list[int], bool, bool]:
-    """The block indices of the most memory-loaded stage this plan gives a rank (the first stage under a
-    pipeline: it holds the most micro-batches), and whether it holds the embeddings / the head."""
+def stage_blocks(profile: ModelProfile, plan: Plan, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
+    """The block indices a pipeline rank holds (rank 0: the first stage, which holds the most micro-batches
+    in flight), and whether it holds the embeddings / the head."""
     if plan.pp == 1:
         return list(range(len(profile.blocks))), True, True
     from ..strategies.pipeline import split_stages, stage_ids
 
     split = split_stages(profile, plan.pp * plan.pp_stages_per_rank)
-    stages = stage_ids(plan, 0)  # pipeline rank 0 holds the first stage
+    stages = stage_ids(plan, pp_rank)
     blocks = [i for s in stages for i in split[s]]
     return blocks, True, (plan.pp * plan.pp_stages_per_rank - 1) in stages
 
 
-def in_flight_microbatches(plan: Plan) -> float:
+def in_flight_microbatches(plan: Plan, pp_rank: int = 0) -> float:
     """Micro-batches whose activations the first stage holds at once (Narayanan et al. 2021, Korthikanti
     et al. 2022): all of them under GPipe; pp under 1F1B (fewer if there are fewer); interleaved 1F1B
     adds (pp - 1) / v more chunks' worth; zero-bubble schedules defer weight gradients and hold about one
@@ -81,7 +81,7 @@ def in_flight_microbatches(plan: Plan) -> float:
         return 1.0  # micro-batches run one after another; each frees its activations in its backward
     if plan.pp_schedule == "gpipe":
         return float(n)
-    base = float(min(n, p))
+    base = float(min(n, p - pp_rank))  # 1F1B: stage s holds p - s micro-batches
     if plan.pp_schedule == "interleaved_1f1b":
         return base * (1 + (p - 1) / (p * v))
     if plan.pp_schedule == "zero_bubble":
@@ -89,11 +89,20 @@ def in_flight_microbatches(plan: Plan) -> float:
     return base
 
 
-def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, variants: Mapping[str, ModelProfile] | None = None,
+def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *,
+                   variants: Mapping[str, ModelProfile] | None = None,
                    optimizer_state_bytes_per_param: int = 8) -> MemoryPrediction:
-    """Peak memory of `plan` on its most loaded GPU. `bf16_profile` (the model traced under bf16 autocast)
-    gives the activation bytes of bf16 plans more exactly than halving the fp32 profile's."""
-    blocks, first, last = stage_blocks(profile, plan)
+    """Peak memory of `plan` on its most loaded GPU (of a pipeline: the first stage's rank, with the most
+    micro-batches in flight, or the last's, with the head and the loss). `variants`: the model traced in
+    other precisions, for the activation bytes of bf16 plans."""
+    ranks = (0,) if plan.pp == 1 else (0, plan.pp - 1)
+    return max((_rank_memory(profile, plan, cal, variants, optimizer_state_bytes_per_param, r) for r in ranks),
+               key=lambda m: m.peak_bytes)
+
+
+def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants: Mapping[str, ModelProfile] | None,
+                 optimizer_state_bytes_per_param: int, pp_rank: int) -> MemoryPrediction:
+    blocks, first, last = stage_blocks(profile, plan, pp_rank)
     tp, shard, compute = plan.tp, plan.dp_shard, _bytes(plan.precision)
     vocab_split = profile.vocab_size is not None and tp > 1 and profile.vocab_size % tp == 0
 
@@ -102,7 +111,9 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, var
     block_params = sum(profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks)
     outside = profile.num_params - sum(b.num_params for b in profile.blocks)
     if plan.pp > 1:
-        outside = outside * (0.5 * first + 0.5 * last)  # embeddings on the first stage, head on the last
+        # Embeddings on the first stage, head on the last; a head tied to the embedding is a full copy on
+        # both (autopar keeps tied copies in step across stages).
+        outside = outside * (float(first or last) if profile.tied_params else 0.5 * first + 0.5 * last)
     if vocab_split:
         outside /= tp
     params = block_params + outside
@@ -115,7 +126,8 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, var
     # them (the head's, the first blocks') is counted (calibration.gradient_peak_fraction, measured).
     on_gpu = 0.0 if plan.cpu_offload else 1.0
     parameters = 4 * params / shard * on_gpu  # fp32 master weights; bytes; ZeRO-3
-    grads_live = 1.0 if (plan.grad_accum > 1 or plan.pp > 1) else cal.gradient_peak_fraction
+    # Under GPipe every forward runs before the first backward: no gradient exists at its peak.
+    grads_live = 1.0 if plan.grad_accum > 1 and plan.pp_schedule != "gpipe" else cal.gradient_peak_fraction
     gradients = 4 * params / shard * on_gpu * grads_live  # fp32 gradients alive at the peak; bytes; ZeRO-3
     optimizer = optimizer_state_bytes_per_param * params / shard * on_gpu  # Adam m and v in fp32; bytes
 
@@ -139,11 +151,9 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, var
     per_block = []
     for index, i in enumerate(blocks):
         b = prof.blocks[i]
-        hidden, rest = b.saved_hidden_bytes, b.saved_bytes - b.saved_hidden_bytes
-        # Korthikanti et al.: TP splits what lies between a column and a row layer (rest / t); the
-        # hidden-state-shaped tensors (norm inputs, residuals, dropout masks) are split only by sequence
-        # parallelism.
-        full = (hidden / tp if plan.sequence_parallel else hidden) + rest / tp
+        # Korthikanti et al.: TP splits what lies between a column and a row layer; the norm inputs and
+        # the column layers' inputs stay whole on every rank unless sequence parallelism splits them.
+        full = _tp_block_bytes(prof, b, plan)
         checkpointed = plan.checkpointing != "none" and index % plan.checkpoint_every == 0
         if not checkpointed:
             per_block.append(full)
@@ -155,21 +165,42 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, var
     if plan.checkpointing != "none":  # one block's full activations exist again during its recompute
         b = max((prof.blocks[i] for i in blocks), key=lambda blk: blk.saved_bytes, default=None)
         if b is not None:
-            recompute_peak = ((b.saved_hidden_bytes / tp if plan.sequence_parallel else b.saved_hidden_bytes)
-                              + (b.saved_bytes - b.saved_hidden_bytes) / tp)
+            recompute_peak = _tp_block_bytes(prof, b, plan)
     outside_saved = prof.saved_bytes_outside_blocks * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0)
-    activations = scale * (sum(per_block) * in_flight_microbatches(plan) + recompute_peak + outside_saved)
-    if plan.compile:
-        activations *= cal.compile_activation_factor
+    blocks_saved = scale * sum(per_block) * in_flight_microbatches(plan, pp_rank)
+    compile_factor = cal.compile_activation_factor if plan.compile else 1.0
 
     # Transient: the largest tensor the step makes (the logits, in fp32 for the loss) and its gradient,
     # per micro-batch, on the stage with the head; split over the vocabulary under TP (vocab-parallel loss).
     transient = 0.0
     if last:
-        transient = cal.transient_factor * profile.largest_transient_bytes * plan.micro_batch_size \
-            / profile.sample_batch_size / (tp if vocab_split else 1)
+        # (from the trace in the plan's precision: the fp32 trace of a GQA model runs the math attention
+        # kernel, whose attention matrix a GPU's fused kernel never makes)
+        transient = cal.transient_factor * prof.largest_transient_bytes * plan.micro_batch_size \
+            / prof.sample_batch_size / (tp if vocab_split else 1)
         if plan.compile:
             transient *= cal.compile_transient_factor
+
+    # The peak is the largest of three moments (measured with the exact check, autopar.cost.exact):
+    # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
+    # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
+    #     activations exist again;
+    # (c) the optimizer step: no activations, every gradient (sharded like the weights) alive.
+    moment_a = (blocks_saved + scale * outside_saved) * compile_factor + transient
+    moment_b = (blocks_saved + scale * recompute_peak) * compile_factor
+    # (d) the last block's backward: nearly every gradient alive, that block's activations (recomputed
+    #     under checkpointing) still held.
+    states = parameters + gradients + optimizer + gathered
+    step_states = parameters + 4 * params / shard * on_gpu + optimizer
+    first_block = per_block[0] * scale if per_block else 0.0
+    moment_d = (scale * recompute_peak + first_block if plan.checkpointing != "none" else first_block) \
+        * compile_factor
+    if states + max(moment_a, moment_b) >= step_states + moment_d:
+        activations = max(moment_a, moment_b) - (transient if moment_a >= moment_b else 0.0)
+        transient = transient if moment_a >= moment_b else 0.0
+    else:  # the end of backward / the optimizer step: gradients all alive, little gathered or saved
+        unit = 0.0 if not plan.uses_fsdp else (compute + 4) * largest_unit  # the last unit's gathered weights
+        gradients, gathered, activations, transient = 4 * params / shard * on_gpu, unit, moment_d, 0.0
 
     allocated = parameters + gradients + optimizer + gathered + activations + transient
     # Allocator and context: the caching allocator's reserve over the allocated peak grows with it
@@ -178,6 +209,47 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *, var
     return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                             gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
                             overhead_bytes=overhead)
+
+
+_PAIRS: dict[int, tuple[ModelProfile, tuple[int, int]]] = {}
+
+
+def _tp_pairs(profile: ModelProfile) -> tuple[int, int]:
+    """(TP pairs, column-parallel layers) in one block; cached per profile object (the search asks often)."""
+    hit = _PAIRS.get(id(profile))
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    result = (0, 0)
+    if profile.blocks and profile.hidden_dim is not None and profile.matmul_calls:
+        from ..strategies.tensor_parallel import _pairs_from_calls
+
+        prefix = profile.blocks[0].name + "."
+        pairs = _pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)],
+                                  profile.hidden_dim, None)
+        result = (len(pairs), sum(len(p.colwise) for p in pairs))
+    if len(_PAIRS) > 64:
+        _PAIRS.clear()
+    _PAIRS[id(profile)] = (profile, result)
+    return result
+
+
+def column_inputs_per_block(profile: ModelProfile) -> int:
+    """Column-parallel layers in one block (GPT: q, k, v and the MLP's first layer). Under sequence
+    parallelism torch's ColwiseParallel all-gathers each layer's input on its own, and each matmul saves
+    its whole gathered input for backward (Megatron-LM gathers once and re-gathers in backward instead,
+    which Korthikanti et al.'s 34/t assumes). Measured with the exact check (tests/cost/test_exact.py)."""
+    return _tp_pairs(profile)[1]
+
+
+def replicated_hidden_bytes(profile: ModelProfile, block_saved_hidden: float) -> float:
+    """Of a block's saved hidden-state-shaped bytes, those tensor parallelism without sequence parallelism
+    keeps whole on every rank: each TP pair's input and the norm input before it (Korthikanti et al. 2022:
+    the 10 s b h of s b h (10 + 24/t), less dropout masks). Queries, keys, values and the attention output
+    have the hidden states' size too, but are split over the heads."""
+    pairs = _tp_pairs(profile)[0]
+    if pairs == 0:
+        return block_saved_hidden
+    return min(block_saved_hidden, 2 * pairs * profile.block_input_bytes)
 
 
 def activation_profile(profile: ModelProfile, plan: Plan, cal: "Calibration",
@@ -192,6 +264,17 @@ def activation_profile(profile: ModelProfile, plan: Plan, cal: "Calibration",
             return variants[key], (cal.autocast_activation_factor if key == "bf16" else 1.0)
         return profile, 0.5 if profile.profile_precision == "fp32" else 1.0
     return profile, 1.0
+
+
+def _tp_block_bytes(prof: ModelProfile, b: "BlockProfile", plan: Plan) -> float:
+    """A block's saved bytes on one TP rank (bytes, on the profile's sample)."""
+    tp = plan.tp
+    if tp == 1:
+        return float(b.saved_bytes)
+    if plan.sequence_parallel:  # all split, but each column layer's all-gathered input is saved whole
+        return b.saved_bytes / tp + column_inputs_per_block(prof) * prof.block_input_bytes * (1 - 1 / tp)
+    whole = replicated_hidden_bytes(prof, b.saved_hidden_bytes)
+    return whole + (b.saved_bytes - whole) / tp
 
 
 def _hidden_tensor(profile: ModelProfile, plan: Plan, tp: int) -> float:

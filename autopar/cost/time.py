@@ -4,21 +4,28 @@ All times are seconds of one optimizer step on the slowest rank. The FLOPs, byte
 from the profile's trace; rates from the topology (datasheets, or micro-benchmarks) times the
 calibration's efficiencies. Communication uses the alpha-beta model (latency + bytes / bandwidth) with
 ring algorithms' traffic: an all-reduce moves 2 (n-1)/n of the buffer per rank, an all-gather or a
-reduce-scatter (n-1)/n (Thakur et al. 2005, as NCCL implements them).
+reduce-scatter (n-1)/n (Thakur et al. 2005, as NCCL implements them), at the link's rate times NCCL's
+efficiency (NVLink inside a node, the network across nodes).
+
+Matmul time is per GEMM: each traced Linear layer runs a forward, an input-gradient and a weight-gradient
+GEMM whose rate falls with a shallow reduction and a small output (`_gemm_fraction`), from factors fitted on
+Hopper (the H200 anchors) and scaled to the GPU's architecture (`calibration.matmul_arch`: its best-GEMM
+fraction of peak, its tensor FLOPs per clock per SM). Checked on paper against Megatron-LM's Table 1 on
+A100s (tests/cost/test_paper.py, bench/megatron_table1.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from ..plans import Plan
 from ..profile import ModelProfile
 from ..topology import Topology
+from .calibration import Calibration, matmul_arch
 from .memory import activation_profile, stage_blocks
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .calibration import Calibration
+_FILL_REFERENCE_WIDTH = 2048  # GEMM width at which Calibration.matmul_rows_half is stated (the Llama-1B anchors)
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class TimePrediction:
     pp_comm_s: float  # pipeline send/receive of activations and their gradients
     optimizer_s: float  # the optimizer step
     offload_s: float  # CPU offload: host-device copies and the CPU optimizer
+    overhead_s: float = 0.0  # fixed costs per micro-batch (launching graphs, hooks, the loss)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -58,88 +66,198 @@ class TimeTerms:
     fixed_s: float
 
 
-def _matmul_rate(topology: Topology, plan: Plan, profile: ModelProfile, cal: "Calibration") -> float:
-    """Achieved matmul FLOP/s: peak x efficiency; bf16 GEMMs lose efficiency as they get narrow
-    (eff x h / (h + h_half), h the hidden size over sqrt(tp): TP narrows the GEMMs)."""
-    if plan.precision == "bf16":
-        h = (profile.hidden_dim or 4096) / plan.tp ** 0.5
-        return topology.device.peak_flops("bf16") * cal.matmul_efficiency * h / (h + cal.matmul_half_width)
-    return topology.device.peak_flops("fp32") * cal.fp32_matmul_efficiency
+def _gemm_fraction(depth: float, out: float, eff: float, half: float, out_half: float) -> float:
+    """Fraction of the datasheet peak one bf16 GEMM reaches: eff x depth / (depth + half) x out / (out + out_half).
+    depth: the reduction dimension; every output tile pays fixed costs (loading the first operands, the
+    epilogue) that the reduction amortises. out: output elements; too few output tiles leave SMs idle in the
+    last wave (NVIDIA Deep Learning Performance Guide, "Matrix multiplication background": tile and wave
+    quantization)."""
+    return eff * depth / (depth + half) * out / (out + out_half)
 
 
-def _collective_s(bytes_: float, n: int, bandwidth: float, cal: "Calibration", kind: str) -> float:
+def _linear_split(calls: tuple, hidden: int, tp: int) -> list[tuple[float, float]]:
+    """(in, out) features of each Linear call on one TP rank: column-parallel layers (a group reading the
+    hidden states) split `out`, the row-parallel layer after them (back to hidden) splits `in`, as
+    autopar.strategies.tensor_parallel pairs them; other layers stay whole."""
+    out: list[tuple[float, float]] = []
+    group_input = None
+    for c in calls:
+        if group_input is not None and c.out_features == hidden and c.input_id != group_input:
+            out.append((c.in_features / tp, c.out_features))  # row-parallel
+            group_input = None
+        elif c.in_features == hidden and (group_input is None or c.input_id == group_input):
+            out.append((c.in_features, c.out_features / tp))  # column-parallel
+            group_input = c.input_id
+        else:
+            out.append((c.in_features, c.out_features))
+            group_input = None
+    return out
+
+
+def _compute_s(topology: Topology, plan: Plan, profile: ModelProfile, cal: Calibration, block_flops: float,
+               head_flops: float) -> tuple[float, float]:
+    """Seconds of this rank's matmul and attention FLOPs: (the blocks', the rest's: the head).
+
+    bf16: datasheet peak x matmul_efficiency x the architecture's best-GEMM fraction (`matmul_arch`), per GEMM
+    less the depth and fill losses of `_gemm_fraction`. Every Linear call the trace recorded runs three GEMMs
+    of equal FLOPs (forward: depth `in`; input gradient: depth `out`; weight gradient: depth = the micro-batch's
+    tokens), `in`/`out` split by TP (`_linear_split`; the head over its vocabulary when TP divides it). A block's
+    FLOPs outside its Linear layers (attention's scores and values) run at depth = the sequence (flash
+    attention loops over the keys), output tokens x hidden / tp. Without traced calls every GEMM is taken as
+    hidden/sqrt(tp) deep and wide. fp32 (no tensor cores): peak x fp32_matmul_efficiency x the fill loss."""
+    arch = matmul_arch(topology.device)
+    tp = plan.tp
+    seq = profile.tokens_per_sample or 1
+    rows = plan.micro_batch_size * seq  # tokens of one micro-batch: the GEMMs' M
+    hidden = profile.hidden_dim or 4096
+    width = hidden / tp ** 0.5
+    out_half = cal.matmul_rows_half * _FILL_REFERENCE_WIDTH  # output elements at which the fill loss halves
+    if plan.precision != "bf16":
+        fill = rows * width / (rows * width + out_half)
+        rate = topology.device.peak_flops("fp32") * cal.fp32_matmul_efficiency * fill
+        return block_flops / rate, head_flops / rate
+    peak = topology.device.peak_flops("bf16")
+    eff = cal.matmul_efficiency * arch.efficiency_ratio
+    half = cal.matmul_half_width * arch.half_width_ratio
+
+    def fraction(shapes: list[tuple[float, float]]) -> float:
+        """FLOP-weighted fraction of peak of these layers' forward, input-gradient and weight-gradient GEMMs."""
+        flops = seconds = 0.0
+        for k_in, k_out in shapes:
+            f = 2 * k_in * k_out  # FLOPs per token of each of the three GEMMs
+            flops += 3 * f
+            seconds += f / _gemm_fraction(k_in, rows * k_out, eff, half, out_half) \
+                + f / _gemm_fraction(k_out, rows * k_in, eff, half, out_half) \
+                + f / _gemm_fraction(rows, k_in * k_out, eff, half, out_half)
+        return flops / seconds
+
+    first = profile.blocks[0].name + "." if profile.blocks else "\0"
+    container = profile.blocks_path + "." if profile.blocks_path else None
+    inside = [c for c in profile.matmul_calls if c.name.startswith(first)]
+    outside = [c for c in profile.matmul_calls if not (c.name.startswith(container) if container else
+                                                        any(c.name.startswith(b.name + ".") for b in profile.blocks))]
+    if not inside:
+        whole = _gemm_fraction(width, rows * width, eff, half, out_half)
+        return block_flops / (peak * whole), head_flops / (peak * whole)
+    # One block on this rank, per token of the sample: its Linear layers, and the rest of its FLOPs (attention).
+    shapes = _linear_split(inside, hidden, tp)
+    linear = sum(6 * k_in * k_out for k_in, k_out in shapes)
+    block = profile.blocks[0].flops / profile.sample_batch_size / seq / tp
+    attention = _gemm_fraction(seq, rows * hidden / tp, eff, half, out_half)
+    block_fraction = block / (linear / fraction(shapes) + max(block - linear, 0.0) / attention) if block else 1.0
+    # The rest (the head), split over the vocabulary by TP when it divides (vocab-parallel), else whole.
+    split = tp > 1 and profile.vocab_size is not None and profile.vocab_size % tp == 0
+    head = [(c.in_features, c.out_features / tp if split and c.out_features == profile.vocab_size else c.out_features)
+            for c in outside]
+    head_fraction = fraction(head) if head else _gemm_fraction(width, rows * width, eff, half, out_half)
+    return block_flops / (peak * block_fraction), head_flops / (peak * head_fraction)
+
+
+def _prod(shape: tuple[int, ...]) -> float:
+    out = 1.0
+    for d in shape:
+        out *= d
+    return out
+
+
+def _collective_s(bytes_: float, n: int, bandwidth: float, cal: Calibration, kind: str) -> float:
+    """Seconds of one ring collective over `n` ranks moving `bytes_` per rank at an achieved bus `bandwidth`."""
     if n <= 1 or bytes_ <= 0:
         return 0.0
     traffic = (2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n) * bytes_
-    return cal.comm_latency_s + traffic / (bandwidth * cal.comm_efficiency)
+    return cal.comm_latency_s + traffic / bandwidth
 
 
-def _group_bandwidth(topology: Topology, size: int, stride: int) -> float:
-    """Per-GPU bandwidth of a group of `size` ranks `stride` apart in rank order: the network if the group
-    spans nodes, else the link inside a node."""
+def _group_bandwidth(topology: Topology, size: int, stride: int, cal: Calibration) -> float:
+    """Achieved bus bandwidth per GPU (bytes/s) of a group of `size` ranks `stride` apart in rank order: the
+    network's (x network_efficiency) if the group spans nodes, else the link's inside a node (x comm_efficiency)."""
     if size <= 1:
         return float("inf")
     if topology.num_nodes > 1 and size * stride > topology.devices_per_node:
-        return min(topology.inter_node_bytes_per_s, topology.device.intra_node_bytes_per_s)
-    return topology.device.intra_node_bytes_per_s
+        if topology.inter_node_bytes_per_s < topology.device.intra_node_bytes_per_s:
+            return topology.inter_node_bytes_per_s * cal.network_efficiency
+    return topology.device.intra_node_bytes_per_s * cal.comm_efficiency
 
 
-def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: "Calibration", *,
+def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration, *,
                variants: Mapping[str, ModelProfile] | None = None) -> tuple[TimePrediction, TimeTerms]:
-    """The step time of `plan` (and the terms a calibration fit scales)."""
-    blocks, first, last = stage_blocks(profile, plan)
+    """The step time of `plan` on its slowest rank, and the terms a calibration fit scales. Of a pipeline:
+    the first stage's rank (embeddings), the last's (head, loss) and the one with the most block FLOPs
+    (an uneven split, e.g. 105 blocks over 70 stages, makes a middle rank the slowest)."""
+    ranks = {0, plan.pp - 1}
+    if plan.pp > 2:
+        from ..strategies.pipeline import split_stages, stage_ids
+
+        split = split_stages(profile, plan.pp * plan.pp_stages_per_rank)
+        ranks.add(max(range(plan.pp), key=lambda r: sum(profile.blocks[i].flops for s in stage_ids(plan, r)
+                                                        for i in split[s])))
+    return max((_rank_time(profile, plan, topology, cal, variants, r) for r in sorted(ranks)),
+               key=lambda t: t[0].step_s)
+
+
+def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration,
+               variants: Mapping[str, ModelProfile] | None, pp_rank: int) -> tuple[TimePrediction, TimeTerms]:
+    blocks, first, last = stage_blocks(profile, plan, pp_rank)
     tp, n_micro = plan.tp, plan.grad_accum
     samples = plan.micro_batch_size * n_micro  # this data-parallel rank's samples per step
     scale = samples / profile.sample_batch_size
     prof, _ = activation_profile(profile, plan, cal, variants)
     traffic_scale = 0.5 if plan.precision == "bf16" and prof.profile_precision == "fp32" else 1.0
 
-    # FLOPs on this rank: the stage's blocks split by TP, and its share of the rest (embeddings: none; head).
+    # Compute: the stage's blocks' FLOPs and, on the last stage, the rest's (the head; embeddings are lookups),
+    # split by TP; seconds; FLOPs from the trace, rates from _compute_s.
     block_flops = sum(profile.blocks[i].flops for i in blocks)
     head_flops = max(profile.flops - sum(b.flops for b in profile.blocks), 0.0) if last else 0.0
-    flops = (block_flops / tp + head_flops / tp) * scale
-    compute = flops / _matmul_rate(topology, plan, profile, cal)
+    compute_blocks, compute_head = _compute_s(topology, plan, profile, cal, block_flops / tp * scale,
+                                              head_flops / tp * scale)
+    compute = compute_blocks + compute_head
 
-    # Memory-bound work: the traced bytes of non-matmul ops, for this stage's share, mostly split by TP.
+    # Memory-bound: the traced bytes of non-matmul ops (this stage's share; inductor fuses most away) over the
+    # achieved HBM bandwidth; seconds; trace x anchor-fitted efficiency. TP splits them, but without SP not
+    # the norms and residuals (about 30%: Korthikanti et al.'s 10 of 34 s b h).
     stage_share = (sum(profile.blocks[i].flops for i in blocks) + head_flops) / max(profile.flops, 1.0)
     hbm = topology.device.hbm_bytes_per_s * cal.memory_efficiency
     factor = cal.compile_traffic_factor if plan.compile else cal.eager_traffic_factor
     traffic = prof.traffic_bytes * traffic_scale * scale * stage_share * factor
-    traffic /= tp if plan.sequence_parallel else (1 + (tp - 1) * 0.7) if tp > 1 else 1  # norms not split without SP
+    traffic /= tp if plan.sequence_parallel else (1 + (tp - 1) * 0.7) if tp > 1 else 1
     memory = traffic / hbm
 
-    # Launches: each micro-batch launches the traced ops (fewer when compiled); GPU work hides them unless
-    # the kernels are shorter than their launch.
+    # Launches: CPU time launching the traced ops of every micro-batch (fewer when compiled) beyond the GPU
+    # work that hides it; seconds; launch_s (PyTorch eager on x86).
     ops = prof.num_ops * stage_share * n_micro
     launch_total = ops * cal.launch_s * (cal.compile_launch_factor if plan.compile else 1.0)
     launch = max(0.0, launch_total - (compute + memory))
 
-    # Recompute: full checkpointing runs each checkpointed block's forward again (a third of its work);
-    # selective only its memory-bound part.
+    # Recompute: full checkpointing runs each checkpointed block's forward again, a third of its forward +
+    # backward FLOPs (Megatron's 4 x 24 in 96 B s l h^2) at the same GEMM rates, and a third of its memory-bound
+    # work; selective checkpointing only the memory-bound third; seconds. Its TP all-reduces are in tp_comm.
     ckpt = sum(1 for k in range(len(blocks)) if k % plan.checkpoint_every == 0) / max(len(blocks), 1) \
         if plan.checkpointing != "none" else 0.0
     block_share = block_flops / max(block_flops + head_flops, 1.0)
-    recompute_compute = ckpt * block_share * compute / 3 if plan.checkpointing == "full" else 0.0
+    recompute_compute = ckpt * compute_blocks / 3 if plan.checkpointing == "full" else 0.0
     recompute_memory = ckpt * block_share * memory / 3 if plan.checkpointing != "none" else 0.0
     recompute = recompute_compute + recompute_memory
 
-    # Tensor parallelism: per block and micro-batch, two all-reduces in forward and two in backward of the
-    # hidden states (reduce-scatter + all-gather under SP, the same bytes); one more pair for the embedding.
+    # Tensor parallelism: per block and micro-batch, ring all-reduces of the hidden states (reduce-scatter +
+    # all-gather under SP: the same bytes), two in forward and two in backward (Shoeybi et al. 2019), two more
+    # when full checkpointing reruns the forward, and a pair for the embedding; not overlapped; seconds.
     elem = 2 if plan.precision == "bf16" else 4
-    hidden_bytes = profile.block_input_bytes / profile.sample_batch_size * plan.micro_batch_size * elem / 4 \
-        if profile.block_input_bytes else 0.0
-    tp_bw = _group_bandwidth(topology, tp, 1)
-    tp_comm = n_micro * (4 * len(blocks) + 2) * _collective_s(hidden_bytes, tp, tp_bw, cal, "all_reduce")
+    hidden_numel = _prod(profile.block_input_shape) / profile.sample_batch_size if profile.block_input_shape else 0.0
+    hidden_bytes = hidden_numel * plan.micro_batch_size * elem  # one micro-batch's hidden states; bytes
+    tp_bw = _group_bandwidth(topology, tp, 1, cal)
+    recomputed = ckpt * len(blocks) if plan.checkpointing == "full" else 0.0  # blocks whose forward runs twice
+    tp_collectives = 4 * len(blocks) + 2 + 2 * recomputed  # per micro-batch; count
+    tp_comm = n_micro * tp_collectives * _collective_s(hidden_bytes, tp, tp_bw, cal, "all_reduce")
 
-    # Data parallelism (FSDP2): per micro-batch, gather the stage's weights in the compute dtype for forward
-    # (and again for backward when resharding) and reduce-scatter fp32 gradients; replicas all-reduce the
-    # sharded gradients once per step. Prefetching hides most of it behind compute.
+    # Data parallelism: FSDP2 gathers the stage's weights in the compute dtype for each micro-batch's forward
+    # (and backward when resharding) and reduce-scatters fp32 gradients, prefetching hides most of it;
+    # replicas all-reduce the sharded fp32 gradients once a step, about half hidden; seconds (ZeRO, FSDP2).
     params = sum(profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks)
     params += (profile.num_params - sum(b.num_params for b in profile.blocks)) * (0.5 * first + 0.5 * last
                                                                                   if plan.pp > 1 else 1.0) / tp
     dp_comm = 0.0
     if plan.uses_fsdp and plan.dp_shard > 1:
-        bw = _group_bandwidth(topology, plan.dp_shard, tp)
+        bw = _group_bandwidth(topology, plan.dp_shard, tp, cal)
         gathers = 2 if plan.reshard_after_forward else 1
         per_micro = gathers * _collective_s(params * elem, plan.dp_shard, bw, cal, "all_gather") \
             + _collective_s(params * 4, plan.dp_shard, bw, cal, "reduce_scatter")
@@ -147,12 +265,15 @@ def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: "Cali
         hidden_by = cal.fsdp_overlap * (compute + memory + recompute)
         dp_comm += max(total - hidden_by, total / max(len(blocks), 1))  # the first unit's gather never hides
     if plan.dp_replicate > 1:
-        bw = _group_bandwidth(topology, plan.dp_replicate, plan.dp_shard * tp)
+        bw = _group_bandwidth(topology, plan.dp_replicate, plan.dp_shard * tp, cal)
         dp_comm += _collective_s(params * 4 / plan.dp_shard, plan.dp_replicate, bw, cal, "all_reduce") \
             * (1 - cal.fsdp_overlap / 2)
 
-    # Pipeline: the bubble is (p - 1) micro-batch stage-times over the m micro-batches (per chunk under
-    # interleaving; a third of it for zero-bubble schedules), and each micro-batch crosses each boundary twice.
+    # Pipeline bubble: (p - 1) micro-batch stage-times over the m micro-batches, per chunk under interleaving
+    # (Narayanan et al. 2021: (p - 1) / (m v)), a third of it for zero-bubble schedules (Qi et al. 2023);
+    # seconds. Pipeline send/receive: each micro-batch's hidden states cross each chunk boundary forward and
+    # back, blocking, whole on every TP rank (autopar gathers SP shards at stage ends; Megatron-LM's
+    # scatter/gather sends 1/t a rank instead); seconds.
     stage_time = compute + memory + recompute + tp_comm
     pp_bubble = pp_comm = 0.0
     if plan.pp > 1:
@@ -161,27 +282,31 @@ def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: "Cali
         if plan.pp_schedule == "zero_bubble":
             bubble *= cal.zero_bubble_factor
         pp_bubble = bubble
-        bw = _group_bandwidth(topology, p, plan.dp_replicate * plan.dp_shard * tp)
-        pp_comm = n_micro * 2 * v * (cal.comm_latency_s + hidden_bytes / (bw * cal.comm_efficiency))
+        bw = _group_bandwidth(topology, p, plan.dp_replicate * plan.dp_shard * tp, cal)
+        pp_comm = n_micro * 2 * v * (cal.comm_latency_s + hidden_bytes / bw)
 
-    # Optimizer (fused AdamW reads and writes fp32 weights, gradients and both moments) on the shards.
+    # Optimizer: fused AdamW reads and writes fp32 weights, gradients and both moments of the shards over the
+    # achieved HBM bandwidth; seconds.
     shard_params = params / plan.dp_shard
     optimizer = 0.0 if plan.cpu_offload else shard_params * cal.optimizer_bytes_per_param / hbm
+    # Overhead: fixed costs per micro-batch and stage chunk (graph launches, hooks, the loss); seconds.
+    overhead = n_micro * plan.pp_stages_per_rank * cal.microbatch_overhead_s
+    # Offload: gradients to the host, weights back over PCIe, and Adam on the CPU; seconds.
     offload = 0.0
-    if plan.cpu_offload:  # gradients to the host, weights back, and Adam on the CPU
+    if plan.cpu_offload:
         offload = shard_params * (4 + 4) / cal.pcie_bytes_per_s + shard_params * cal.optimizer_bytes_per_param \
             / cal.cpu_adam_bytes_per_s
 
     prediction = TimePrediction(compute_s=compute, memory_s=memory, launch_s=launch, recompute_s=recompute,
                                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_bubble_s=pp_bubble, pp_comm_s=pp_comm,
-                                optimizer_s=optimizer, offload_s=offload)
-    fixed = tp_comm + dp_comm + pp_bubble + pp_comm + optimizer + offload
+                                optimizer_s=optimizer, offload_s=offload, overhead_s=overhead)
+    fixed = tp_comm + dp_comm + pp_bubble + pp_comm + optimizer + offload + overhead
     terms = TimeTerms(matmul=compute + recompute_compute, memory=memory + recompute_memory,
                       launch=launch_total if launch > 0 else 0.0, fixed_s=fixed)
     return prediction, terms
 
 
-def predict_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: "Calibration", *,
+def predict_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration, *,
                  variants: Mapping[str, ModelProfile] | None = None) -> TimePrediction:
     return time_terms(profile, plan, topology, cal, variants=variants)[0]
 

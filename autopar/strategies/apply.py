@@ -131,8 +131,16 @@ def apply_plan(
     device: torch.device,
     init_fn: Callable[[nn.Module], None] | None = None,
     compile_backend: str | None = None,
+    fake_mode: Any = None,
 ) -> Applied:
-    """Apply `plan` to `model` in place (see the module docstring for the order) and describe what was done."""
+    """Apply `plan` to `model` in place (see the module docstring for the order) and describe what was done.
+
+    `fake_mode`: a FakeTensorMode in which a meta-device model is materialised and everything after runs
+    (the exact memory check, autopar.cost.exact); the sharding steps run outside it, as the mesh needs.
+    """
+    import contextlib
+
+    later = fake_mode if fake_mode is not None else contextlib.nullcontext()
     notes: list[str] = []
     # 1. float8: not offered by this version's Plan.
     # 2. Pipeline split.
@@ -183,28 +191,42 @@ def apply_plan(
         apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
                    reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
                    outer_units=outer)
-    elif runtime is not None or plan.tp > 1:
+    elif (runtime is not None or plan.tp > 1) and not _has_meta(model):
         model.to(device)
+    with later:
+        _finish(model, plan, blocks, runtime, mesh, device, init_fn, compile_backend, use_fsdp, compiled)
+    return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
+                   data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
+                   notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
+
+
+def _has_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: DeviceMesh | None, device: torch.device,
+            init_fn: Callable[[nn.Module], None] | None, compile_backend: str | None, use_fsdp: bool,
+            compiled: list[str]) -> None:
+    """Steps 7 to 9 (under the exact check's FakeTensorMode, when there is one)."""
     # 7. Materialise a meta-device model.
     materialize(model, torch.device("cpu") if plan.cpu_offload else device, init_fn)
     # 8. Without FSDP: move to the device, autocast for bf16, compile the whole model.
     if not use_fsdp:
-        model.to(device)
+        if any(t.device.type != device.type or (device.index is not None and t.device.index != device.index)
+               for t in list(model.parameters()) + list(model.buffers())):
+            model.to(device)
         if runtime is None:
             apply_autocast(model, precision=plan.precision, device_type=device.type)
         else:  # each pipeline stage's forward runs under autocast
             runtime.autocast = (device.type, plan.precision)
         if plan.compile and runtime is None:
-            compiled = apply_compile(model, blocks, per_block=False, backend=compile_backend)
+            compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
     # 9. Pipeline: gates and schedule.
     if runtime is not None:
         from .pipeline import build_schedule, install_stage_gates
 
         install_stage_gates(model, runtime)
         build_schedule(model, runtime, mesh["pp"], device)
-    return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
-                   data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
-                   notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
 
 
 def _kept(module: nn.Module) -> bool:

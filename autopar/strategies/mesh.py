@@ -36,7 +36,7 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
 
 def dp_mesh(mesh: DeviceMesh | None, plan: Plan) -> DeviceMesh | None:
     """The mesh FSDP2 shards over: 1-D (dp_shard) for FSDP, 2-D (dp_replicate, dp_shard) for HSDP / DDP-like."""
-    if mesh is None or plan.dp_size == 1:
+    if mesh is None or (plan.dp_size == 1 and plan.tp == 1):
         return None
     if plan.dp_replicate > 1:
         return mesh["dp_replicate", "dp_shard"]

@@ -66,6 +66,11 @@ def block_costs(profile: ModelProfile) -> tuple[list[float], float, float]:
 
 def split_stages(profile: ModelProfile, num_stages: int) -> tuple[tuple[int, ...], ...]:
     """Block indices of each stage: contiguous, non-empty, minimising the costliest stage."""
+    return _split_stages(profile, num_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_stages(profile: ModelProfile, num_stages: int) -> tuple[tuple[int, ...], ...]:
     n = len(profile.blocks)
     if num_stages > n:
         raise PlanError(
@@ -232,6 +237,14 @@ class PipelineRuntime:
     boundary_dtype: torch.dtype = torch.float32  # activations between stages
 
 
+def _index_of(index: torch.Tensor) -> int:
+    """The micro-batch index a stage received; 0 under the exact memory check's fake tensors (which hold no
+    values; every micro-batch has the same shapes, so which one runs does not change the memory)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return 0 if is_fake(index) else int(index.reshape(-1)[0].item())
+
+
 class PipelineStageModule(nn.Module):
     """The module torch's PipelineStage runs for one stage: the user's model, gated to this stage's blocks."""
 
@@ -248,7 +261,7 @@ class PipelineStageModule(nn.Module):
         # First stage: (micro-batch index,); later stages: (activations, micro-batch index). The index
         # travels with the activations, so every stage knows which micro-batch it is running.
         hidden, index = (None, inputs[0]) if self.is_first else inputs
-        out = self._run(int(index.reshape(-1)[0].item()), hidden)
+        out = self._run(_index_of(index), hidden)
         return out if self.is_last else (out.to(self.runtime.boundary_dtype), index.detach())
 
     def _run(self, index: int, injected: torch.Tensor | None) -> torch.Tensor:
@@ -454,6 +467,13 @@ def _all_stage_ids(rt: PipelineRuntime) -> list[tuple[int, ...]]:
 
 def _all_pp_rows(pp_mesh: DeviceMesh) -> list[list[int]]:
     """Global ranks of every pipeline group (one per data/tensor-parallel coordinate), in a fixed order."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # the mesh holds real rank numbers, also under the exact check's fake mode
+        return _pp_rows(pp_mesh)
+
+
+def _pp_rows(pp_mesh: DeviceMesh) -> list[list[int]]:
     root = pp_mesh._get_root_mesh() if hasattr(pp_mesh, "_get_root_mesh") else None
     if root is None or root.mesh_dim_names is None or "pp" not in root.mesh_dim_names:
         return [pp_mesh.mesh.tolist()]

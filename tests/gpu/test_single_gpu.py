@@ -83,7 +83,7 @@ def test_topology_detects_this_gpu():
     assert topo.device.supports("bf16")
 
 
-def test_rule_on_one_gpu_chooses_bf16_and_compile_and_trains():
+def test_search_on_one_gpu_chooses_bf16_and_compile_fits_and_trains():
     model = _gpt2_355m()
     batch = _batch(model.config.vocab_size)
     plan = autopar.plan(model, sample=batch)

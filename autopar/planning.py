@@ -1,0 +1,269 @@
+"""Planning by the cost model: `candidates` (every plan, ranked, with predictions) and `predict` (one plan).
+
+Both take a model (profiled here on fake tensors: no memory used) or a ModelProfile, and a topology
+(detected, a spec such as "4x8xH100-SXM", or a Topology). bf16 plans are predicted from traces in bf16
+(autocast, and bf16 weights as FSDP's mixed precision runs): for a model they are made here; for a
+profile, pass them as `variants`. The calibration defaults to the one measured or fitted for this
+topology (cached by its fingerprint, autopar.cost.calibration) and else to the defaults.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from .errors import PlanError
+from .plans import Plan
+from .profile import ModelProfile, profile_model, sample_batch_size
+from .search import Candidate, search
+from .topology import Topology
+
+GiB = 2**30
+
+
+def resolve_topology(topology: Topology | str | None) -> Topology:
+    if topology is None:
+        return Topology.detect()
+    if isinstance(topology, str):
+        return Topology.from_spec(topology)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, a spec string like '2x8xH100-SXM', or None; "
+                        f"got {type(topology).__name__}.")
+    return topology
+
+
+def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
+                     blocks: Any = None, warn: bool = True) -> tuple[ModelProfile, dict[str, ModelProfile]]:
+    """The fp32 profile the planner reads, and the bf16 traces its bf16 plans need (none where the
+    hardware has no bf16)."""
+    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
+    variants: dict[str, ModelProfile] = {}
+    if topology.is_gpu and topology.device.supports("bf16"):
+        for precision in ("bf16", "bf16-pure"):
+            variants[precision] = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
+                                                precision=precision)
+    return profile, variants
+
+
+def calibration_for(topology: Topology) -> Any:
+    """The calibration cached for this topology (measured or fitted), else the defaults."""
+    from .cost.calibration import Calibration, load_calibration
+
+    try:
+        cached = load_calibration(topology.fingerprint())
+    except Exception:  # an unreadable cache never stops planning; the defaults stand
+        cached = None
+    if cached is not None:
+        return cached
+    if not topology.is_gpu:  # no CUDA context or caching allocator on a CPU
+        return Calibration(context_bytes=0.0, reserve_bytes=0.0, fragmentation_fraction=0.0,
+                           source="defaults for CPU processes (no CUDA context or allocator reserve)")
+    return Calibration()
+
+
+def _inputs(model_or_profile: nn.Module | ModelProfile, sample: Any, topology: Topology, loss_fn: Any, blocks: Any,
+            variants: Mapping[str, ModelProfile] | None) -> tuple[ModelProfile, Mapping[str, ModelProfile]]:
+    if isinstance(model_or_profile, ModelProfile):  # the mapping as given: it may trace a variant on first use
+        return model_or_profile, (variants if variants is not None else {})
+    if not isinstance(model_or_profile, nn.Module):
+        raise TypeError(f"pass an nn.Module (with sample=) or an autopar.ModelProfile, got "
+                        f"{type(model_or_profile).__name__}.")
+    if sample is None:
+        raise PlanError("a model needs sample= (one batch as one rank's loop feeds it) to be profiled.")
+    profile, traced = profile_variants(model_or_profile, sample, topology, loss_fn=loss_fn, blocks=blocks)
+    traced.update(variants or {})
+    return profile, traced
+
+
+def candidates(
+    model_or_profile: nn.Module | ModelProfile,
+    *,
+    sample: Any = None,
+    topology: Topology | str | None = None,
+    world_size: int | None = None,
+    global_batch_size: int | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+    variants: Mapping[str, ModelProfile] | None = None,
+    calibration: Any = None,
+    allow_train_step: bool = True,
+    headroom: float = 0.95,
+    verify: int = 0,
+    model_fn: Callable[[], nn.Module] | None = None,
+) -> list[Candidate]:
+    """Every plan the search considers for this model on this hardware, predicted and ranked: the ones
+    that fit first, fastest first, then the ones dropped, each with its reason.
+
+    `global_batch_size` defaults to the sample's batch times the world size (the topology's GPUs).
+    `allow_train_step=False` keeps to plans a plain loop runs (no accumulation, no pipeline), as `wrap`
+    does unless told otherwise. `headroom`: the share of a GPU's memory a plan may fill.
+    `verify=N` runs the exact memory check (autopar.cost.exact) on the N best candidates (a few seconds
+    to minutes each, no memory used) and drops those it finds too big; it builds the model with
+    `model_fn()` (or copies a meta-device model) and needs `sample`.
+    """
+    topo = resolve_topology(topology)
+    world = world_size or topo.world_size
+    profile, var = _inputs(model_or_profile, sample, topo, loss_fn, blocks, variants)
+    if global_batch_size is None:
+        global_batch_size = (sample_batch_size(sample) if sample is not None else profile.sample_batch_size) * world
+    if not 0 < headroom <= 1:
+        raise ValueError(f"headroom is the share of a GPU's memory a plan may fill, in (0, 1]; got {headroom}.")
+    cal = calibration or calibration_for(topo)
+    ranked = search(profile, topo, world_size=world, global_batch_size=global_batch_size, variants=var,
+                    calibration=cal, allow_train_step=allow_train_step, headroom=headroom)
+    if verify:
+        if model_fn is None:
+            if not isinstance(model_or_profile, nn.Module) or not all(
+                    t.is_meta for t in list(model_or_profile.parameters()) + list(model_or_profile.buffers())):
+                raise PlanError("verify= needs model_fn= (a function that builds the model), or a model on the meta "
+                                "device: the exact check builds its own copy without memory.")
+            model_fn = model_or_profile  # exact_memory copies a meta-device model
+        if sample is None:
+            raise PlanError("verify= needs sample= (one data-parallel rank's batch) for the exact check.")
+        ranked = verify_candidates(ranked, model_fn, sample, top=verify, topology=topo, loss_fn=loss_fn,
+                                   blocks=blocks, headroom=headroom)
+    return ranked
+
+
+def verify_candidates(ranked: Sequence[Candidate], model_fn: Any, sample: Any, *, top: int, topology: Topology,
+                      loss_fn: Callable | None = None, blocks: Any = None, headroom: float = 0.95
+                      ) -> list[Candidate]:
+    """Check the `top` best feasible candidates with the exact memory check: each gets its `exact` result;
+    one whose traced peak plus the predicted allocator and context overhead exceeds `headroom` of a GPU's
+    memory is dropped with that reason. The check traces the eager step: for a compiled plan its peak is an
+    upper bound (compile saves fewer activations), reported but never the reason to drop it. CPU-offload
+    plans are not checked (their state lives in host memory). Returns the list re-ranked."""
+    from dataclasses import replace as dc_replace
+
+    from .cost.exact import exact_memory
+    from .search import _rank_key
+
+    if top < 0:
+        raise ValueError(f"verify must be a non-negative number of candidates, got {top}.")
+    budget = headroom * topology.device.memory_bytes
+    out, checked = [], 0
+    for c in ranked:
+        if c.feasible and checked < top and not c.plan.cpu_offload:  # offloaded state lives in host memory
+            checked += 1
+            exact = exact_memory(model_fn, sample, c.plan, topology=topology, loss_fn=loss_fn, blocks=blocks)
+            need = exact.peak_bytes + c.prediction.memory.overhead_bytes
+            plan = c.plan.replace(prediction={**(c.plan.prediction or {}), "exact_allocated_bytes": exact.peak_bytes})
+            if need > budget and not c.plan.compile:
+                c = dc_replace(c, plan=plan, feasible=False, exact=exact,
+                               reason=f"exact check: needs {need / GiB:.1f} GiB per GPU, more than {budget / GiB:.1f} GiB")
+            else:
+                c = dc_replace(c, plan=plan, exact=exact)
+        out.append(c)
+    out.sort(key=_rank_key)
+    return out
+
+
+def predict(
+    model_or_profile: nn.Module | ModelProfile,
+    plan: Plan,
+    *,
+    sample: Any = None,
+    topology: Topology | str | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    blocks: Any = None,
+    variants: Mapping[str, ModelProfile] | None = None,
+    calibration: Any = None,
+) -> Any:
+    """The cost model's prediction for one plan: `.memory` (peak bytes per GPU, by part), `.time` (step
+    seconds, by part), `.tokens_per_s`, `.mfu`. The topology must have the plan's number of GPUs."""
+    from .cost import predict_profile
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an autopar.Plan, got {type(plan).__name__}.")
+    topo = resolve_topology(topology)
+    if topo.is_gpu and topo.world_size != plan.world_size:
+        raise PlanError(f"the plan runs on {plan.world_size} GPUs but the topology has {topo.world_size}: give a "
+                        f"topology spec with {plan.world_size} GPUs (e.g. '{plan.world_size}x{topo.device.name}').")
+    profile, var = _inputs(model_or_profile, sample, topo, loss_fn, blocks, variants)
+    return predict_profile(profile, plan, topo, calibration or calibration_for(topo), variants=var)
+
+
+def describe_candidates(ranked: Sequence[Candidate], *, limit: int = 10, dropped: int = 5) -> str:
+    """A table of the best `limit` feasible candidates, then why the others were dropped: their reasons
+    grouped (`dropped_reasons`), the `dropped` most common first."""
+    feasible = [c for c in ranked if c.feasible]
+    shown = feasible[:limit]
+    width = max([56] + [len(_short(c.plan)) for c in shown])
+    rows = [f"rank  {'plan':<{width}}  memory/GPU       step      tokens/s     MFU"]
+    for i, c in enumerate(shown, 1):
+        p = c.prediction
+        tokens = f"{p.tokens_per_s:12,.0f}" if p.tokens_per_s is not None else f"{p.samples_per_s:9,.1f} sa/s"
+        rows.append(f"{i:>4}  {_short(c.plan):<{width}}  {p.memory_bytes / GiB:7.1f} GiB  {_ms(p.step_s)}"
+                    f"  {tokens}  {p.mfu:6.1%}")
+    if len(feasible) > limit:
+        rows.append(f"      ... and {len(feasible) - limit} more that fit")
+    groups = dropped_reasons(ranked)
+    if groups:
+        total = sum(n for n, _ in groups)
+        rows.append(f"dropped: {total} plan{'s' if total != 1 else ''}")
+        for n, why in groups[:dropped]:
+            rows.append(f"  {n:>6}  {why}")
+        if len(groups) > dropped:
+            rest = sum(n for n, _ in groups[dropped:])
+            rows.append(f"  {rest:>6}  for {len(groups) - dropped} other reasons")
+    return "\n".join(rows)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:8.1f} ms" if seconds < 10 else f"{seconds:9.2f} s"
+
+
+_MEMORY_REASON = re.compile(r"needs ([0-9.]+) GiB per GPU, more than ([0-9.]+) GiB")
+
+
+def dropped_reasons(ranked: Sequence[Candidate]) -> list[tuple[int, str]]:
+    """Why the candidates that are not feasible were dropped, grouped: (how many, why), the largest group
+    first. Plans that do not fit in memory form one group (per budget), with the smallest need among
+    them; dominated plans (autopar.search.DOMINATED) one group; other reasons one group each."""
+    from .search import DOMINATED
+
+    memory: dict[str, list[float]] = {}
+    other: dict[str, int] = {}
+    for c in ranked:
+        if c.feasible:
+            continue
+        reason = c.reason or "not feasible"
+        m = _MEMORY_REASON.fullmatch(reason)
+        if m:
+            need = (c.plan.prediction or {}).get("memory_bytes")
+            memory.setdefault(m.group(2), []).append(need / GiB if need is not None else float(m.group(1)))
+            continue
+        if reason.startswith(DOMINATED):
+            reason = ("dominated: the same plan with less recomputation (checkpointing) or without resharding "
+                      "after forward also fits, and is no slower")
+        other[reason] = other.get(reason, 0) + 1
+    groups = [(len(needs), f"need more memory than {budget} GiB per GPU (the smallest needs {min(needs):.2f} GiB)")
+              for budget, needs in memory.items()]
+    groups += [(n, why) for why, n in other.items()]
+    return sorted(groups, key=lambda g: -g[0])
+
+
+def _short(plan: Plan) -> str:
+    """One line: the mesh and the options that differ from the defaults."""
+    mesh = "x".join(f"{k}{v}" for k, v in (("pp", plan.pp), ("rep", plan.dp_replicate), ("fsdp", plan.dp_shard),
+                                          ("tp", plan.tp)) if v > 1) or "1gpu"
+    parts = [mesh, f"mb{plan.micro_batch_size}"]
+    if plan.grad_accum > 1:
+        parts.append(f"acc{plan.grad_accum}")
+    if plan.pp > 1:
+        parts.append(f"{plan.pp_schedule}" + (f"/v{plan.pp_stages_per_rank}" if plan.pp_stages_per_rank > 1 else ""))
+    if plan.checkpointing != "none":
+        parts.append(f"ac:{plan.checkpointing}" + (f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""))
+    parts.append(plan.precision)
+    if plan.compile:
+        parts.append("compile")
+    if plan.sequence_parallel:
+        parts.append("sp")
+    if plan.uses_fsdp and not plan.reshard_after_forward:
+        parts.append("no-reshard")
+    if plan.cpu_offload:
+        parts.append("offload")
+    return " ".join(parts)

@@ -1,0 +1,552 @@
+"""The plan cache: the best plan the tuner found, kept under a key of model, topology, batch and torch.
+
+One YAML file per key, `<root>/plans/<digest>.yaml`, where `<root>` is `autopar.cost.calibration.cache_dir()`
+($AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar) unless a `directory=` is given.
+The key (`CacheKey`) is the model's fingerprint, the topology's fingerprint, the global batch, torch's
+version (major.minor.patch and any pre-release part, without the local build tag: "2.13.0+cu128" keys as
+"2.13.0") and whether the plan may need `autopar.train_step` (plans for a plain loop and for train_step
+loops are cached apart). The file name is the key's digest, so another model, topology, batch or torch
+never finds the entry.
+
+A cache file is data autopar will act on, so it is read with care: `yaml.safe_load` only (a YAML tag such as
+`!!python/object` is refused, never run), and a file or directory is refused (`CacheError`, saying what to
+do) when it is a symlink, belongs to another user, can be written by the group or others, holds a key other
+than the one asked for (a file copied over from another model, topology, batch or torch), or holds a plan
+that is not valid. Files are written atomically (a temporary file, then `os.replace`) with mode 0600 in a
+directory created 0700.
+
+`cached_plan_for` is what `wrap` calls: it returns the cached plan and a message to log, or (None, None)
+when there is none, or (None, why) when the cached plan does not fit this job (a stale entry is ignored,
+never a crash). A refused (tampered) file raises `CacheError`: autopar neither uses nor silently skips it.
+`write_plan_out` is what `--plan-out` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import errno
+import hashlib
+import json
+import os
+import stat
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ..errors import AutoparError, PlanError
+from ..plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
+from ..plans import Plan
+
+#: Version of the cache file layout (the top-level mapping). It is part of every key's digest, so files of
+#: another layout are never read under this one's names.
+CACHE_SCHEMA_VERSION = 1
+#: Larger cache files are refused unread (a plan file is about 1 KiB).
+MAX_FILE_BYTES = 1 << 20
+
+_FORMAT_FIELD = "autopar_plan_cache"
+_TOP_LEVEL = (_FORMAT_FIELD, "key", "plan", "measurement", "stored_at")
+_CHECK_MODES = os.name != "nt"  # POSIX permission bits; Windows reports no meaningful group/other bits
+
+
+class CacheError(AutoparError):
+    """A plan cache file or directory that autopar refuses (tampered, not ours, writable by others, not
+    plain YAML, another key's plan). The message names the path and says what to do."""
+
+
+class CacheWarning(UserWarning):
+    """A cache file skipped while listing the cache (`entries`)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The key
+# ---------------------------------------------------------------------------------------------------
+def current_torch_version() -> str:
+    """torch's version as keyed: the public version without the local build tag ("2.13.0+cu128" ->
+    "2.13.0"; a pre-release such as "2.14.0a0" keeps its suffix). CPU and CUDA builds are told apart by
+    the topology fingerprint, not by the version."""
+    import torch
+
+    return str(torch.__version__).split("+", 1)[0]
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What a cached plan is valid for. `digest()` names its file."""
+
+    model_fingerprint: str
+    topology_fingerprint: str
+    global_batch_size: int
+    torch_version: str
+    allow_train_step: bool
+
+    def __post_init__(self) -> None:
+        for name in ("model_fingerprint", "topology_fingerprint", "torch_version"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise CacheError(f"CacheKey.{name} must be a non-empty string, got {value!r}.")
+        n = self.global_batch_size
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise CacheError(f"CacheKey.global_batch_size must be a positive integer, got {n!r}.")
+        if not isinstance(self.allow_train_step, bool):
+            raise CacheError(f"CacheKey.allow_train_step must be true or false, got {self.allow_train_step!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "CacheKey":
+        if not isinstance(data, Mapping):
+            raise CacheError(f"a cache key must be a mapping, got {type(data).__name__}.")
+        names = [f.name for f in dataclasses.fields(cls)]
+        if set(map(str, data)) != set(names):
+            raise CacheError(f"a cache key has exactly the fields {', '.join(names)}; got {', '.join(map(str, data))}.")
+        return cls(**{name: data[name] for name in names})
+
+    def digest(self) -> str:
+        """sha256 of the canonical JSON of the key (with the cache and plan schema versions), first 32 hex
+        digits (128 bits): the cache file's name. Stable across runs, processes and machines."""
+        blob = json.dumps(
+            {"cache_schema": CACHE_SCHEMA_VERSION, "plan_schema": PLAN_SCHEMA_VERSION, **self.to_dict()},
+            sort_keys=True, separators=(",", ":"),
+        ).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    def describe(self) -> str:
+        loop = "train_step allowed" if self.allow_train_step else "plain loop"
+        return (f"model {self.model_fingerprint}, topology {self.topology_fingerprint}, global batch "
+                f"{self.global_batch_size}, torch {self.torch_version}, {loop}")
+
+
+def _fingerprint_of(value: Any, what: str) -> str:
+    if isinstance(value, str):
+        return value
+    fp = getattr(value, "fingerprint", None)
+    if callable(fp):
+        fp = fp()
+    if not isinstance(fp, str) or not fp:
+        raise CacheError(f"cache_key needs a {what} or its fingerprint (a string), got {type(value).__name__}.")
+    return fp
+
+
+def cache_key(
+    profile_or_fingerprint: Any,
+    topology: Any,
+    *,
+    global_batch_size: int,
+    allow_train_step: bool,
+    torch_version: str | None = None,
+) -> CacheKey:
+    """The key of a plan for this model (a ModelProfile or its fingerprint), topology (a Topology or its
+    fingerprint), global batch and loop kind, under this torch (or `torch_version`)."""
+    return CacheKey(
+        model_fingerprint=_fingerprint_of(profile_or_fingerprint, "ModelProfile"),
+        topology_fingerprint=_fingerprint_of(topology, "Topology"),
+        global_batch_size=global_batch_size,
+        torch_version=torch_version if torch_version is not None else current_torch_version(),
+        allow_train_step=allow_train_step,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Directories and permission checks
+# ---------------------------------------------------------------------------------------------------
+def _root(directory: str | os.PathLike[str] | None, *, create: bool) -> Path | None:
+    if directory is None:
+        from ..cost.calibration import cache_dir  # reads $AUTOPAR_CACHE_DIR; creates the root 0700
+
+        return cache_dir()
+    root = Path(directory)
+    if not root.exists():
+        if not create:
+            return None
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(root, 0o700)
+    return root
+
+
+def _refuse_stat(path: Path, st: os.stat_result, what: str, *, want_dir: bool) -> None:
+    """Raise CacheError if `st` (of `path`) is not a private, regular file or directory of ours."""
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheError(
+            f"{path} is a symlink: autopar only reads its cache through real files and folders. Delete the "
+            f"link (rm {path}); autopar writes the {what} again."
+        )
+    if want_dir and not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"{path} should be autopar's cache folder but is not a folder: remove it.")
+    if not want_dir and not stat.S_ISREG(st.st_mode):
+        raise CacheError(f"{path} is not a regular file: remove it (autopar tunes again and rewrites it).")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise CacheError(
+            f"{path} belongs to another user (uid {st.st_uid}): autopar only uses its own cache {what}s. "
+            f"Delete it, or point AUTOPAR_CACHE_DIR at a folder of your own."
+        )
+    if _CHECK_MODES and st.st_mode & 0o022:
+        who = "others" if st.st_mode & 0o002 else "the group"
+        fix = (f"Make it private: chmod 700 {path}" if want_dir else
+               f"Delete it (autopar tunes again and rewrites it), or make it private: chmod 600 {path}")
+        raise CacheError(
+            f"{path} can be written by {who} (mode {stat.S_IMODE(st.st_mode):o}): anyone who can change a "
+            f"cached plan changes what your job runs, so autopar refuses it. {fix}."
+        )
+
+
+def _check_dir(path: Path, *, follow: bool) -> None:
+    try:
+        st = path.stat() if follow else path.lstat()
+    except OSError as exc:
+        raise CacheError(f"cannot inspect the cache folder {path} ({exc.strerror}).") from None
+    _refuse_stat(path, st, "folder", want_dir=True)
+
+
+def _plans_dir(directory: str | os.PathLike[str] | None, *, create: bool) -> Path | None:
+    """`<root>/plans`, checked (root: followed if a symlink, since users relocate caches; plans: not a
+    symlink); None when it does not exist and `create` is False."""
+    root = _root(directory, create=create)
+    if root is None:
+        return None
+    _check_dir(root, follow=True)
+    plans = root / "plans"
+    if not os.path.lexists(plans):
+        if not create:
+            return None
+        try:
+            plans.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        else:
+            os.chmod(plans, 0o700)
+    _check_dir(plans, follow=False)
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading one file
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheEntry:
+    """One cache file, read and checked."""
+
+    path: Path
+    key: CacheKey
+    plan: Plan
+    measurement: Mapping[str, float | str] | None
+    stored_at: str | None
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or None if it does not exist; opened without following a symlink and checked on
+    the open descriptor (no window between the check and the read)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
+        _refuse_stat(path, path.lstat(), "file", want_dir=False)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            _refuse_stat(path, path.lstat(), "file", want_dir=False)
+        raise CacheError(f"cannot read the plan cache file {path} ({exc.strerror}): delete it.") from None
+    try:
+        st = os.fstat(fd)
+        _refuse_stat(path, st, "file", want_dir=False)
+        if st.st_size > MAX_FILE_BYTES:
+            raise CacheError(f"{path} is {st.st_size} bytes, too large for a plan cache file: delete it.")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read(MAX_FILE_BYTES + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _measurement(value: Any, where: str) -> dict[str, float | str] | None:
+    """A measurement: names to numbers (or short strings, such as a device name)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (int, float, str)) and not isinstance(v, bool) for k, v in value.items()
+    ):
+        raise CacheError(f"{where}: a measurement must map names to numbers or strings, got {value!r}.")
+    return {k: v if isinstance(v, str) else float(v) for k, v in value.items()}
+
+
+def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
+    raw = _read_bytes(path)
+    if raw is None:
+        return None
+    remedy = "Delete it; autopar tunes again and rewrites it."
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CacheError(f"{path} is not a text file, so not a plan cache file. {remedy}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.constructor.ConstructorError as exc:
+        raise CacheError(
+            f"{path} holds a YAML tag autopar does not read ({str(exc.problem or exc).strip()}): cache files hold "
+            f"plain values only, never objects or code, so it was not loaded. Someone or something wrote it "
+            f"by hand. {remedy}"
+        ) from None
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise CacheError(f"{path} is not plain YAML ({first}). {remedy}") from None
+    if not isinstance(data, Mapping) or data.get(_FORMAT_FIELD) is None:
+        raise CacheError(f"{path} is not an autopar plan cache file (no '{_FORMAT_FIELD}' field). {remedy}")
+    version = data[_FORMAT_FIELD]
+    if version != CACHE_SCHEMA_VERSION or isinstance(version, bool):
+        raise CacheError(
+            f"{path} says it is cache layout {version!r}, but files of layout {CACHE_SCHEMA_VERSION} are named "
+            f"by their key's digest and this one is not. {remedy}"
+        )
+    unknown = sorted(set(map(str, data)) - set(_TOP_LEVEL))
+    if unknown:
+        raise CacheError(f"{path} has unknown field(s) {', '.join(unknown)}. {remedy}")
+    try:
+        key = CacheKey.from_dict(data.get("key"))
+    except CacheError as exc:
+        raise CacheError(f"{path} has no valid key ({exc}). {remedy}") from None
+    if expected is not None and key != expected:
+        labels = {"model_fingerprint": "model", "topology_fingerprint": "topology",
+                  "global_batch_size": "global batch", "torch_version": "torch",
+                  "allow_train_step": "train_step allowed"}
+        diffs = [f"{labels[name]} {getattr(key, name)}, not {getattr(expected, name)}"
+                 for name in labels if getattr(key, name) != getattr(expected, name)]
+        raise CacheError(
+            f"this cache file was written for {'; '.join(diffs)}: {path} holds another key's plan (copied or "
+            f"renamed over this key's file), and autopar never applies a plan made for something else. {remedy}"
+        )
+    if path.stem != key.digest():
+        raise CacheError(
+            f"{path} holds the plan of key {key.digest()} ({key.describe()}) under another name: it was copied "
+            f"or renamed. {remedy}"
+        )
+    measurement = _measurement(data.get("measurement"), str(path))
+    stored_at = data.get("stored_at")
+    if stored_at is not None and not isinstance(stored_at, str):
+        raise CacheError(f"{path}: stored_at must be a date string, got {stored_at!r}. {remedy}")
+    try:
+        plan = Plan.from_dict(data.get("plan"))
+    except (PlanError, TypeError, ValueError) as exc:
+        raise CacheError(f"{path} holds an invalid plan: {exc} {remedy}") from None
+    for name, label in (("model_fingerprint", "model"), ("topology_fingerprint", "topology")):
+        have = getattr(plan, name)
+        if have is not None and have != getattr(key, name):
+            raise CacheError(
+                f"{path} holds a plan made for {label} {have} under a key for {label} {getattr(key, name)}. {remedy}"
+            )
+    if measurement is not None:
+        plan = plan.replace(measurement=measurement)
+    return CacheEntry(path=path, key=key, plan=plan, measurement=measurement, stored_at=stored_at)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The API
+# ---------------------------------------------------------------------------------------------------
+def path_for(key: CacheKey, *, directory: str | os.PathLike[str] | None = None) -> Path:
+    """Where `key`'s plan is (or would be) cached. Creates nothing but the default root."""
+    root = _root(None, create=True) if directory is None else Path(directory)
+    return root / "plans" / f"{key.digest()}.yaml"
+
+
+def store(
+    plan: Plan,
+    key: CacheKey,
+    *,
+    measurement: Mapping[str, float] | None = None,
+    directory: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Cache `plan` under `key` (replacing what was there), with its measurement (`measurement`, else the
+    plan's own); returns the file. The plan must fit the key: its global batch, its fingerprints if set, and
+    no train_step need under a plain-loop key. Written atomically, mode 0600, in a folder made 0700."""
+    if not isinstance(plan, Plan):
+        raise CacheError(f"store takes a Plan, got {type(plan).__name__}.")
+    if not isinstance(key, CacheKey):
+        raise CacheError(f"store takes a CacheKey (see cache_key), got {type(key).__name__}.")
+    if plan.global_batch_size != key.global_batch_size:
+        raise CacheError(
+            f"the plan's global batch is {plan.global_batch_size}, the key's {key.global_batch_size}: a plan is "
+            "cached under the batch it runs."
+        )
+    if plan.needs_train_step and not key.allow_train_step:
+        raise CacheError("this plan needs autopar.train_step (pp > 1 or grad_accum > 1) but the key is for a plain "
+                         "loop: make the key with allow_train_step=True.")
+    changes: dict[str, Any] = {}
+    for name in ("model_fingerprint", "topology_fingerprint"):
+        have = getattr(plan, name)
+        if have is None:
+            changes[name] = getattr(key, name)
+        elif have != getattr(key, name):
+            raise CacheError(
+                f"the plan's {name} is {have}, the key's {getattr(key, name)}: cache it under its own key.")
+    merged = dict(plan.measurement or {})
+    merged.update(measurement or {})
+    numbers = _measurement(merged or None, "store")
+    plan = plan.replace(measurement=None, **changes)
+
+    plans = _plans_dir(directory, create=True)
+    assert plans is not None
+    path = plans / f"{key.digest()}.yaml"
+    doc: dict[str, Any] = {
+        _FORMAT_FIELD: CACHE_SCHEMA_VERSION,
+        "key": key.to_dict(),
+        "stored_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if numbers:
+        doc["measurement"] = numbers
+    doc["plan"] = plan.to_dict()
+    header = f"# autopar plan cache entry: {key.describe()}. Written by autopar; delete to forget it.\n"
+    text = header + yaml.safe_dump(doc, sort_keys=False)
+
+    fd, tmp = tempfile.mkstemp(dir=plans, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def lookup_entry(key: CacheKey, *, directory: str | os.PathLike[str] | None = None) -> CacheEntry | None:
+    """`key`'s cache entry (plan, measurement, date, path), None when absent; CacheError when refused."""
+    plans = _plans_dir(directory, create=False)
+    if plans is None:
+        return None
+    return _read_entry(plans / f"{key.digest()}.yaml", expected=key)
+
+
+def lookup(key: CacheKey, *, directory: str | os.PathLike[str] | None = None) -> Plan | None:
+    """The plan cached under `key` (carrying its measurement), None when there is none. Raises CacheError
+    when a file is there but refused (see the module docstring): delete it, or fix the permissions."""
+    entry = lookup_entry(key, directory=directory)
+    return None if entry is None else entry.plan
+
+
+def entries(directory: str | os.PathLike[str] | None = None) -> list[tuple[CacheKey, Path]]:
+    """Every cached plan's key and file, sorted by path; a refused file (or folder) is skipped with a
+    `CacheWarning` saying why."""
+    try:
+        plans = _plans_dir(directory, create=False)
+    except CacheError as exc:
+        warnings.warn(f"skipping the plan cache: {exc}", CacheWarning, stacklevel=2)
+        return []
+    if plans is None:
+        return []
+    out = []
+    for path in sorted(plans.glob("*.yaml")):
+        if path.name.startswith("."):
+            continue
+        try:
+            entry = _read_entry(path, expected=None)
+        except CacheError as exc:
+            warnings.warn(f"skipping a plan cache file: {exc}", CacheWarning, stacklevel=2)
+            continue
+        if entry is not None:
+            out.append((entry.key, path))
+    return out
+
+
+def _measured(entry: CacheEntry) -> str:
+    m = {k: v for k, v in (entry.measurement or {}).items() if isinstance(v, float)}
+    parts = []
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:,.0f} tokens/s")
+    elif "samples_per_s" in m:
+        parts.append(f"{m['samples_per_s']:,.1f} samples/s")
+    elif "step_s" in m:
+        parts.append(f"{m['step_s'] * 1e3:,.1f} ms/step")
+    when = f" on {entry.stored_at[:10]}" if entry.stored_at else ""
+    return f"measured {parts[0]}{when}" if parts else f"stored{when or ' earlier'}, not measured"
+
+
+def cached_plan_for(
+    profile: Any,
+    topology: Any,
+    *,
+    world_size: int,
+    global_batch_size: int,
+    allow_train_step: bool,
+    directory: str | os.PathLike[str] | None = None,
+) -> tuple[Plan | None, str | None]:
+    """What `wrap` asks before planning: (plan, "using the tuned plan cached at PATH (measured ...)") on a
+    hit; (None, None) when nothing is cached for this model, topology, batch, torch and loop kind; (None,
+    why) when the cached plan does not fit this job (world size, batch, loop kind): the caller logs `why`
+    as a warning and plans afresh. A refused (tampered) file raises CacheError, with the remedy."""
+    key = cache_key(profile, topology, global_batch_size=global_batch_size, allow_train_step=allow_train_step)
+    entry = lookup_entry(key, directory=directory)
+    if entry is None:
+        return None, None
+    plan = entry.plan
+    why = None
+    try:
+        plan.check_world(world_size)
+    except PlanError:
+        why = f"it was tuned for {plan.world_size} processes and this job has {world_size}"
+    if why is None:
+        try:
+            plan.check_batch(global_batch_size)
+        except PlanError:
+            why = f"its global batch is {plan.global_batch_size}, this job's {global_batch_size}"
+    if why is None and plan.needs_train_step and not allow_train_step:
+        why = "it needs autopar.train_step (pp > 1 or grad_accum > 1) and this job runs a plain loop"
+    if why is not None:
+        return None, (
+            f"ignoring the plan cached at {entry.path}: {why}. autopar plans afresh; delete the file to stop "
+            "this message (tuning again replaces it)."
+        )
+    return plan, f"using the tuned plan cached at {entry.path} ({_measured(entry)})"
+
+
+# ---------------------------------------------------------------------------------------------------
+# --plan-out
+# ---------------------------------------------------------------------------------------------------
+def _is_plan_yaml(text: str) -> bool:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    known = {f.name for f in dataclasses.fields(Plan)}
+    return isinstance(data, Mapping) and "schema_version" in data and set(map(str, data)) <= known
+
+
+def write_plan_out(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """What `--plan-out PATH` does: save `plan` as a plan YAML (Plan.save, atomic) at `path`, creating its
+    folders. An existing file is replaced only when it is empty or is itself a plan file (a mapping of
+    Plan fields with a schema_version); anything else (a folder, another YAML, a script) is refused so that
+    a typo never destroys a file. Returns the path."""
+    if not isinstance(plan, Plan):
+        raise AutoparError(f"write_plan_out takes a Plan, got {type(plan).__name__}.")
+    path = Path(path)
+    if path.is_dir():
+        raise AutoparError(f"--plan-out {path} is a folder: give a file path, such as {path / 'plan.yaml'}.")
+    if path.exists():
+        try:
+            size = path.stat().st_size
+            text = path.read_text(encoding="utf-8") if 0 < size <= MAX_FILE_BYTES else ""
+        except (OSError, UnicodeDecodeError):
+            size, text = -1, ""
+        if size != 0 and not _is_plan_yaml(text):
+            raise AutoparError(
+                f"--plan-out {path} exists and is not an autopar plan file: autopar will not overwrite it. "
+                "Choose another path, or remove the file first."
+            )
+    return plan.save(path)
+
+
+__all__ = [
+    "CACHE_SCHEMA_VERSION", "CacheEntry", "CacheError", "CacheKey", "CacheWarning", "cache_key", "cached_plan_for",
+    "current_torch_version", "entries", "lookup", "lookup_entry", "path_for", "store", "write_plan_out",
+]

@@ -1,0 +1,215 @@
+"""Tests of the `autopar` command run in-process (`autopar.cli.main([...])`): `autopar plan` on a built-in
+spec, a Hugging Face config.json and a module:factory, its table, JSON and YAML, the plain-loop option,
+and the errors a user meets; the usage text."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from autopar.cli import main
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.plans import Plan
+from autopar.profile import model_fingerprint
+from autopar.topology import Topology
+
+FACTORY = textwrap.dedent("""
+    import torch
+    from autopar.models.gpt import GPT, GPTConfig
+
+    CFG = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, hidden_dim=64, num_heads=4)
+
+    def build():
+        return GPT(CFG), torch.randint(0, 256, (2, 64))
+
+    def model_only():
+        return GPT(CFG)
+
+    def huge():
+        # 3 x 40G parameters: no plan on one GPU holds it, even with CPU offload
+        return torch.nn.Sequential(*[torch.nn.Linear(200_000, 200_000) for _ in range(3)]), torch.randn(1, 200_000)
+
+    def broken():
+        raise RuntimeError("no weights here")
+""")
+
+
+@pytest.fixture
+def factory(tmp_path, monkeypatch):
+    (tmp_path / "tiny_factory_mod.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "tiny_factory_mod"
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_usage_lists_every_command(capsys):
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0 and "autopar {demo,topology,plan,tune,report}" in out and "plan       rank the plans" in out
+    code, _, err = _run(capsys, "frobnicate")
+    assert code == 2 and "usage: autopar {demo,topology,plan,tune,report}" in err
+
+
+def test_spec_on_a_cluster_prints_the_table_and_writes_a_plan(capsys, tmp_path):
+    out_file = tmp_path / "plan.yaml"
+    code, out, err = _run(capsys, "plan", "gpt2", "--cluster", "8xH100-SXM", "--seq", "256", "--global-batch", "32",
+                          "--plain-loop", "--top", "3", "--out", str(out_file))
+    assert code == 0, err
+    topo = Topology.from_spec("8xH100-SXM")
+    assert f"autopar topology {topo.fingerprint()}" in out
+    assert "model gpt2: GPT-2 small, 124M" in out and "12 x Block" in out
+    assert "32 samples x 256 tokens = 8,192 tokens per step, over 8 GPUs" in out
+    assert "traced at depths 2 and 3" in out and "extended to 12 blocks" in out
+    header = next(line for line in out.splitlines() if line.startswith("rank"))
+    for column in ("plan", "memory/GPU", "step", "tokens/s", "MFU"):
+        assert column in header
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert [r.split()[0] for r in rows] == ["1", "2"]  # a plain loop on 8 GPUs: FSDP 8 or replication 8
+    assert "dropped:" in out and "dominated" in out
+    assert f"wrote {out_file}" in out and "autopar.wrap(model, sample=batch, plan=" in out
+    plan = Plan.load(out_file)
+    assert plan.world_size == 8 and plan.global_batch_size == 32 and plan.precision == "bf16"
+    assert plan.topology_fingerprint == topo.fingerprint()
+    # made from an extrapolated profile: no model fingerprint, so wrap accepts it for any GPT of this shape
+    assert plan.model_fingerprint is None
+    with torch.device("meta"):
+        real = GPT(GPTConfig(vocab_size=50304, seq_len=1024, num_layers=12, hidden_dim=768, num_heads=12))
+    Plan.load(out_file, model_fingerprint=model_fingerprint(real), world_size=8)
+    assert plan.prediction["step_s"] > 0 and plan.prediction["memory_bytes"] <= 0.95 * topo.device.memory_bytes
+
+
+def test_plain_loop_yields_no_accumulation_and_no_pipeline(capsys, factory):
+    code, out, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "2x4xH100-SXM", "--global-batch", "64",
+                          "--plain-loop", "--top", "1000", "--json", "--out", "-")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["allow_train_step"] is False and data["ranked"]
+    assert all(r["plan"]["grad_accum"] == 1 and r["plan"]["pp"] == 1 for r in data["ranked"])
+    assert data["chosen"]["grad_accum"] == 1 and data["out"] is None
+    assert data["feasible"] == len(data["ranked"]) and data["candidates"] >= data["feasible"]
+    assert sum(d["count"] for d in data["dropped"]) == data["candidates"] - data["feasible"]
+    assert data["model"]["fingerprint"] is not None and data["topology"]["world_size"] == 8
+
+
+def test_module_factory_keeps_the_model_fingerprint(capsys, factory, tmp_path):
+    out_file = tmp_path / "p.yaml"
+    code, out, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "2xH100-SXM", "--out", str(out_file))
+    assert code == 0, err
+    assert "model tiny_factory_mod:build: GPT from tiny_factory_mod:build()" in out
+    assert "traced at full depth" in out
+    assert "4 samples x 64 tokens" in out  # default global batch: the sample's 2 x 2 GPUs
+    plan = Plan.load(out_file)
+    cfg = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, hidden_dim=64, num_heads=4)
+    assert plan.model_fingerprint == model_fingerprint(GPT(cfg))  # the traced model is the model itself
+
+
+def test_module_factory_without_a_sample_needs_seq(capsys, factory):
+    code, _, err = _run(capsys, "plan", f"{factory}:model_only", "--cluster", "H100-SXM", "--out", "-")
+    assert code == 2 and "pass --seq N" in err
+    code, out, err = _run(capsys, "plan", f"{factory}:model_only", "--cluster", "H100-SXM", "--seq", "32",
+                          "--out", "-")
+    assert code == 0, err
+    assert "1 samples x 32 tokens" in out and "schema_version: 1" in out  # --out - prints the YAML
+
+
+def test_module_factory_errors(capsys, factory):
+    code, _, err = _run(capsys, "plan", f"{factory}:broken", "--cluster", "H100-SXM")
+    assert code == 2 and "tiny_factory_mod:broken() failed under torch.device('meta')" in err
+    code, _, err = _run(capsys, "plan", f"{factory}:missing", "--cluster", "H100-SXM")
+    assert code == 2 and "has no callable 'missing'" in err
+    code, _, err = _run(capsys, "plan", "no_such_module_xyz:build", "--cluster", "H100-SXM")
+    assert code == 2 and "cannot import 'no_such_module_xyz'" in err
+
+
+def test_hf_config_file(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=1000, n_positions=128,
+                            bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path / "cfg")
+    out_file = tmp_path / "p.yaml"
+    # on CPU processes only the fp32 trace is needed (no bf16): the quickest way through a config
+    code, out, err = _run(capsys, "plan", str(tmp_path / "cfg" / "config.json"), "--cluster", "1xcpu",
+                          "--global-batch", "8", "--plain-loop", "--out", str(out_file))
+    assert code == 0, err
+    assert "Hugging Face gpt2" in out and "4 x GPT2Block" in out and "extended to 4 blocks" in out
+    assert "8 samples x 128 tokens" in out  # the config's 128 positions
+    plan = Plan.load(out_file)
+    assert plan.model_fingerprint is None and plan.global_batch_size == 8
+    # the written plan is what wrap takes for the real model
+    import autopar
+
+    cfg = transformers.GPT2Config.from_pretrained(tmp_path / "cfg")
+    ids = torch.randint(0, 1000, (8, 128))
+    model = autopar.wrap(transformers.GPT2LMHeadModel(cfg), sample={"input_ids": ids, "labels": ids},
+                         plan=str(out_file), topology="1xcpu", verbose=False)
+    assert autopar.plan_of(model).key() == plan.key()
+    model(input_ids=ids, labels=ids).loss.backward()
+    # the folder works too, and a longer sequence than the positions is refused
+    code, _, err = _run(capsys, "plan", str(tmp_path / "cfg"), "--cluster", "1xcpu", "--seq", "256")
+    assert code == 2 and "takes at most 128 tokens" in err
+
+
+def test_specs_have_the_published_sizes():
+    from autopar.specs import SPECS, known_specs
+
+    assert known_specs() == ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b", "llama3-8b", "llama3-70b",
+                             "llama3-405b")
+    billions = {name: round(spec.config().num_params / 1e9, 2) for name, spec in SPECS.items()}
+    assert billions == {"gpt2": 0.12, "gpt2-medium": 0.35, "gpt2-large": 0.77, "gpt2-xl": 1.56, "llama-1b": 1.1,
+                        "llama3-8b": 8.03, "llama3-70b": 70.55, "llama3-405b": 405.85}  # Llama 3: 8.03B, 70.6B, 406B
+    with torch.device("meta"):
+        model = SPECS["llama3-405b"].build()  # no memory: shapes only
+    assert sum(p.numel() for p in model.parameters()) == SPECS["llama3-405b"].config().num_params
+
+
+def test_unknown_spec_lists_the_known_ones(capsys):
+    code, out, err = _run(capsys, "plan", "llama5-1t", "--cluster", "8xH100-SXM")
+    assert code == 2 and out == ""
+    assert "unknown model 'llama5-1t'" in err
+    for name in ("gpt2", "gpt2-xl", "llama-1b", "llama3-8b", "llama3-70b", "llama3-405b"):
+        assert name in err
+    code, _, err = _run(capsys, "plan", "missing/config.json", "--cluster", "8xH100-SXM")
+    assert code == 2 and "no Hugging Face config at missing/config.json" in err
+
+
+def test_bad_cluster_batch_and_sequence(capsys, factory):
+    code, _, err = _run(capsys, "plan", "gpt2", "--cluster", "8xV100")
+    assert code == 2 and "'V100' is not a known GPU" in err
+    code, _, err = _run(capsys, "plan", "gpt2", "--cluster", "8xH100-SXM", "--seq", "2048")
+    assert code == 2 and "takes at most 1024 tokens" in err and "--seq 1024" in err
+    # a plain loop is pure data parallelism: the batch must split over all 8 GPUs
+    code, _, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "8xH100-SXM", "--global-batch", "3",
+                        "--plain-loop")
+    assert code == 2 and "splits over none of the data-parallel degrees" in err and "(8)" in err
+    assert "drop --plain-loop: pipelines and tensor parallelism leave fewer data-parallel ranks" in err
+    assert "drop --plain-loop" in err
+    code, _, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "8xH100-SXM", "--tokens-per-step", "100")
+    assert code == 2 and "not a whole number of 64-token samples" in err
+    with pytest.raises(SystemExit):  # argparse: one of the two batch options
+        main(["plan", "gpt2", "--global-batch", "8", "--tokens-per-step", "8192"])
+    capsys.readouterr()
+
+
+def test_nothing_fits_says_what_would_help(capsys, factory):
+    code, out, err = _run(capsys, "plan", f"{factory}:huge", "--cluster", "H100-SXM")
+    assert code == 2 and out == ""
+    assert "no plan for tiny_factory_mod:huge fits 1 x H100-SXM" in err
+    assert "The smallest" in err and "needs" in err
+    assert "What would help: more GPUs" in err
+
+
+def test_verify_runs_the_exact_memory_check_on_the_best_plans(capsys, factory):
+    code, out, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "2xH100-SXM", "--verify", "1", "--out", "-")
+    assert code == 0, err
+    section = out.split("exact memory check")[1].split("chosen (rank 1):")[0]
+    rows = [line for line in section.splitlines()[1:] if line.strip()]
+    assert len(rows) == 1 and rows[0].strip().startswith("fits")
+    number, unit = rows[0].split(" traced")[0].split()[-2:]
+    assert float(number) > 0 and unit in ("MiB", "GiB")
+    assert "upper bound for this compiled plan" in rows[0]  # planned for GPUs: compiled, traced eager

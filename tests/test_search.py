@@ -1,0 +1,189 @@
+"""Tests of autopar.search's enumeration and search: which plans are considered (tensor parallelism divides
+the heads and stays in a node, pipelines leave every stage a block, plain-loop plans (pure data parallelism) only when asked),
+CPU offload only when nothing else fits, dominated plans dropped, the ranking order, and that the work
+follows the candidates, not the number of GPUs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.models.gpt import GPT, GPTConfig, lm_loss
+from autopar.plans import Plan
+from autopar.profile import profile_model
+from autopar.search import (DOMINATED, _divisors, _hashed_once, data_parallel_degrees, enumerate_plans, search,
+                            tensor_parallel_degrees)
+from autopar.topology import Topology
+
+SIX_HEADS = GPTConfig(vocab_size=256, seq_len=32, num_layers=4, hidden_dim=96, num_heads=6)
+EIGHT_HEADS = GPTConfig(vocab_size=256, seq_len=32, num_layers=6, hidden_dim=64, num_heads=8)
+
+
+def _profile(cfg: GPTConfig, batch: int = 2):
+    torch.manual_seed(0)
+    return profile_model(GPT(cfg), torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len)), loss_fn=lm_loss)
+
+
+@pytest.fixture(scope="module")
+def six():
+    return _profile(SIX_HEADS)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return _profile(EIGHT_HEADS)
+
+
+def _plans(profile, spec: str, global_batch: int, **kw) -> list[Plan]:
+    topo = Topology.from_spec(spec)
+    return list(enumerate_plans(profile, topo, world_size=topo.world_size, global_batch_size=global_batch, **kw))
+
+
+def test_divisors_in_sqrt_steps():
+    for n in list(range(1, 200)) + [1024, 4096, 3 * 5 * 7 * 11 * 13]:
+        assert _divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert _divisors(2**40)[-1] == 2**40 and len(_divisors(2**40)) == 41  # a million steps, not 10^12
+
+
+def test_tensor_parallel_divides_the_heads_and_stays_in_a_node(six, eight):
+    assert tensor_parallel_degrees(six, Topology.from_spec("2x8xH100-SXM"), 16) == [1, 2]  # 6 heads: not 4, 8
+    assert tensor_parallel_degrees(eight, Topology.from_spec("2x8xH100-SXM"), 16) == [1, 2, 4, 8]
+    assert tensor_parallel_degrees(eight, Topology.from_spec("4x4xH100-SXM"), 16) == [1, 2, 4]  # 4 GPUs a node
+    for spec in ("2x8xH100-SXM", "4x4xH100-SXM"):
+        topo = Topology.from_spec(spec)
+        plans = _plans(eight, spec, 32, allow_train_step=True)
+        assert {p.tp for p in plans} == set(tensor_parallel_degrees(eight, topo, 16))
+        for p in plans:
+            assert p.tp <= topo.devices_per_node and EIGHT_HEADS.num_heads % p.tp == 0
+            assert p.sequence_parallel == (p.tp > 1)  # TP without SP is dominated
+
+
+def test_every_plan_has_the_world_and_the_global_batch(eight):
+    topo = Topology.from_spec("2x8xH100-SXM")
+    plans = _plans(eight, "2x8xH100-SXM", 48, allow_train_step=True)
+    assert plans
+    for p in plans:
+        assert p.world_size == 16 and p.global_batch_size == 48
+        assert p.model_fingerprint == eight.fingerprint and p.topology_fingerprint == topo.fingerprint()
+        assert p.precision == "bf16" and p.compile and not p.cpu_offload
+    # HSDP (replicated across nodes, sharded within) only where there are several nodes
+    assert any(p.dp_replicate > 1 and p.dp_shard > 1 for p in plans)
+    assert not any(p.dp_replicate > 1 and p.dp_shard > 1 for p in _plans(eight, "8xH100-SXM", 48))
+
+
+def test_pipelines_leave_every_stage_a_block_and_need_train_step(eight):
+    plans = _plans(eight, "2x8xH100-SXM", 64, allow_train_step=True)
+    piped = [p for p in plans if p.pp > 1]
+    assert {p.pp for p in piped} == {2, 4}  # 8 and 16 stages would exceed the 6 blocks
+    for p in piped:
+        assert p.pp * p.pp_stages_per_rank <= EIGHT_HEADS.num_layers
+        if p.pp_schedule == "gpipe":
+            assert p.grad_accum < p.pp
+        else:
+            assert p.grad_accum >= p.pp
+        if p.pp_stages_per_rank > 1:
+            assert p.grad_accum % p.pp == 0 and p.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+
+
+def test_plain_loop_plans_only_without_train_step(eight):
+    plans = _plans(eight, "2x8xH100-SXM", 64)
+    assert plans and all(p.pp == 1 and p.grad_accum == 1 and not p.needs_train_step for p in plans)
+    assert all(p.tp == 1 and p.dp_size == 16 for p in plans)  # every process reads its own batch
+    ranked = search(eight, Topology.from_spec("2x8xH100-SXM"), global_batch_size=64)
+    assert all(c.plan.pp == 1 and c.plan.grad_accum == 1 and c.plan.tp == 1 for c in ranked)
+
+
+def test_a_global_batch_splits_only_over_degrees_that_divide_it(six):
+    topo = Topology.from_spec("8xH100-SXM")
+    assert data_parallel_degrees(six, topo, world_size=8) == [8]  # a plain loop: pure data parallelism
+    assert data_parallel_degrees(six, topo, world_size=8, allow_train_step=True) == [1, 2, 4, 8]
+    assert _plans(six, "8xH100-SXM", 6) == []  # 6 samples do not split over 8 ranks
+    assert _plans(six, "8xH100-SXM", 12) == []
+    assert {p.dp_size for p in _plans(six, "8xH100-SXM", 16)} == {8}
+    # with train_step, tensor parallelism (tp 2 divides the 6 heads) and pipelines leave 4, 2 or 1 ranks
+    assert {p.dp_size for p in _plans(six, "8xH100-SXM", 12, allow_train_step=True)} == {1, 2, 4}
+
+
+def test_cost_follows_the_candidates_not_the_gpus(eight):
+    # 2^20 GPUs: the loops run over divisors, so this is as quick as a small cluster
+    topo = Topology.from_spec(f"{2**17}x8xH100-SXM")
+    plans = list(enumerate_plans(eight, topo, world_size=topo.world_size, global_batch_size=2**20))
+    assert 0 < len(plans) < 200
+
+
+def test_hashed_once_profile_is_the_same_profile(six):
+    keyed = _hashed_once(six)
+    assert hash(keyed) == hash(six) == hash(keyed)
+    assert all(getattr(keyed, f.name) == getattr(six, f.name) for f in dataclasses.fields(six))
+    assert _hashed_once(keyed) is keyed
+
+
+def test_ranking_feasible_first_fastest_first_then_dropped_with_reasons(eight):
+    topo = Topology.from_spec("2x8xH100-SXM")
+    ranked = search(eight, topo, global_batch_size=64, allow_train_step=True)
+    flags = [c.feasible for c in ranked]
+    assert flags == sorted(flags, reverse=True) and any(flags)
+    feasible = [c for c in ranked if c.feasible]
+    steps = [c.prediction.step_s for c in feasible]
+    assert steps == sorted(steps)
+    budget = 0.95 * topo.device.memory_bytes
+    for c in feasible:
+        assert c.reason is None and c.prediction.memory_bytes <= budget
+        assert c.plan.prediction["step_s"] == c.prediction.step_s
+    for c in ranked:
+        if not c.feasible:
+            assert c.prediction is None and c.reason
+
+
+def test_dominated_plans_are_dropped_for_one_that_redoes_less(eight):
+    """A tiny model fits everywhere: of each group that differs only in checkpointing and resharding, the
+    plan with neither is kept; the others are dropped, and really are no faster (checked here)."""
+    from autopar.cost import predict_profile
+
+    topo = Topology.from_spec("8xH100-SXM")
+    ranked = search(eight, topo, global_batch_size=16)
+    feasible = [c.plan for c in ranked if c.feasible]
+    assert feasible and all(p.checkpointing == "none" for p in feasible)
+    assert all(not p.reshard_after_forward for p in feasible if p.dp_shard > 1)
+    dominated = [c for c in ranked if c.reason and c.reason.startswith(DOMINATED)]
+    assert dominated and len(feasible) + len(dominated) == len(ranked)
+    for c in dominated[:20]:
+        better = c.plan.replace(checkpointing="none", reshard_after_forward=False if c.plan.dp_shard > 1 else True,
+                                prediction=None)
+        assert predict_profile(eight, better, topo).step_s <= predict_profile(eight, c.plan, topo).step_s
+
+
+def _offload_topology(profile, global_batch: int) -> Topology | None:
+    """One GPU whose memory fits a CPU-offload plan but no other (None if the cost model never makes
+    offload smaller for this model)."""
+    from autopar.cost import Calibration
+    from autopar.cost.memory import predict_memory
+
+    topo = Topology.from_spec("1xH100-SXM")
+    cal = Calibration()
+    need = {off: min(predict_memory(profile, p, cal).peak_bytes
+                     for p in enumerate_plans(profile, topo, world_size=1, global_batch_size=global_batch,
+                                              offload=off))
+            for off in (False, True)}
+    if not need[True] < need[False]:
+        return None
+    memory = int((need[True] + need[False]) / 2 / 0.95)
+    return dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=memory))
+
+
+def test_cpu_offload_only_when_nothing_else_fits():
+    # parameters dominate (a wide model, a short sequence): offloading them is what makes it fit
+    profile = _profile(GPTConfig(vocab_size=4096, seq_len=8, num_layers=4, hidden_dim=512, num_heads=8), batch=1)
+    roomy = search(profile, Topology.from_spec("1xH100-SXM"), global_batch_size=1)
+    assert roomy[0].feasible and not any(c.plan.cpu_offload for c in roomy)
+    tight = _offload_topology(profile, 1)
+    if tight is None:
+        pytest.skip("the cost model predicts no memory saving from CPU offload for this model")
+    ranked = search(profile, tight, global_batch_size=1)
+    feasible = [c for c in ranked if c.feasible]
+    assert feasible and all(c.plan.cpu_offload for c in feasible)
+    assert any(not c.plan.cpu_offload and c.reason.startswith("needs") for c in ranked)
+    # on CPU processes there is no offload at all
+    assert not any(p.cpu_offload for p in _plans(profile, "1xcpu", 1))

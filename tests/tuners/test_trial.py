@@ -1,0 +1,233 @@
+"""Trial runs and the probe (autopar/tuners/trial.py), in real subprocesses: torchrun, 2 ranks, gloo on CPU.
+
+The user's script (written below) is a plain training loop of 1000 steps around `autopar.wrap`; a trial
+must end it early, measure it, and, when a rank fails, hangs or the command exits, end the whole group
+with the right status. Each rank of the script records its pid and torchrun's, so the tests can check
+that no process of a trial is left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+from autopar.plans import Plan
+from autopar.profile import ModelProfile, model_fingerprint, profile_model
+from autopar.tuners import trial
+from autopar.tuners.trial import ENV_DIR, ENV_INJECT, ENV_MODE, ENV_STEPS, ENV_WARMUP, probe, run_trial
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
+LOCAL_BATCH = 4
+PLAN = Plan(dp_shard=2, micro_batch_size=LOCAL_BATCH)
+
+SCRIPT = '''
+import os, sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rank = int(os.environ.get("RANK", "0"))
+(out / "pids").mkdir(parents=True, exist_ok=True)
+(out / "pids" / f"rank{rank}").write_text(f"{os.getpid()} {os.getppid()}")  # this rank and its launcher
+if sys.argv[2:] == ["exit3"]:
+    sys.exit(3)
+
+import torch
+import autopar
+from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
+cfg = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
+torch.manual_seed(0)
+model = autopar.wrap(GPT(cfg), sample=synthetic_tokens(4, cfg), loss_fn=lm_loss, verbose=rank == 0)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+try:
+    for step in range(1000):
+        x = synthetic_tokens(4, cfg, step=step, seed=rank)
+        loss = lm_loss(model(x), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        (out / f"steps.rank{rank}").write_text(str(step + 1))
+    print("LOOP FINISHED", flush=True)
+finally:  # unguarded, as many scripts do: the trial has already left the process group when this runs
+    torch.distributed.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("user") / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(script: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+            str(_free_port()), str(script), str(out)]
+
+
+ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
+       "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _alive(pid: int) -> bool:
+    """True if `pid` runs (a zombie, dead but not yet reaped by its new parent, is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _assert_all_ended(out: Path, ranks: int = 2, *, torchrun: bool = True) -> None:
+    files = sorted((out / "pids").glob("rank*"))
+    assert len(files) == ranks, files
+    pids = {int(p) for f in files for p in f.read_text().split()[:2 if torchrun else 1]}  # every rank, torchrun
+    assert pids and not [p for p in pids if _alive(p)], "a process of the trial is still running"
+
+
+def _trial_dir(workdir: Path) -> Path:
+    (found,) = workdir.glob("autopar-trial-*")
+    return found
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- in one process: the contract's names and checks --------------------------------------------
+def test_contract_names_and_argument_checks(tmp_path):
+    assert (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP, ENV_INJECT) == tuple(
+        f"AUTOPAR_TRIAL_{n}" for n in ("DIR", "MODE", "STEPS", "WARMUP", "INJECT"))
+    assert trial.parse_inject("oom:1") == ("oom", 1) and trial.parse_inject(None) is None
+    with pytest.raises(ValueError, match="oom:RANK"):
+        trial.parse_inject("segfault:0")
+    with pytest.raises(TypeError, match="no shell"):
+        run_trial("torchrun train.py", PLAN)
+    with pytest.raises(ValueError, match="steps"):
+        run_trial(["true"], PLAN, steps=0)
+    with pytest.raises(ValueError, match="oom:RANK"):
+        run_trial(["true"], PLAN, inject="oom")
+    # a command that never calls wrap: exit 0 without a result is not a measurement
+    r = run_trial([sys.executable, "-c", "pass"], PLAN, timeout_s=60, workdir=tmp_path)
+    assert r.status == "exit" and r.returncode == 0 and "without a result" in r.cause and r.step_s is None
+    assert (_trial_dir(tmp_path) / "plan.yaml").is_file()  # kept under workdir
+    assert Plan.load(_trial_dir(tmp_path) / "plan.yaml") == PLAN
+
+
+def test_classification_of_an_ended_run():
+    def ended(errors=(), rc=1, timeout=None, log=""):
+        return trial._Ended(returncode=rc, wall_s=1.0, timeout_cause=timeout, errors=list(errors), log_tail=log)
+
+    crash = {"rank": 0, "time": 1.0, "line": "RuntimeError: Connection closed by peer", "oom": False}
+    oom = {"rank": 1, "time": 2.0, "line": "OutOfMemoryError: CUDA out of memory", "oom": True}
+    assert trial._classify(ended([crash, oom]), done=False) == ("oom", "rank 1: OutOfMemoryError: CUDA out of memory")
+    assert trial._classify(ended([crash]), done=False) == ("crash", "rank 0: RuntimeError: Connection closed by peer")
+    assert trial._classify(ended(timeout="no progress for 5 s", rc=-15), done=False) == ("timeout", "no progress for 5 s")
+    assert trial._classify(ended(rc=0), done=True) == ("ok", None)
+    assert trial._classify(ended(rc=-9), done=False) == ("exit", "the command was killed by SIGKILL")
+    summary = "[0]:\n  exitcode  : -9 (pid: 123)\n  error_file: <N/A>"
+    assert trial._classify(ended(rc=1, log=summary), done=False) == (
+        "exit", "the command exited with code 1 (a rank was killed by SIGKILL)")
+    assert trial._is_oom(MemoryError()) and trial._is_oom(RuntimeError("CUDA error: out of memory"))
+    assert not trial._is_oom(RuntimeError("injected crash"))
+
+
+def test_exit_code_before_wrap_is_exit(script, tmp_path):
+    out = tmp_path / "out"
+    r = run_trial([sys.executable, str(script), str(out), "exit3"], PLAN, timeout_s=60, env=ENV)
+    assert r.status == "exit" and r.returncode == 3, r
+    assert r.cause == "the command exited with code 3"
+    assert r.step_s is None and r.peak_allocated_bytes == ()
+    _assert_all_ended(out, ranks=1, torchrun=False)
+
+
+# ---- torchrun, 2 ranks ---------------------------------------------------------------------------
+def test_ok_trial_measures_and_ends_the_loop_early(script, tmp_path):
+    out, work = tmp_path / "out", tmp_path / "trials"
+    before = _digest(script)
+    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, env=ENV, workdir=work)
+    assert r.status == "ok", (r.cause, r.log_tail)
+    assert r.returncode == 0 and r.cause is None and r.plan == PLAN
+    assert r.step_s > 0 and r.wall_s > r.step_s
+    assert r.samples_per_s == pytest.approx(PLAN.global_batch_size / r.step_s)
+    assert r.tokens_per_s == pytest.approx(PLAN.global_batch_size * CFG.seq_len / r.step_s)
+    assert r.peak_allocated_bytes == (0, 0) and r.peak_reserved_bytes == (0, 0)  # CPU
+    # the loop of 1000 steps was ended by the trial after warm-up + timed steps (the 4th step's hook)
+    assert [int((out / f"steps.rank{k}").read_text()) for k in (0, 1)] == [3, 3]
+    assert "LOOP FINISHED" not in r.log_tail
+    result = json.loads((_trial_dir(work) / "result.json").read_text())
+    assert result["status"] == "ok" and result["world_size"] == 2 and len(result["step_s_per_rank"]) == 2
+    assert result["step_s"] == max(result["step_s_per_rank"]) == r.step_s
+    # the script's unguarded destroy_process_group() after the trial ended is ignored (the run exits 0)
+    assert "the run had ended; ignoring AssertionError" in (_trial_dir(work) / "log.txt").read_text()
+    assert _digest(script) == before  # the user's files are untouched
+    _assert_all_ended(out)
+
+
+def test_probe_writes_the_profile_wrap_made(script, tmp_path):
+    out = tmp_path / "out"
+    p = probe(_torchrun(script, out), timeout_s=240, env=ENV, workdir=tmp_path / "probes")
+    model, sample = GPT(CFG), synthetic_tokens(LOCAL_BATCH, CFG)
+    assert p.profile == profile_model(model, sample, loss_fn=lm_loss)  # exactly what wrap profiled
+    assert isinstance(p.profile, ModelProfile) and p.profile.matmul_calls and p.profile.blocks
+    assert p.model_fingerprint == model_fingerprint(model) == p.profile.fingerprint
+    assert (p.world_size, p.global_batch_size) == (2, 2 * LOCAL_BATCH)
+    assert p.topology.device_type == "cpu" and p.topology.world_size == 2
+    assert p.variants == {}  # no bf16 traces on CPU processes
+    assert not list(out.glob("steps.rank*"))  # the run ended in wrap: the loop never ran
+    _assert_all_ended(out)
+
+
+@pytest.mark.parametrize("fault, status, cause", [
+    ("oom:1", "oom", "rank 1: OutOfMemoryError: injected out of memory"),
+    ("crash:0", "crash", "rank 0: RuntimeError: injected crash"),
+])
+def test_injected_failure_ends_the_trial(script, tmp_path, fault, status, cause):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, env=ENV, inject=fault)
+    assert r.status == status and r.cause == cause, (r.status, r.cause, r.log_tail)
+    assert r.returncode != 0 and r.step_s is None and r.tokens_per_s is None and r.samples_per_s is None
+    assert r.peak_allocated_bytes == (0, 0)  # from the ranks' progress files
+    # the failing rank raised in the first timed step's optimizer step (its loop never saw it end)
+    assert int((out / f"steps.rank{fault[-1]}").read_text()) == 1
+    assert time.monotonic() - t0 < 200
+    _assert_all_ended(out)
+
+
+def test_injected_hang_times_out_and_ends_the_group(script, tmp_path):
+    out, work = tmp_path / "out", tmp_path / "trials"
+    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, progress_timeout_s=10, env=ENV,
+                  workdir=work, inject="hang:1")
+    ended = time.time()
+    assert r.status == "timeout" and r.cause == "no progress for 10 s", (r.status, r.cause, r.log_tail)
+    assert r.step_s is None and r.returncode != 0
+    run_dir = _trial_dir(work)
+    assert "injecting a fault on rank 1: hang" in (run_dir / "log.txt").read_text()
+    assert not list(run_dir.glob("error.rank*.json"))  # ended by the tuner: no rank's error
+    # ended within the progress timeout (+ the SIGTERM grace and polling) of the last sign of life
+    last = max(p.stat().st_mtime for p in run_dir.glob("progress.rank*.json"))
+    assert ended - last < 10 + trial.TERM_GRACE_S + 5
+    _assert_all_ended(out)
