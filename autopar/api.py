@@ -21,13 +21,9 @@ _ATTR = "_autopar_applied"
 
 
 def _resolve_topology(topology: Topology | str | None) -> Topology:
-    if topology is None:
-        return Topology.detect()
-    if isinstance(topology, str):
-        return Topology.from_spec(topology)
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a Topology, a spec string like '2x8xH100-SXM', or None; got {type(topology).__name__}.")
-    return topology
+    from .planning import resolve_topology
+
+    return resolve_topology(topology)
 
 
 def _global_batch(sample: Any, global_batch_size: int | None, readers: int) -> int:

@@ -27,6 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grid_single_gpu import build  # noqa: E402  (the same HF shapes as the grid)
+
 GiB = 2**30
 SHAPES = {"gpt2-355m": 1024, "llama-1b": 2048}
 CONFIGS = [  # (model, plan options); global batch = micro-batch x accumulation (one GPU)
@@ -40,19 +43,6 @@ CONFIGS = [  # (model, plan options); global batch = micro-batch x accumulation 
     ("gpt2-355m", dict(micro_batch_size=4, precision="fp32")),
     ("gpt2-355m", dict(micro_batch_size=16, compile=True)),
 ]
-
-
-def build(name: str):
-    import transformers
-
-    if name == "gpt2-355m":
-        cfg = transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                   intermediate_size=8192, vocab_size=32000, max_position_embeddings=2048,
-                                   attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def sample(name: str, batch: int, device: str) -> dict:
