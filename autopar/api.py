@@ -189,7 +189,7 @@ def wrap(
         from .tuners.trial import after_profile
 
         after_profile(mode, model, sample, profile, topo, world_size=world.size, global_batch_size=global_batch,
-                      loss_fn=loss_fn, blocks=blocks)
+                      loss_fn=loss_fn, blocks=blocks, uses_train_step=uses_train_step)
 
     # Every rank applies the same plan: rank 0's, sent as YAML text (nothing is unpickled).
     chosen: Plan | None = None

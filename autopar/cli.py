@@ -274,8 +274,8 @@ def _tune_parser() -> argparse.ArgumentParser:
                    help="a trial running longer is ended and recorded as timed out (default 600)")
     p.add_argument("--plan-out", default=None, metavar="FILE", help="also write the best plan to FILE (YAML)")
     p.add_argument("--plain-loop", action="store_true",
-                   help="only plans a plain loop runs: no gradient accumulation, no pipeline (your loop does not "
-                        "use autopar.train_step)")
+                   help="only plans a plain loop runs (pure data parallelism, no accumulation, no pipeline, no "
+                        "tensor parallelism); default: follow the script's wrap(uses_train_step=...)")
     p.add_argument("--top-k", type=int, default=5, metavar="K",
                    help="run the K best predicted plans first, in predicted order (default 5)")
     return p
@@ -359,7 +359,7 @@ def _tune(argv: list[str]) -> int:
     try:
         report = tune(command, study_path=args.study, trials=args.trials or None, time_budget_s=args.time_budget,
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
-                      allow_train_step=not args.plain_loop, top_k_enqueue=args.top_k, plan_out=args.plan_out,
+                      allow_train_step=False if args.plain_loop else None, top_k_enqueue=args.top_k, plan_out=args.plan_out,
                       progress=bar)
     except KeyboardInterrupt:
         bar.close()

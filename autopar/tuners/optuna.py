@@ -612,7 +612,7 @@ def tune(
     steps: int = 10,
     warmup: int = 3,
     trial_timeout_s: float = 600.0,
-    allow_train_step: bool = True,
+    allow_train_step: bool | None = None,
     top_k_enqueue: int = 5,
     plan_out: str | os.PathLike[str] | None = None,
     progress: Callable[[Progress], None] | None = None,
@@ -631,8 +631,10 @@ def tune(
 
     `trials`: plans to measure over the study's life (resumed runs included); `time_budget_s`: seconds for
     this call; with neither, every feasible plan is measured or pruned. `steps` timed optimizer steps after
-    `warmup` per trial, each trial at most `trial_timeout_s`. `allow_train_step=False` keeps to plans a plain
-    loop runs (no accumulation, no pipeline). The best plan is cached (autopar.tuners.cache; in
+    `warmup` per trial, each trial at most `trial_timeout_s`. `allow_train_step`: whether plans that need
+    autopar.train_step (accumulation, pipelines, tensor parallelism) are tried; None (the default) follows
+    the script's own `wrap(uses_train_step=...)`, as the probe saw it, so that the cached plan is the one
+    later runs of the script look up. The best plan is cached (autopar.tuners.cache; in
     `cache_directory` when given) and written to `plan_out`. `progress(Progress)` is called at each event.
     `runner`/`prober` replace autopar.tuners.trial's run_trial/probe (tests)."""
     _check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
@@ -644,6 +646,9 @@ def tune(
     started = time.perf_counter()
     argv = [str(a) for a in argv]
     probe = prober(argv, timeout_s=trial_timeout_s, env=env, workdir=workdir)
+    if allow_train_step is None:
+        declared = getattr(probe, "uses_train_step", None)
+        allow_train_step = True if declared is None else bool(declared)
 
     def measure(plan: Plan) -> Any:
         return runner(argv, plan, steps=steps, warmup=warmup, timeout_s=trial_timeout_s, env=env, workdir=workdir)

@@ -95,6 +95,7 @@ class ProbeResult:
     world_size: int
     global_batch_size: int
     model_fingerprint: str
+    uses_train_step: bool | None = None  # what the script passed to wrap (None: not recorded)
 
 
 class ProbeError(AutoparError):
@@ -268,16 +269,17 @@ def end_run() -> None:
 
 
 def after_profile(mode: str, model: Any, sample: Any, profile: Any, topology: Any, *, world_size: int,
-                  global_batch_size: int, loss_fn: Any = None, blocks: Any = None) -> None:
+                  global_batch_size: int, loss_fn: Any = None, blocks: Any = None,
+                  uses_train_step: bool | None = None) -> None:
     """In wrap, once every rank has profiled: a trial records progress; a probe writes its file and ends."""
     if mode == "probe":
         write_probe(model, sample, profile, topology, world_size=world_size, global_batch_size=global_batch_size,
-                    loss_fn=loss_fn, blocks=blocks)
+                    loss_fn=loss_fn, blocks=blocks, uses_train_step=uses_train_step)
     _progress("profiled")
 
 
 def write_probe(model: Any, sample: Any, profile: Any, topology: Any, *, world_size: int, global_batch_size: int,
-                loss_fn: Any = None, blocks: Any = None) -> None:
+                loss_fn: Any = None, blocks: Any = None, uses_train_step: bool | None = None) -> None:
     """Probe mode: rank 0 writes probe.json (the profile, the bf16 traces where the hardware has bf16, the
     topology, the world and the global batch), then every rank ends the run."""
     if _rank() == 0:
@@ -290,7 +292,7 @@ def write_probe(model: Any, sample: Any, profile: Any, topology: Any, *, world_s
         _write_json(_run_dir() / PROBE_FILE, {
             "profile": profile.to_dict(), "variants": {k: v.to_dict() for k, v in variants.items()},
             "topology": topology.to_dict(), "world_size": world_size, "global_batch_size": global_batch_size,
-            "model_fingerprint": profile.fingerprint})
+            "model_fingerprint": profile.fingerprint, "uses_train_step": uses_train_step})
     _progress("probed")
     end_run()
 
@@ -769,7 +771,8 @@ def probe(argv: Sequence[str], *, timeout_s: float = 600.0, env: Mapping[str, st
             profile=ModelProfile.from_dict(data["profile"]),
             variants={k: ModelProfile.from_dict(v) for k, v in data.get("variants", {}).items()},
             topology=Topology.from_dict(data["topology"]), world_size=int(data["world_size"]),
-            global_batch_size=int(data["global_batch_size"]), model_fingerprint=str(data["model_fingerprint"]))
+            global_batch_size=int(data["global_batch_size"]), model_fingerprint=str(data["model_fingerprint"]),
+            uses_train_step=data.get("uses_train_step") if isinstance(data.get("uses_train_step"), bool) else None)
     finally:
         if workdir is None:
             shutil.rmtree(run_dir, ignore_errors=True)

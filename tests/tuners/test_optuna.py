@@ -217,6 +217,17 @@ def test_best_plan_is_cached_and_written(probe_result, tmp_path):
     assert plan.key() == report.best.key() and "measured" in message
 
 
+def test_the_space_follows_the_scripts_wrap_call_so_its_wrap_finds_the_cached_plan(probe_result, tmp_path):
+    plain = types.SimpleNamespace(**vars(probe_result), uses_train_step=False)  # the script: wrap(model, sample=...)
+    report = _tune(plain, FakeRunner(plain), tmp_path / "s.db", trials=3, prune_factor=NO_PRUNING,
+                   cache_directory=tmp_path / "plans")
+    assert report.rows and all(r.plan.dp_size == WORLD and not r.plan.needs_train_step for r in report.rows)
+    # cached under the key that script's wrap (uses_train_step=False) looks up
+    plan, message = cache.cached_plan_for(plain.profile, plain.topology, world_size=WORLD, global_batch_size=GLOBAL,
+                                          allow_train_step=False, directory=tmp_path / "plans")
+    assert plan is not None and plan.key() == report.best.key()
+
+
 # ---- resuming -------------------------------------------------------------------------------------------
 def test_resume_after_a_killed_tuner_loses_and_repeats_nothing(probe_result, tmp_path):
     study_path = tmp_path / "s.db"

@@ -196,6 +196,7 @@ def test_probe_writes_the_profile_wrap_made(script, tmp_path):
     assert (p.world_size, p.global_batch_size) == (2, 2 * LOCAL_BATCH)
     assert p.topology.device_type == "cpu" and p.topology.world_size == 2
     assert p.variants == {}  # no bf16 traces on CPU processes
+    assert p.uses_train_step is False  # the script's plain wrap(): the tuner then keeps to plain-loop plans
     assert not list(out.glob("steps.rank*"))  # the run ended in wrap: the loop never ran
     _assert_all_ended(out)
 
