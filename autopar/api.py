@@ -207,10 +207,9 @@ def wrap(
             if hit is not None:
                 chosen = hit
             elif plan is None:
-                variants = {}
-                if topo.is_gpu and topo.device.supports("bf16"):  # the bf16 traces the cost model reads
-                    variants = {p: profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
-                                                 precision=p) for p in ("bf16", "bf16-pure")}
+                from .planning import bf16_variants
+
+                variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
                 chosen = _choose(profile, topo, world_size=world.size, global_batch_size=global_batch,
                                  variants=variants, uses_train_step=uses_train_step)
             else:

@@ -74,6 +74,8 @@ def _plan(argv: list[str]) -> int:
     args = _plan_parser().parse_args(argv)
     if args.top < 1:
         raise PlanError(f"--top must be at least 1, got {args.top}.")
+    if args.verify < 0:
+        raise PlanError(f"--verify must be a non-negative number of plans, got {args.verify}.")
     for name in ("seq", "global_batch", "tokens_per_step"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -110,8 +112,6 @@ def _plan(argv: list[str]) -> int:
     if args.verify:
         from .planning import verify_candidates
 
-        if args.verify < 0:
-            raise PlanError(f"--verify must be a non-negative number of plans, got {args.verify}.")
         if source.build is not None:
             model_fn = lambda: source.build(None, seq)  # noqa: E731 - the full-depth model, on meta
             sample = source.make_sample(seq)

@@ -40,12 +40,17 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
     """The fp32 profile the planner reads, and the bf16 traces its bf16 plans need (none where the
     hardware has no bf16)."""
     profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
-    variants: dict[str, ModelProfile] = {}
-    if topology.is_gpu and topology.device.supports("bf16"):
-        for precision in ("bf16", "bf16-pure"):
-            variants[precision] = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
-                                                precision=precision)
-    return profile, variants
+    return profile, bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks)
+
+
+def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
+                  blocks: Any = None) -> dict[str, ModelProfile]:
+    """The model traced in bf16 under autocast ("bf16") and with bf16 weights ("bf16-pure"), which the cost
+    model reads for bf16 plans; empty where the hardware has no bf16."""
+    if not (topology.is_gpu and topology.device.supports("bf16")):
+        return {}
+    return {precision: profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=precision)
+            for precision in ("bf16", "bf16-pure")}
 
 
 def calibration_for(topology: Topology) -> Any:

@@ -659,7 +659,6 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
     counted: set[Any] = set()
 
     saved_hidden = [0] * len(units)
-    hidden_numel = None  # batch x seq x hidden: the shape of the hidden states, from a block's input
     calls: list[MatmulCall] = []
     input_ids: dict[Any, int] = {}
     block_io: dict[str, Any] = {}
@@ -727,7 +726,6 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
         handles.append(m.register_forward_hook(post_hook))
     names = {}
     outer_names = {}
-    unit_ids = {id(m) for _, m in units}
     for name, m in model.named_modules():
         if is_matmul_layer(m):
             names[id(m)] = name
@@ -736,7 +734,6 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
                 not any(name.startswith(u + ".") or name == u for u, _ in units):
             outer_names[id(m)] = name
             handles.append(m.register_forward_pre_hook(outer_hook))
-    del unit_ids
     flop_counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
     watcher = _StepWatcher({_storage_key(t) for t in state.values()}, current, len(units))
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")

@@ -27,7 +27,10 @@ installed.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
 
 from .errors import PlanError
 from .plans import Plan
@@ -37,9 +40,6 @@ from .topology import Topology
 # ---------------------------------------------------------------------------------------------------
 # The search
 # ---------------------------------------------------------------------------------------------------
-import dataclasses  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any, Iterator, Mapping  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -203,6 +203,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                                     allow_train_step=allow_train_step, offload=offload,
                                     compile_available=compile_available):
             groups.setdefault(_group_key(plan), []).append(plan)
+        memories: dict[int, Any] = {}  # id(plan that fits) -> its MemoryPrediction, computed once
         for plans in groups.values():
             fits: list[Plan] = []
             for plan in plans:
@@ -220,17 +221,15 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                                                             f"more than {budget / 2**30:.1f} GiB"))
                 else:
                     fits.append(need)
+                    memories[id(need)] = memory
             for plan in fits:
                 better = next((q for q in fits if q is not plan and _no_more_work(q, plan)), None)
                 if better is not None:
                     out.append(Candidate(plan, None, False, f"{DOMINATED} checkpointing={better.checkpointing}, "
                                                             f"reshard_after_forward={better.reshard_after_forward}"))
                     continue
-                pred = predict_profile(keyed, plan, topology, cal, variants=variants)
-                ok = pred.memory.peak_bytes <= budget
-                reason = None if ok else (f"needs {pred.memory.peak_bytes / 2**30:.1f} GiB per GPU, more than "
-                                          f"{budget / 2**30:.1f} GiB")
-                out.append(Candidate(plan.replace(prediction=pred.summary()), pred, ok, reason))
+                pred = predict_profile(keyed, plan, topology, cal, variants=variants, memory=memories[id(plan)])
+                out.append(Candidate(plan.replace(prediction=pred.summary()), pred, True))
         if any(c.feasible for c in out):
             break
     out.sort(key=_rank_key)

@@ -108,9 +108,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied: Sequen
     if mesh is not None and dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt().float()
-    if not math.isfinite(norm.item()):
-        raise FloatingPointError(f"the gradient norm is {norm.item()}: the loss or a gradient is not finite.")
-    scale = max_norm / (norm.item() + 1e-6)
+    value = norm.item()  # one device sync
+    if not math.isfinite(value):
+        raise FloatingPointError(f"the gradient norm is {value}: the loss or a gradient is not finite.")
+    scale = max_norm / (value + 1e-6)
     if scale < 1:
         for p in params:
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad

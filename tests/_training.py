@@ -14,6 +14,9 @@ import torch.nn as nn
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
+# torchrun's variables: tests of one plain process clear them (tests/conftest.py `one_plain_process`).
+TORCHRUN_VARS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=4, hidden_dim=64, num_heads=4)
 GLOBAL_BATCH = 8
 STEPS = 10

@@ -34,3 +34,13 @@ def _private_cache_dir(tmp_path_factory, monkeypatch):
     """Every test (and the processes it launches) uses its own autopar cache directory: a plan cached or a
     calibration fitted by one test, or by the user, never changes what another test chooses."""
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("autopar-cache")))
+
+
+@pytest.fixture
+def one_plain_process(monkeypatch):
+    """No torchrun variables and no process group: what a plain `python script.py` sees."""
+    from tests._training import TORCHRUN_VARS
+
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not torch.distributed.is_initialized()

@@ -24,15 +24,10 @@ from autopar.profile import model_fingerprint
 from autopar.topology import Topology
 from tests._training import CFG, GLOBAL_BATCH, batch, make_model, make_optimizer, reference
 
-TORCHRUN_VARS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
 STEPS = 3
 
 
-@pytest.fixture(autouse=True)
-def _one_plain_process(monkeypatch):
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
-    assert not torch.distributed.is_initialized()
+pytestmark = pytest.mark.usefixtures("one_plain_process")
 
 
 @pytest.fixture(scope="module")

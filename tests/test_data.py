@@ -14,9 +14,8 @@ from autopar.errors import PlanError
 from autopar.models.gpt import lm_loss
 from autopar.plans import Plan
 from autopar.strategies.mesh import DataShard
-from tests._training import batch, make_model
+from tests._training import TORCHRUN_VARS, batch, make_model
 
-TORCHRUN_VARS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
 PLAN = Plan(micro_batch_size=4, grad_accum=2)  # local batch 8
 
 

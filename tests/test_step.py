@@ -17,19 +17,15 @@ import autopar
 from autopar.errors import PlanError
 from autopar.models.gpt import lm_loss
 from autopar.plans import Plan
+from autopar.profile import call_model
 from autopar.step import clip_grad_norm, split_batch
-from tests._training import batch, make_model, sample_of
+from tests._training import TORCHRUN_VARS, batch, loss_of, make_model, sample_of
 
-TORCHRUN_VARS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "RANK", "MASTER_ADDR", "MASTER_PORT")
 ACCUM = Plan(micro_batch_size=4, grad_accum=2)
 LR = 0.1
 
 
-@pytest.fixture(autouse=True)
-def _one_plain_process(monkeypatch):
-    for name in TORCHRUN_VARS:
-        monkeypatch.delenv(name, raising=False)
-    assert not torch.distributed.is_initialized()
+pytestmark = pytest.mark.usefixtures("one_plain_process")
 
 
 @pytest.fixture(scope="module")
@@ -121,21 +117,13 @@ class _RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _compute(kind):
-    return (lambda output, sample: lm_loss(output, sample)) if kind == "gpt" else (lambda output, sample: output.loss)
-
-
-def _call(model, sample):
-    return model(**sample) if isinstance(sample, dict) else model(sample)
-
-
 def _plain(kind, steps, *, max_norm=None):
     model = make_model(kind)
     opt = _RecordingSGD(model, lr=LR, momentum=0.9)
     losses = []
     for step in range(steps):
         x = sample_of(kind, batch(step))
-        loss = _compute(kind)(_call(model, x), x)
+        loss = loss_of(kind)(call_model(model, x), x)
         loss.backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -151,7 +139,7 @@ def _wrapped(kind, plan=ACCUM, **step_kwargs):
                  verbose=False)
     opt = _RecordingSGD(model, lr=LR, momentum=0.9)
     # the Llama's loss is the default one: output.loss
-    step = autopar.train_step(model, opt, _compute(kind) if kind == "gpt" else None, **step_kwargs)
+    step = autopar.train_step(model, opt, loss_of(kind) if kind == "gpt" else None, **step_kwargs)
     return model, opt, step
 
 

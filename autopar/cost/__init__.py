@@ -50,11 +50,14 @@ class Prediction:
 
 
 def predict_profile(profile: ModelProfile, plan: Plan, topology: Topology, calibration: Calibration | None = None,
-                    *, variants: Mapping[str, ModelProfile] | None = None) -> Prediction:
+                    *, variants: Mapping[str, ModelProfile] | None = None,
+                    memory: MemoryPrediction | None = None) -> Prediction:
     """Predict `plan` for a profiled model (fp32 trace) on `topology`. `variants` holds the same model traced
-    in other precisions ("bf16": autocast, "bf16-pure": bf16 weights as under FSDP) for bf16 plans."""
+    in other precisions ("bf16": autocast, "bf16-pure": bf16 weights as under FSDP) for bf16 plans.
+    `memory`: the plan's memory prediction when the caller has it already (the search predicts memory first)."""
     cal = calibration or Calibration()
-    memory = predict_memory(profile, plan, cal, variants=variants)
+    if memory is None:
+        memory = predict_memory(profile, plan, cal, variants=variants)
     time, _ = time_terms(profile, plan, topology, cal, variants=variants)
     step = time.step_s
     samples = plan.global_batch_size / step

@@ -215,7 +215,7 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     # Memory-bound: the traced bytes of non-matmul ops (this stage's share; inductor fuses most away) over the
     # achieved HBM bandwidth; seconds; trace x anchor-fitted efficiency. TP splits them, but without SP not
     # the norms and residuals (about 30%: Korthikanti et al.'s 10 of 34 s b h).
-    stage_share = (sum(profile.blocks[i].flops for i in blocks) + head_flops) / max(profile.flops, 1.0)
+    stage_share = (block_flops + head_flops) / max(profile.flops, 1.0)
     hbm = topology.device.hbm_bytes_per_s * cal.memory_efficiency
     factor = cal.compile_traffic_factor if plan.compile else cal.eager_traffic_factor
     traffic = prof.traffic_bytes * traffic_scale * scale * stage_share * factor
@@ -304,11 +304,6 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     terms = TimeTerms(matmul=compute + recompute_compute, memory=memory + recompute_memory,
                       launch=launch_total if launch > 0 else 0.0, fixed_s=fixed)
     return prediction, terms
-
-
-def predict_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration, *,
-                 variants: Mapping[str, ModelProfile] | None = None) -> TimePrediction:
-    return time_terms(profile, plan, topology, cal, variants=variants)[0]
 
 
 def model_flops_per_step(profile: ModelProfile, plan: Plan) -> float:

@@ -95,7 +95,7 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
 
 def materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None] | None) -> bool:
     """Give a meta-device model real (sharded) storage on `device` and initialise it; False if nothing was meta."""
-    if not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+    if not _has_meta(model):
         return False
     # to_empty gives every module a new Parameter: remember which names shared one, and share again after.
     groups: dict[int, list[str]] = {}
@@ -191,7 +191,7 @@ def apply_plan(
         apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
                    reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
                    outer_units=outer)
-    elif (runtime is not None or plan.tp > 1) and not _has_meta(model):
+    elif runtime is not None and not _has_meta(model):  # (tensor-parallel plans always take FSDP's branch)
         model.to(device)
     with later:
         _finish(model, plan, blocks, runtime, mesh, device, init_fn, compile_backend, use_fsdp, compiled)

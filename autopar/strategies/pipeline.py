@@ -448,8 +448,9 @@ def _schedule_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _tied_group(pp_mesh: DeviceMesh, rt: PipelineRuntime) -> Any:
     """This rank's process group of the pipeline ranks holding the first and the last stage."""
-    first_rank = next(i for i, stages in enumerate(_all_stage_ids(rt)) if 0 in stages)
-    last_rank = next(i for i, stages in enumerate(_all_stage_ids(rt)) if rt.num_stages - 1 in stages)
+    ids = _all_stage_ids(rt)
+    first_rank = next(i for i, stages in enumerate(ids) if 0 in stages)
+    last_rank = next(i for i, stages in enumerate(ids) if rt.num_stages - 1 in stages)
     if first_rank == last_rank:
         return None
     mine = None

@@ -294,9 +294,6 @@ class Axes:
         py = self.bottom - (y - self.ymin) / (self.ymax - self.ymin) * (self.bottom - self.top)
         return int(round(px)), int(round(py))
 
-    def contains(self, x: float, y: float) -> bool:
-        return self.xmin <= x <= self.xmax and self.ymin <= y <= self.ymax
-
     def draw(self, canvas: Canvas, *, xlabel: str = "", ylabel: str = "", title: str = "",
              integer_x: bool = False) -> None:
         """Grid, frame, tick marks and labels, axis labels and the title."""

@@ -283,12 +283,9 @@ def write_probe(model: Any, sample: Any, profile: Any, topology: Any, *, world_s
     """Probe mode: rank 0 writes probe.json (the profile, the bf16 traces where the hardware has bf16, the
     topology, the world and the global batch), then every rank ends the run."""
     if _rank() == 0:
-        from ..profile import profile_model
+        from ..planning import bf16_variants
 
-        variants = {}
-        if topology.is_gpu and topology.device.supports("bf16"):  # as wrap does before choosing
-            variants = {p: profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=p)
-                        for p in ("bf16", "bf16-pure")}
+        variants = bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks)  # as wrap's choice reads
         _write_json(_run_dir() / PROBE_FILE, {
             "profile": profile.to_dict(), "variants": {k: v.to_dict() for k, v in variants.items()},
             "topology": topology.to_dict(), "world_size": world_size, "global_batch_size": global_batch_size,
