@@ -276,6 +276,9 @@ def _tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain-loop", action="store_true",
                    help="only plans a plain loop runs (pure data parallelism, no accumulation, no pipeline, no "
                         "tensor parallelism); default: follow the script's wrap(uses_train_step=...)")
+    p.add_argument("--compiled-only", action="store_true",
+                   help="measure only compiled plans where torch.compile is available (default: eager ones too; "
+                        "the cost model ranks compiled plans first, but compilation can fail or lose on a model)")
     p.add_argument("--top-k", type=int, default=5, metavar="K",
                    help="run the K best predicted plans first, in predicted order (default 5)")
     return p
@@ -360,7 +363,7 @@ def _tune(argv: list[str]) -> int:
         report = tune(command, study_path=args.study, trials=args.trials or None, time_budget_s=args.time_budget,
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
                       allow_train_step=False if args.plain_loop else None, top_k_enqueue=args.top_k, plan_out=args.plan_out,
-                      progress=bar)
+                      progress=bar, eager=not args.compiled_only)
     except KeyboardInterrupt:
         bar.close()
         print(f"autopar tune: interrupted. The study is kept in {args.study}: run the same command again to go on "

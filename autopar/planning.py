@@ -64,7 +64,7 @@ def calibration_for(topology: Topology) -> Any:
     if cached is not None:
         return cached
     if not topology.is_gpu:  # no CUDA context or caching allocator on a CPU
-        return Calibration(context_bytes=0.0, reserve_bytes=0.0, fragmentation_fraction=0.0,
+        return Calibration(context_bytes=0.0, reserve_bytes=0.0, fragmentation_fraction=0.0, largest_reserve_factor=0.0,
                            source="defaults for CPU processes (no CUDA context or allocator reserve)")
     return Calibration()
 
@@ -98,6 +98,7 @@ def candidates(
     headroom: float = 0.95,
     verify: int = 0,
     model_fn: Callable[[], nn.Module] | None = None,
+    eager: bool = False,
 ) -> list[Candidate]:
     """Every plan the search considers for this model on this hardware, predicted and ranked: the ones
     that fit first, fastest first, then the ones dropped, each with its reason.
@@ -107,7 +108,8 @@ def candidates(
     does unless told otherwise. `headroom`: the share of a GPU's memory a plan may fill.
     `verify=N` runs the exact memory check (autopar.cost.exact) on the N best candidates (a few seconds
     to minutes each, no memory used) and drops those it finds too big; it builds the model with
-    `model_fn()` (or copies a meta-device model) and needs `sample`.
+    `model_fn()` (or copies a meta-device model) and needs `sample`. `eager=True` also ranks eager plans
+    where compiled ones are searched (the tuner's space; autopar.search.search).
     """
     topo = resolve_topology(topology)
     world = world_size or topo.world_size
@@ -118,7 +120,7 @@ def candidates(
         raise ValueError(f"headroom is the share of a GPU's memory a plan may fill, in (0, 1]; got {headroom}.")
     cal = calibration or calibration_for(topo)
     ranked = search(profile, topo, world_size=world, global_batch_size=global_batch_size, variants=var,
-                    calibration=cal, allow_train_step=allow_train_step, headroom=headroom)
+                    calibration=cal, allow_train_step=allow_train_step, headroom=headroom, eager=eager)
     if verify:
         if model_fn is None:
             if not isinstance(model_or_profile, nn.Module) or not all(

@@ -206,6 +206,8 @@ class ModelProfile:
     root_param_names: tuple[str, ...] = ()  # parameters held by the model itself, not by a submodule
     num_ops: int = 0  # ops that allocate an output in one step (eager kernel launches)
     traffic_bytes: int = 0  # bytes read and written by the non-matmul ops of one step (memory-bound work)
+    weight_traffic_bytes: int = 0  # the part of traffic_bytes on weight-shaped tensors (gradient casts and
+    #                                accumulation): paid once per micro-batch, not per sample
     hidden_dim: int | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
@@ -420,8 +422,11 @@ class _StepWatcher(TorchDispatchMode):
     bytes the non-matmul ops read and write (memory-bound time); and, per block in the forward, the bytes
     of matmul and attention outputs (what selective checkpointing keeps)."""
 
-    def __init__(self, param_storages: set[Any], current: list[int], num_blocks: int) -> None:
+    def __init__(self, param_storages: set[Any], current: list[int], num_blocks: int,
+                 param_shapes: set[tuple[int, ...]] = frozenset()) -> None:
         super().__init__()
+        self.param_shapes = param_shapes  # an op whose every output has a parameter's shape works on weights
+        self.weight_traffic_bytes = 0
         self.nbytes, self.op = 0, "none"
         self.weight_storages = set(param_storages)
         self.current = current  # the block stack, shared with the block hooks
@@ -455,8 +460,47 @@ class _StepWatcher(TorchDispatchMode):
                 if self.forward and self.current:
                     self.selective[self.current[-1]] += allocated
             else:
-                self.traffic_bytes += allocated + sum(t.numel() * t.element_size() for t in tensors_in)
+                moved = allocated + sum(t.numel() * t.element_size() for t in tensors_in)
+                self.traffic_bytes += moved
+                outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+                if outs and all(tuple(t.shape) in self.param_shapes for t in outs):
+                    self.weight_traffic_bytes += moved
         return out
+
+
+# CUDA autocast's float32 ops (torch.amp documentation, "CUDA Ops that can autocast to float32"), by the
+# __name__ of the torch function, method or operator that reaches them.
+_CUDA_FP32_OPS = frozenset((
+    "__pow__", "__rpow__", "__rdiv__", "__rtruediv__", "acos", "asin", "binary_cross_entropy_with_logits", "cosh",
+    "cosine_embedding_loss", "cdist", "cosine_similarity", "cross_entropy", "cumprod", "cumsum", "dist", "erfinv",
+    "exp", "expm1", "group_norm", "hinge_embedding_loss", "kl_div", "l1_loss", "layer_norm", "log", "log_softmax",
+    "log10", "log1p", "log2", "margin_ranking_loss", "mse_loss", "multilabel_margin_loss", "multi_margin_loss",
+    "nll_loss", "norm", "normalize", "pdist", "poisson_nll_loss", "pow", "prod", "reciprocal", "rsqrt", "sinh",
+    "smooth_l1_loss", "soft_margin_loss", "softmax", "softmin", "softplus", "sum", "renorm", "tan",
+    "triplet_margin_loss"))
+
+
+class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
+    """CUDA autocast's casts for a bf16 trace run elsewhere (CPU or meta, under that device's autocast, whose
+    float32 list differs: CPU autocast runs e.g. `pow` in bf16). The floating-point bf16/fp16 inputs of
+    CUDA's float32 ops are cast to float32 first, above autograd as autocast casts, so the trace saves and
+    moves the bytes a GPU run does (GPT-2's tanh GELU runs in float32 on a GPU: x ** 3 promotes the chain).
+    Measured on an H200 (bench/profile_kernels.py): GPT-2-355M's elementwise kernels are mostly float32."""
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _CUDA_FP32_OPS and torch.is_autocast_enabled(self.device_type):
+            def up(t: Any) -> Any:
+                if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16):
+                    return t.float()
+                return t
+
+            args, kwargs = torch.utils._pytree.tree_map(up, (tuple(args), kwargs))
+        return func(*args, **kwargs)
 
 
 def _matmul_ops() -> set[Any]:
@@ -637,6 +681,7 @@ class _Trace:
     selective: list[int] | None = None
     num_ops: int = 0
     traffic_bytes: int = 0
+    weight_traffic_bytes: int = 0
 
 
 def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]],
@@ -735,8 +780,12 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
             outer_names[id(m)] = name
             handles.append(m.register_forward_pre_hook(outer_hook))
     flop_counter = FlopCounterMode(display=False, custom_mapping=_flop_formulas())
-    watcher = _StepWatcher({_storage_key(t) for t in state.values()}, current, len(units))
+    watcher = _StepWatcher({_storage_key(t) for t in state.values()}, current, len(units),
+                           {tuple(t.shape) for t in state.values() if t.dim() >= 2})
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    # A bf16 profile is for GPU plans: where the trace runs on another device, CUDA autocast's float32 ops
+    # are cast as a GPU run casts them (_CudaAutocastPolicy).
+    policy = _CudaAutocastPolicy(device.type) if precision == "bf16" and device.type != "cuda" else contextlib.nullcontext()
     import unittest.mock
 
     flash = unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", _flash_like_sdpa) \
@@ -744,7 +793,7 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
     try:
         with fake_mode, flop_counter, watcher, flash:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with autocast:
+                with autocast, policy:
                     args, kwargs = split_sample(fake_sample)
                     output = functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
                     loss = loss_fn(output, fake_sample) if loss_fn is not None else default_loss(output)
@@ -772,7 +821,7 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
     return _Trace(forward_flops=forward_flops, flops=float(flop_counter.get_total_flops()), block_flops=per_block,
                   saved=saved, saved_outside=saved_outside, largest_bytes=watcher.nbytes, largest_op=watcher.op,
                   saved_hidden=saved_hidden, selective=watcher.selective, num_ops=watcher.num_ops,
-                  traffic_bytes=watcher.traffic_bytes,
+                  traffic_bytes=watcher.traffic_bytes, weight_traffic_bytes=watcher.weight_traffic_bytes,
                   matmul_calls=tuple(calls), block_input=block_io.get("input"), block_input_shape=block_io.get("shape"),
                   block_num_args=block_io.get("nargs", 1), block_input_bytes=block_io.get("bytes", 0) or 0,
                   block_output_arity=block_io.get("output", 0), before=tuple(before), after=tuple(after))
@@ -887,7 +936,7 @@ def profile_model(
         traced=trace,
         root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
         num_ops=t.num_ops,
-        traffic_bytes=t.traffic_bytes,
+        traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes,
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,
@@ -949,6 +998,7 @@ def extrapolate_profile(shallow: ModelProfile, deeper: ModelProfile, num_blocks:
         num_params=grow("num_params"), num_trainable_params=grow("num_trainable_params"),
         param_bytes=grow("param_bytes"), forward_flops=grow("forward_flops"), flops=grow("flops"),
         num_ops=grow("num_ops"), traffic_bytes=grow("traffic_bytes"),
+        weight_traffic_bytes=grow("weight_traffic_bytes"),
         num_layers=num_blocks if deeper.num_layers is not None else None,
         notes=deeper.notes + (f"extrapolated from traces with {shallow.num_blocks} and {deeper.num_blocks} "
                               f"blocks to {num_blocks} blocks (for planning only)",),

@@ -8,8 +8,9 @@ drops those that do not fit with a headroom, predicts the time of the rest and r
 step time. `autopar.candidates` returns the ranking; `wrap` and `autopar.plan` apply its first plan.
 
 Pruned as dominated, never predicted for time:
-- fp32 where bf16 exists (slower and larger), eager where compile is available, tensor parallelism
-  without sequence parallelism (the same communication, more activation memory): not enumerated.
+- fp32 where bf16 exists (slower and larger), eager where compile is available (unless `eager=True`:
+  the tuner measures both), tensor parallelism without sequence parallelism (the same communication,
+  more activation memory): not enumerated.
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
   (none < selective < full) and `reshard_after_forward` (False < True), one is dropped when another
   with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
@@ -97,11 +98,12 @@ def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_si
 
 
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
-                    allow_train_step: bool = False, offload: bool = False, compile_available: bool = True
-                    ) -> Iterator[Plan]:
+                    allow_train_step: bool = False, offload: bool = False, compile_available: bool = True,
+                    eager: bool = False) -> Iterator[Plan]:
     """Every plan the search considers (see the module docstring). Plans that need autopar.train_step and
     autopar.dataloader (accumulation, pipelines, tensor parallelism) only with `allow_train_step`; CPU
-    offload only with `offload`.
+    offload only with `offload`; eager plans beside compiled ones (where compile is available) with `eager`
+    (the tuner measures both: compilation can fail or lose on a given model, which the cost model cannot see).
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
@@ -112,7 +114,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # (compile is never slower or larger in the cost model; `compile=False` plans stay valid choices), and
     # tensor parallelism without sequence parallelism (the same communication, more activation memory).
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
-    compiles = [True] if topology.is_gpu and compile_available else [False]
+    compiles = ([True, False] if eager else [True]) if topology.is_gpu and compile_available else [False]
     blocks = len(profile.blocks)
     fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}
     for tp in tps:
@@ -174,7 +176,7 @@ def _hashed_once(profile: ModelProfile) -> ModelProfile:
 
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
            variants: Mapping[str, ModelProfile] | None = None, calibration: Any = None,
-           allow_train_step: bool = False, headroom: float = 0.95) -> list[Candidate]:
+           allow_train_step: bool = False, headroom: float = 0.95, eager: bool = False) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
     Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, and
@@ -183,6 +185,8 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     A plan is predicted for memory first; only a feasible one is predicted for time too. A dropped one
     has no `Candidate.prediction` (None); its plan's `prediction` holds the memory (`memory_bytes`,
     `allocated_bytes`) where it was predicted, and `reason` says why it was dropped.
+
+    `eager`: also rank eager plans where compiled ones are enumerated (enumerate_plans; the tuner's space).
 
     `variants` may be any mapping (e.g. one that traces a precision on first use): only the precisions
     some plan needs are read."""
@@ -201,7 +205,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
         groups: dict[tuple, list[Plan]] = {}
         for plan in enumerate_plans(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
                                     allow_train_step=allow_train_step, offload=offload,
-                                    compile_available=compile_available):
+                                    compile_available=compile_available, eager=eager):
             groups.setdefault(_group_key(plan), []).append(plan)
         memories: dict[int, Any] = {}  # id(plan that fits) -> its MemoryPrediction, computed once
         for plans in groups.values():

@@ -30,12 +30,17 @@ MODELS = {
     # name: (global batch, sequence length)
     "gpt2-355m": (16, 1024),
     "llama-1b": (16, 2048),
+    "gpt2-tiny": (8, 64),  # a CPU smoke test of the benchmarks
 }
 
 
 def build(name: str):
     import transformers
 
+    if name == "gpt2-tiny":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, vocab_size=30000,
+                                      attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(cfg)
     if name == "gpt2-355m":
         cfg = transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, resid_pdrop=0.0,
                                       embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")

@@ -66,7 +66,8 @@ def profiles(name: str, topo):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--deadline-s", type=float, default=150.0)
-    ap.add_argument("--only", type=int, default=None)
+    ap.add_argument("--only", type=int, default=None, help="the first N configurations")
+    ap.add_argument("--pick", default=None, help="comma-separated indices of CONFIGS to run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--no-exact", action="store_true")
@@ -88,6 +89,8 @@ def main() -> int:
         f.write(json.dumps(header) + "\n")
     print(json.dumps(header), flush=True)
     configs = CONFIGS if args.only is None else CONFIGS[: args.only]
+    if args.pick:
+        configs = [CONFIGS[int(i)] for i in args.pick.split(",")]
     for name, kw in configs:
         if time.perf_counter() - start > args.deadline_s:
             print(json.dumps({"skipped": [name, kw], "reason": "deadline"}), flush=True)

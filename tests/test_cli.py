@@ -213,3 +213,19 @@ def test_verify_runs_the_exact_memory_check_on_the_best_plans(capsys, factory):
     number, unit = rows[0].split(" traced")[0].split()[-2:]
     assert float(number) > 0 and unit in ("MiB", "GiB")
     assert "upper bound for this compiled plan" in rows[0]  # planned for GPUs: compiled, traced eager
+
+
+def test_python_dash_m_autopar_is_the_autopar_command():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "autopar", "--help"], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: autopar {demo,topology,plan,tune,report}")
+    bad = subprocess.run([sys.executable, "-m", "autopar", "nosuchcommand"], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert bad.returncode == 2

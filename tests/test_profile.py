@@ -587,3 +587,54 @@ def test_from_dict_round_trips_exactly_through_json(gpt_profile):
         ModelProfile.from_dict({**p.to_dict(), "bogus": 1})
     with pytest.raises(ProfileError, match="not a profile"):
         ModelProfile.from_dict({k: v for k, v in p.to_dict().items() if k != "fingerprint"})
+
+
+# ---- bf16 traces: CUDA autocast's float32 ops, weight-shaped traffic --------------------------------
+class _Cube(nn.Module):
+    """lin1 -> pow(3) -> lin2, recording the dtype pow returns on each forward."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.seen = seen
+
+    def forward(self, x):
+        h = self.lin1(x)
+        y = h.pow(3)
+        self.seen.append(y.dtype)
+        return self.lin2(y)
+
+
+def test_bf16_trace_runs_cuda_autocast_fp32_ops_in_float32_and_moves_their_bytes(monkeypatch):
+    """CPU autocast runs pow in bf16; CUDA autocast in float32. A bf16 profile made on the CPU casts the
+    inputs of CUDA's float32 ops (_CUDA_FP32_OPS) to float32, as the GPU run does, and traces the bytes."""
+    import autopar.profile
+
+    seen: list = []
+    torch.manual_seed(0)
+    model, x = _Cube(seen), torch.randn(4, 16)
+    cuda_like = profile_model(model, x, precision="bf16", warn=False)
+    assert seen and set(seen) == {torch.float32}
+    seen.clear()
+    monkeypatch.setattr(autopar.profile, "_CUDA_FP32_OPS", frozenset())
+    cpu_like = profile_model(model, x, precision="bf16", warn=False)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert cuda_like.traffic_bytes > cpu_like.traffic_bytes  # the float32 casts and the wider pow
+
+
+WEIGHTS_CFG = GPTConfig(vocab_size=128, seq_len=16, num_layers=3, hidden_dim=64, num_heads=4)
+
+
+def test_weight_traffic_is_per_step_not_per_sample_and_the_rest_scales_with_the_batch():
+    """weight_traffic_bytes (ops whose outputs all have a parameter's shape: gradient casts and accumulation)
+    is the same at 1 and 2 samples (within 1%: the token embedding's backward reads the batch's gradient),
+    a part of traffic_bytes; the rest of the traffic doubles with the batch."""
+    model = _gpt(WEIGHTS_CFG)
+    p1, p2 = (profile_model(model, synthetic_tokens(b, WEIGHTS_CFG), loss_fn=lm_loss, precision="bf16")
+              for b in (1, 2))
+    assert p1.weight_traffic_bytes > 0
+    assert p2.weight_traffic_bytes == pytest.approx(p1.weight_traffic_bytes, rel=0.01)
+    for p in (p1, p2):
+        assert p.weight_traffic_bytes < p.traffic_bytes
+    rest1, rest2 = (p.traffic_bytes - p.weight_traffic_bytes for p in (p1, p2))
+    assert 1.8 * rest1 < rest2 < 2.2 * rest1

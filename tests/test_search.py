@@ -187,3 +187,35 @@ def test_cpu_offload_only_when_nothing_else_fits():
     assert any(not c.plan.cpu_offload and c.reason.startswith("needs") for c in ranked)
     # on CPU processes there is no offload at all
     assert not any(p.cpu_offload for p in _plans(profile, "1xcpu", 1))
+
+
+def _without_compile(plan: Plan) -> tuple:
+    return tuple(sorted((k, v) for k, v in plan.strategy().items() if k != "compile"))
+
+
+def test_eager_true_adds_the_eager_twin_of_every_compiled_plan_ranked_after_it(six):
+    """On GPUs where compile is enumerated, the default space is compiled plans only; `eager=True` (the
+    tuner's space) adds each plan's compile=False twin, which the cost model predicts slower: it ranks after
+    its compiled twin. `autopar.candidates` passes `eager` through."""
+    import autopar
+
+    topo = Topology.from_spec("1xH200")
+    compiled = _plans(six, "1xH200", 4, allow_train_step=True)
+    assert compiled and all(p.compile for p in compiled)
+    both = _plans(six, "1xH200", 4, allow_train_step=True, eager=True)
+    assert sorted(p.key() for p in both) == sorted([p.key() for p in compiled]
+                                                   + [p.replace(compile=False).key() for p in compiled])
+
+    assert all(c.plan.compile for c in search(six, topo, global_batch_size=4, allow_train_step=True))
+    for ranked in (search(six, topo, global_batch_size=4, allow_train_step=True, eager=True),
+                   autopar.candidates(six, topology=topo, global_batch_size=4, eager=True)):
+        feasible = [c for c in ranked if c.feasible]
+        eager = [c for c in feasible if not c.plan.compile]
+        compiled_by_key = {_without_compile(c.plan): (i, c) for i, c in enumerate(feasible) if c.plan.compile}
+        assert eager and len(eager) == len(compiled_by_key)  # every feasible compiled plan has its eager twin
+        assert feasible[0].plan.compile
+        for c in eager:
+            i, twin = compiled_by_key[_without_compile(c.plan)]
+            assert c.prediction.step_s > twin.prediction.step_s
+            assert feasible.index(c) > i
+    assert all(c.plan.compile for c in autopar.candidates(six, topology=topo, global_batch_size=4))

@@ -30,34 +30,60 @@ class Calibration:
 
     Defaults marked "anchor fit" are fitted to 19 plain-PyTorch runs of GPT-2 (124M, 355M, 1.5B) and a
     Llama-1B shape on one NVIDIA H200 with torch 2.11 (../shared/anchors; bench/calibrate_anchors.py,
-    bench/results/calibration_anchors_2026-11-29.json); the others come from the sources named."""
+    bench/results/calibration_anchors_2026-11-29.json); "H200 kernel profile" marks values read off
+    torch.profiler's kernel times of autopar-wrapped steps on the H200 (bench/profile_kernels.py,
+    bench/results/kernels_h200_2026-11-29.jsonl); the others come from the sources named."""
 
     # --- memory ---------------------------------------------------------------------------------------
     context_bytes: float = 0.55 * GiB  # CUDA context, cuBLAS/cuDNN workspaces; bytes; typical H100/H200 torch 2.x
-    reserve_bytes: float = 1.5 * GiB  # allocator reserve over the allocated peak; bytes; anchors: 2.0-3.4 GiB
-    fragmentation_fraction: float = 0.02  # reserve growing with the allocated peak; fraction; anchors
-    transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count; anchor fit
+    reserve_bytes: float = 0.0  # allocator reserve over the allocated peak, fixed part; bytes; H200, measured (the
+    # reserve follows the largest tensor instead: largest_reserve_factor)
+    fragmentation_fraction: float = 0.0  # reserve growing with the allocated peak; fraction; H200, measured (none
+    # beyond largest_reserve_factor's)
+    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the largest tensor's bytes (the
+    # fp32 logits); ratio; H200, measured (bench/results/report_h200_2026-11-29.txt: 0.98-1.16 for bf16 steps)
+    transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count;
+    # anchor fit (fp32 runs) and the exact check on CPU (tests/cost/test_exact.py)
+    upcast_transient_factor: float = 2.0  # the same where the largest tensor is an upcast copy (the loss's
+    # logits.float() under autocast); count; the exact check of the H200 configurations (6.13 GiB of temporaries,
+    # twice the fp32 logits, for Hugging Face GPT-2-355M at 16 x 1024 tokens)
     compile_activation_factor: float = 0.58  # compiled/eager saved activations; ratio; anchor fit
     compile_transient_factor: float = 0.61  # compiled loss fuses logits and their gradient; ratio; anchor fit
-    autocast_activation_factor: float = 1.17  # CUDA autocast / CPU-autocast-traced saved bytes; ratio; anchor fit
+    autocast_activation_factor: float = 1.0  # saved bytes of a GPU autocast run / the bf16 trace's; ratio; 1: the
+    # trace applies CUDA autocast's float32 casts (autopar.profile._CudaAutocastPolicy); H200 runs within -0.4 to
+    # +4.2% of the trace's prediction
     gradient_peak_fraction: float = 0.0004  # gradients alive at a single step's peak (backward start); ratio; anchor fit
     # --- time -----------------------------------------------------------------------------------------
     # The matmul factors are stated for Hopper (where the anchors ran); `matmul_arch` scales them to the GPU's
     # architecture. One GEMM reaches peak x matmul_efficiency x depth/(depth + matmul_half_width) x
     # out/(out + matmul_rows_half x 2048) (autopar.cost.time._gemm_fraction).
-    matmul_efficiency: float = 0.691  # model GEMMs' bf16 rate at any depth and size / datasheet peak (8192^3 alone:
-    # 812/989); ratio; anchor fit
-    matmul_half_width: float = 939.0  # GEMM reduction depth at which the efficiency halves; elements; anchor fit
-    matmul_rows_half: float = 1061.0  # rows (tokens) of a 2048-wide GEMM at which the efficiency halves (the
-    # output tiles rows x width fill the SMs); tokens; anchor fit (Llama-1B compiled at 4, 8, 16 x 2048 tokens)
+    matmul_efficiency: float = 0.79  # model GEMMs' bf16 rate / datasheet peak; ratio; H200 kernel profile (the
+    # Linear GEMMs of GPT-2-355M at 8 x 1024 tokens and of Llama-1B at 4 x 2048 tokens ran at 760-770 TFLOP/s;
+    # an 8192^3 GEMM alone at 788-812)
+    matmul_half_width: float = 40.0  # GEMM reduction depth at which the efficiency halves; elements; H200 kernel
+    # profile (depths 1024 and 2048 ran at the same rate: the loss is small there)
+    matmul_rows_half: float = 64.0  # rows (tokens) of a 2048-wide GEMM at which the efficiency halves (the
+    # output tiles rows x width fill the SMs); tokens; H200 kernel profile (4096-16384 rows at the same rate)
+    attention_efficiency: float = 0.7  # flash attention's rate (FLOPs of the full score matrix, as traced) / the
+    # GEMM rate at depth = the sequence; ratio; H200 kernel profile (bench/profile_kernels.py: Llama-1B 560 and
+    # GPT-2-355M 495 TFLOP/s against 770 for their GEMMs)
+    misaligned_gemm_factor: float = 0.16  # eager bf16 GEMM with a dimension not a multiple of 8 / aligned; ratio;
+    # H200 kernel profile (GPT-2's head, vocabulary 50257: cuBLAS's sm75 align1 kernels, 124 vs 770 TFLOP/s)
     microbatch_overhead_s: float = 5e-4  # fixed cost per micro-batch (graph launches, hooks, loss); seconds
-    fp32_matmul_efficiency: float = 0.866  # fp32 (no tensor cores) GEMM rate / fp32 peak, less the fill loss; ratio;
-    # anchor fit
-    memory_efficiency: float = 0.57  # achieved / datasheet HBM bandwidth of memory-bound eager kernels; ratio; anchor fit
+    fp32_matmul_efficiency: float = 0.78  # fp32 (no tensor cores) GEMM rate / fp32 peak, less the fill loss; ratio;
+    # H200 kernel profile (GPT-2-355M fp32 at 4 x 1024 tokens: SIMT GEMMs at 50 TFLOP/s of 67)
+    memory_efficiency: float = 0.6  # achieved / datasheet HBM bandwidth of memory-bound eager kernels; ratio; H200
+    # kernel profile (the traced bytes of GPT-2-355M and Llama-1B bf16 steps moved at 2.9 TB/s by their
+    # elementwise, reduction and copy kernels)
     eager_traffic_factor: float = 1.0  # eager kernels move the traced bytes; ratio
-    compile_traffic_factor: float = 0.059  # inductor fuses elementwise ops; ratio of the traced bytes; anchor fit
-    launch_s: float = 6e-6  # CPU time to launch one eager op; seconds; PyTorch eager on x86
-    compile_launch_factor: float = 0.1  # compiled graphs launch fewer kernels; ratio
+    compile_traffic_factor: float = 0.4  # inductor fuses elementwise ops, but its kernels still read and write every
+    # saved activation (and Hugging Face Llama's attention runs slower compiled); ratio of the eager memory-bound
+    # time; anchor fit (0.4: the 7 compiled anchors within 12%)
+    launch_s: float = 35e-6  # CPU time per traced op of an eager step (dispatch, autograd, the model's Python);
+    # seconds; H200 host, measured: Hugging Face GPT-2-355M and Llama-1B steps at 1-2 samples of 1024-2048 tokens
+    # are CPU-bound at 29-44 us per traced op (bench/results/tune_h200_2026-11-29.jsonl)
+    compile_launch_factor: float = 0.55  # CPU time per traced op compiled / eager; ratio; the same runs compiled
+    # (18-23 us per traced op)
     comm_efficiency: float = 0.75  # NCCL bus bandwidth / NVLink bandwidth in a node; ratio; nccl-tests (H100/H200:
     # ~370 of 450 GB/s a direction; A100: ~230 of 300)
     network_efficiency: float = 0.94  # NCCL bus bandwidth / network line rate across nodes; ratio; NCCL maintainers

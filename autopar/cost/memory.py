@@ -172,12 +172,15 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
 
     # Transient: the largest tensor the step makes (the logits, in fp32 for the loss) and its gradient,
     # per micro-batch, on the stage with the head; split over the vocabulary under TP (vocab-parallel loss).
-    transient = 0.0
+    transient = largest = 0.0
     if last:
         # (from the trace in the plan's precision: the fp32 trace of a GQA model runs the math attention
         # kernel, whose attention matrix a GPU's fused kernel never makes)
-        transient = cal.transient_factor * prof.largest_transient_bytes * plan.micro_batch_size \
-            / prof.sample_batch_size / (tp if vocab_split else 1)
+        largest = prof.largest_transient_bytes * plan.micro_batch_size / prof.sample_batch_size \
+            / (tp if vocab_split else 1)
+        # an upcast copy (the loss's logits.float() under autocast) lives beside the tensor it copies
+        copies = cal.upcast_transient_factor if prof.largest_transient_op == "_to_copy" else cal.transient_factor
+        transient = copies * largest
         if plan.compile:
             transient *= cal.compile_transient_factor
 
@@ -203,9 +206,12 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
         gradients, gathered, activations, transient = 4 * params / shard * on_gpu, unit, moment_d, 0.0
 
     allocated = parameters + gradients + optimizer + gathered + activations + transient
-    # Allocator and context: the caching allocator's reserve over the allocated peak grows with it
-    # (fragmentation), plus a fixed CUDA context (measured on the H200: 2.0-3.4 GiB reserved over allocated).
-    overhead = cal.context_bytes + cal.fragmentation_fraction * allocated + cal.reserve_bytes
+    # Allocator and context: the caching allocator's reserve over the allocated peak, a fixed part, a part
+    # growing with the peak (fragmentation) and the freed blocks of the largest tensor (the fp32 logits) it
+    # keeps cached (measured on the H200: 0.5-3.4 GiB reserved over allocated, about that tensor's size),
+    # plus a fixed CUDA context.
+    overhead = cal.context_bytes + cal.fragmentation_fraction * allocated + cal.reserve_bytes \
+        + cal.largest_reserve_factor * largest
     return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                             gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
                             overhead_bytes=overhead)
@@ -231,14 +237,6 @@ def _tp_pairs(profile: ModelProfile) -> tuple[int, int]:
         _PAIRS.clear()
     _PAIRS[id(profile)] = (profile, result)
     return result
-
-
-def column_inputs_per_block(profile: ModelProfile) -> int:
-    """Column-parallel layers in one block (GPT: q, k, v and the MLP's first layer). Under sequence
-    parallelism torch's ColwiseParallel all-gathers each layer's input on its own, and each matmul saves
-    its whole gathered input for backward (Megatron-LM gathers once and re-gathers in backward instead,
-    which Korthikanti et al.'s 34/t assumes). Measured with the exact check (tests/cost/test_exact.py)."""
-    return _tp_pairs(profile)[1]
 
 
 def replicated_hidden_bytes(profile: ModelProfile, block_saved_hidden: float) -> float:
@@ -271,8 +269,13 @@ def _tp_block_bytes(prof: ModelProfile, b: "BlockProfile", plan: Plan) -> float:
     tp = plan.tp
     if tp == 1:
         return float(b.saved_bytes)
-    if plan.sequence_parallel:  # all split, but each column layer's all-gathered input is saved whole
-        return b.saved_bytes / tp + column_inputs_per_block(prof) * prof.block_input_bytes * (1 - 1 / tp)
+    if plan.sequence_parallel:
+        # All split, except that torch's ColwiseParallel all-gathers each column layer's input on its own (GPT:
+        # q, k, v and the MLP's first layer) and each matmul saves it whole, while the pair's sharded input
+        # (the norm's output) is not saved (Megatron-LM gathers once and re-gathers in backward, which
+        # Korthikanti et al.'s 34/t assumes). Measured with the exact check (tests/cost/test_exact.py).
+        pairs, columns = _tp_pairs(prof)
+        return b.saved_bytes / tp + prof.block_input_bytes * (columns - pairs / tp)
     whole = replicated_hidden_bytes(prof, b.saved_hidden_bytes)
     return whole + (b.saved_bytes - whole) / tp
 

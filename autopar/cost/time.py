@@ -121,14 +121,18 @@ def _compute_s(topology: Topology, plan: Plan, profile: ModelProfile, cal: Calib
     half = cal.matmul_half_width * arch.half_width_ratio
 
     def fraction(shapes: list[tuple[float, float]]) -> float:
-        """FLOP-weighted fraction of peak of these layers' forward, input-gradient and weight-gradient GEMMs."""
+        """FLOP-weighted fraction of peak of these layers' forward, input-gradient and weight-gradient GEMMs.
+        Eager, a layer with a dimension that is not a multiple of 8 elements (16 bytes of bf16; e.g. GPT-2's
+        vocabulary of 50257) runs cuBLAS's unaligned kernels at `misaligned_gemm_factor` of the rate;
+        compiled, inductor pads such dimensions (torch._inductor.config.shape_padding)."""
         flops = seconds = 0.0
         for k_in, k_out in shapes:
             f = 2 * k_in * k_out  # FLOPs per token of each of the three GEMMs
             flops += 3 * f
-            seconds += f / _gemm_fraction(k_in, rows * k_out, eff, half, out_half) \
-                + f / _gemm_fraction(k_out, rows * k_in, eff, half, out_half) \
-                + f / _gemm_fraction(rows, k_in * k_out, eff, half, out_half)
+            slow = 1.0 if plan.compile or (k_in % 8 == 0 and k_out % 8 == 0) else cal.misaligned_gemm_factor
+            seconds += (f / _gemm_fraction(k_in, rows * k_out, eff, half, out_half)
+                        + f / _gemm_fraction(k_out, rows * k_in, eff, half, out_half)
+                        + f / _gemm_fraction(rows, k_in * k_out, eff, half, out_half)) / slow
         return flops / seconds
 
     first = profile.blocks[0].name + "." if profile.blocks else "\0"
@@ -143,7 +147,7 @@ def _compute_s(topology: Topology, plan: Plan, profile: ModelProfile, cal: Calib
     shapes = _linear_split(inside, hidden, tp)
     linear = sum(6 * k_in * k_out for k_in, k_out in shapes)
     block = profile.blocks[0].flops / profile.sample_batch_size / seq / tp
-    attention = _gemm_fraction(seq, rows * hidden / tp, eff, half, out_half)
+    attention = _gemm_fraction(seq, rows * hidden / tp, eff, half, out_half) * cal.attention_efficiency
     block_fraction = block / (linear / fraction(shapes) + max(block - linear, 0.0) / attention) if block else 1.0
     # The rest (the head), split over the vocabulary by TP when it divides (vocab-parallel), else whole.
     split = tp > 1 and profile.vocab_size is not None and profile.vocab_size % tp == 0
@@ -218,7 +222,10 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     stage_share = (block_flops + head_flops) / max(profile.flops, 1.0)
     hbm = topology.device.hbm_bytes_per_s * cal.memory_efficiency
     factor = cal.compile_traffic_factor if plan.compile else cal.eager_traffic_factor
-    traffic = prof.traffic_bytes * traffic_scale * scale * stage_share * factor
+    # Weight-shaped traffic (gradient casts, accumulation) is paid per micro-batch, the rest per sample.
+    per_micro = (prof.traffic_bytes - prof.weight_traffic_bytes) * plan.micro_batch_size / profile.sample_batch_size \
+        + prof.weight_traffic_bytes
+    traffic = per_micro * n_micro * traffic_scale * stage_share * factor
     traffic /= tp if plan.sequence_parallel else (1 + (tp - 1) * 0.7) if tp > 1 else 1
     memory = traffic / hbm
 

@@ -192,6 +192,7 @@ class _Study:
     seed: int = 0
     prune_factor: float = PRUNE_FACTOR
     max_space: int = MAX_SPACE
+    eager: bool = True  # eager plans beside compiled ones in the space (autopar.search.search(eager=))
     argv: Sequence[str] | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -246,7 +247,7 @@ class _Study:
         base = calibration_for(topo)
         ranked = search(profile, topo, world_size=self.probe.world_size,
                         global_batch_size=self.probe.global_batch_size, variants=self.variants, calibration=base,
-                        allow_train_step=self.allow_train_step)
+                        allow_train_step=self.allow_train_step, eager=self.eager)
         feasible = [c for c in ranked if c.feasible][:self.max_space]
         if not feasible:
             from ..planning import dropped_reasons
@@ -624,6 +625,7 @@ def tune(
     seed: int = 0,
     prune_factor: float = PRUNE_FACTOR,
     max_space: int = MAX_SPACE,
+    eager: bool = True,
 ) -> TuneReport:
     """Tune the parallelism plan of the job `argv` (the user's launch command, e.g. `["torchrun",
     "--nproc-per-node", "8", "train.py"]`, whose script calls autopar.wrap) by measured trials, in the
@@ -634,7 +636,9 @@ def tune(
     `warmup` per trial, each trial at most `trial_timeout_s`. `allow_train_step`: whether plans that need
     autopar.train_step (accumulation, pipelines, tensor parallelism) are tried; None (the default) follows
     the script's own `wrap(uses_train_step=...)`, as the probe saw it, so that the cached plan is the one
-    later runs of the script look up. The best plan is cached (autopar.tuners.cache; in
+    later runs of the script look up. `eager`: measure eager plans beside compiled ones (the cost model
+    ranks compiled plans first, but compilation can fail or lose on a given model); False keeps the search's
+    compiled plans only. The best plan is cached (autopar.tuners.cache; in
     `cache_directory` when given) and written to `plan_out`. `progress(Progress)` is called at each event.
     `runner`/`prober` replace autopar.tuners.trial's run_trial/probe (tests)."""
     _check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
@@ -656,7 +660,7 @@ def tune(
     return _Study(probe=probe, measure=measure, study_path=Path(study_path), trials=trials,
                   time_budget_s=time_budget_s, allow_train_step=allow_train_step, top_k_enqueue=top_k_enqueue,
                   plan_out=plan_out, progress=progress, cache_directory=cache_directory, seed=seed,
-                  prune_factor=prune_factor, max_space=max_space, argv=argv, started=started).run()
+                  prune_factor=prune_factor, max_space=max_space, eager=eager, argv=argv, started=started).run()
 
 
 def _check_budget(trials: Any, time_budget_s: Any, steps: Any, warmup: Any, top_k: Any) -> None:
@@ -804,6 +808,7 @@ def autotune(
     seed: int = 0,
     prune_factor: float = PRUNE_FACTOR,
     blocks: Any = None,
+    eager: bool = True,
 ) -> TuneReport:
     """Tune the plan of one process (one GPU, or the CPU) in this process: for a notebook or a single-GPU
     script. The same study as `autopar tune` (the module docstring), with each trial run here: a fresh model
@@ -811,7 +816,7 @@ def autotune(
     on `sample` repeated to the plan's batch; out of memory is a failed trial, and memory is freed after
     each. `sample`: one batch (its batch size is the global batch unless `global_batch_size` is given).
     `study_path`: a SQLite file to keep (and resume) the study; default: in memory. `optimizer_fn(params)`:
-    the optimizer (default AdamW, lr 1e-4). Returns the TuneReport; the best plan is cached for `wrap`."""
+    the optimizer (default AdamW, lr 1e-4). `eager`: as in `tune`. Returns the TuneReport; the best plan is cached for `wrap`."""
     from ..planning import profile_variants
     from ..profile import sample_batch_size
 
@@ -835,7 +840,7 @@ def autotune(
     return _Study(probe=probe, measure=measure, study_path=Path(study_path) if study_path is not None else None,
                   trials=trials, time_budget_s=time_budget_s, allow_train_step=allow_train_step,
                   top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress, cache_directory=cache_directory,
-                  seed=seed, prune_factor=prune_factor, started=started).run()
+                  seed=seed, prune_factor=prune_factor, eager=eager, started=started).run()
 
 
 __all__ = ["Progress", "TuneReport", "autotune", "measure_in_process", "tune"]

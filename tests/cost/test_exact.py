@@ -48,6 +48,8 @@ PLANS = {
     "HSDP 8 x 8 + selective checkpointing (64 ranks)": P(dp_replicate=8, dp_shard=8, micro_batch_size=4,
                                                           checkpointing="selective"),
     "FSDP 2 x TP 4 without SP": P(dp_shard=2, tp=4, micro_batch_size=4),
+    "FSDP 16 x TP 4 + SP (64 ranks)": P(dp_shard=16, tp=4, micro_batch_size=4, sequence_parallel=True),
+    "FSDP 8 x TP 8 + SP (64 ranks)": P(dp_shard=8, tp=8, micro_batch_size=4, sequence_parallel=True),
     "PP 2, 1F1B": P(pp=2, micro_batch_size=2, grad_accum=4, pp_schedule="1f1b"),
     "PP 2, GPipe": P(pp=2, micro_batch_size=2, grad_accum=4, pp_schedule="gpipe"),
     "PP 2 x FSDP 2 + full checkpointing": P(pp=2, dp_shard=2, micro_batch_size=2, grad_accum=4,

@@ -9,6 +9,7 @@ gloo): a study of 6 trials, and a tuner killed with SIGKILL mid-study and starte
 from __future__ import annotations
 
 import fcntl
+import functools
 import io
 import math
 import os
@@ -304,9 +305,13 @@ def test_tune_command_shows_progress_and_ends_with_the_table(probe_result, tmp_p
     from autopar.cli import main
     from autopar.tuners import trial
 
+    from autopar.tuners import optuna as tuners_optuna
+
     runner = FakeRunner(probe_result, fail=lambda plan: plan.pp > 1)
     monkeypatch.setattr(trial, "run_trial", runner)
     monkeypatch.setattr(trial, "probe", lambda argv, **_: probe_result)
+    # the four best predicted plans run (none pruned on prediction: that is tested above)
+    monkeypatch.setattr(tuners_optuna, "tune", functools.partial(tuners_optuna.tune, prune_factor=NO_PRUNING))
     code = main(["tune", "--study", str(tmp_path / "s.db"), "--trials", "4", "--steps", "3", "--warmup", "1",
                  "--plan-out", str(tmp_path / "best.yaml"), "--", "python", "train.py"])
     captured = capsys.readouterr()
@@ -489,3 +494,22 @@ def test_real_study_of_six_trials_survives_a_killed_tuner_and_caches_the_best(tm
     assert cached.key() == best.params[PARAM]
     assert cached.measurement["tokens_per_s"] == pytest.approx(best.value)
 
+
+
+def test_the_space_holds_the_eager_twin_of_each_compiled_plan_unless_compiled_only(tmp_path):
+    """On a GPU where compile is searched, the tuner measures eager plans too (eager=True, the default):
+    compilation can fail or lose on a model. eager=False (autopar tune --compiled-only) keeps the search's
+    compiled plans only."""
+    topo = Topology.from_spec("1xH200")
+    profile, variants = profile_variants(GPT(CFG), synthetic_tokens(GLOBAL, CFG), topo, loss_fn=lm_loss)
+    probe = types.SimpleNamespace(profile=profile, variants=variants, topology=topo, world_size=1,
+                                  global_batch_size=GLOBAL, model_fingerprint=profile.fingerprint)
+    both = _tune(probe, FakeRunner(probe), tmp_path / "both.db", trials=1, prune_factor=NO_PRUNING)
+    compiled = _tune(probe, FakeRunner(probe), tmp_path / "compiled.db", trials=1, prune_factor=NO_PRUNING,
+                     eager=False)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'both.db'}")
+    space = [e["plan"] for e in optuna.load_study(study_name="autopar", storage=storage).user_attrs[STUDY_SPACE]]
+    plans = [Plan.from_yaml(text) for text in space]
+    assert both.space_size == 2 * compiled.space_size > 0
+    assert {p.replace(compile=False).key() for p in plans if p.compile} == {p.key() for p in plans if not p.compile}
+    assert both.rows[0].plan.compile and compiled.rows[0].plan.compile  # the best predicted runs first

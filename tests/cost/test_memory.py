@@ -1,0 +1,52 @@
+"""autopar.cost.memory on a tiny traced model: the allocator reserve that follows the largest tensor, and the
+copies counted for an upcast largest tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from autopar.cost import Calibration
+from autopar.cost.memory import predict_memory
+from autopar.models.gpt import GPT, GPTConfig, lm_loss
+from autopar.plans import Plan
+from autopar.profile import profile_model
+
+# The logits (vocabulary 1024 over hidden 32) are the largest tensor and a good share of the peak.
+CFG = GPTConfig(vocab_size=1024, seq_len=64, num_layers=2, hidden_dim=32, num_heads=2)
+
+
+@functools.lru_cache(maxsize=1)
+def _profile():
+    torch.manual_seed(0)
+    return profile_model(GPT(CFG), torch.randint(0, CFG.vocab_size, (2, CFG.seq_len)), loss_fn=lm_loss)
+
+
+def test_largest_reserve_factor_adds_the_largest_tensor_at_the_micro_batch_to_the_overhead():
+    profile = _profile()
+    assert profile.largest_transient_bytes >= 4 * CFG.vocab_size * CFG.seq_len * profile.sample_batch_size
+    for micro_batch in (4, 8):
+        plan = Plan(micro_batch_size=micro_batch)  # one GPU, fp32: no variants needed
+        without = predict_memory(profile, plan, Calibration(largest_reserve_factor=0.0))
+        with_ = predict_memory(profile, plan, Calibration(largest_reserve_factor=1.0))
+        largest = profile.largest_transient_bytes * micro_batch / profile.sample_batch_size
+        assert with_.overhead_bytes - without.overhead_bytes == pytest.approx(largest, rel=1e-9)
+        assert with_.allocated_bytes == without.allocated_bytes  # a reserve, not an allocation
+        half = predict_memory(profile, plan, Calibration(largest_reserve_factor=0.5))
+        assert half.overhead_bytes - without.overhead_bytes == pytest.approx(largest / 2, rel=1e-9)
+
+
+def test_upcast_transient_factor_replaces_transient_factor_when_the_largest_tensor_is_a_to_copy():
+    profile = _profile()
+    plan = Plan(micro_batch_size=8)  # no checkpointing: the peak is as backward starts, the logits alive
+    cal = Calibration(transient_factor=1.0, upcast_transient_factor=2.0)
+    upcast = predict_memory(dataclasses.replace(profile, largest_transient_op="_to_copy"), plan, cal)
+    matmul = predict_memory(dataclasses.replace(profile, largest_transient_op="mm"), plan, cal)
+    largest = profile.largest_transient_bytes * plan.micro_batch_size / profile.sample_batch_size
+    assert matmul.transient_bytes == pytest.approx(1.0 * largest, rel=1e-9)
+    assert upcast.transient_bytes == pytest.approx(2.0 * largest, rel=1e-9)
+    assert upcast.activations_bytes == matmul.activations_bytes
+    assert upcast.allocated_bytes - matmul.allocated_bytes == pytest.approx(largest, rel=1e-9)
