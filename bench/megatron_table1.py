@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import os
 import platform
 import sys
@@ -30,61 +29,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.cost import Calibration, predict_profile  # noqa: E402
-from autopar.models.gpt import GPT, GPTConfig  # noqa: E402
-from autopar.profile import extrapolate_profile, profile_model  # noqa: E402
+from autopar.cost import predict_profile  # noqa: E402
 
-VOCAB, SEQ = 51200, 2048
-# params (B), heads, hidden, layers, TP, PP, GPUs, global batch, TFLOP/s per GPU (Narayanan et al. 2021, Table 1)
-ROWS = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-# The paper's software stack (Megatron-LM 2021, A100s): one GEMM factor, as tests/cost/test_paper.py explains.
-MEGATRON_2021 = Calibration(matmul_efficiency=0.62, source="Megatron-LM 2021 on A100s: one GEMM factor")
-
-
-@functools.lru_cache(maxsize=None)
-def traced(hidden: int, heads: int, blocks: int):
-    """The GPT of this shape with `blocks` blocks, traced on fake tensors (bf16 weights and activations)."""
-    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, num_layers=blocks, hidden_dim=hidden, num_heads=heads)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sample = torch.zeros(1, SEQ, dtype=torch.long, device="meta")
-    return profile_model(model, sample, warn=False, precision="bf16-pure")
-
-
-def row_profile(hidden: int, heads: int, layers: int):
-    return extrapolate_profile(traced(hidden, heads, 2), traced(hidden, heads, 3), layers)
+# The rows, the paper's software calibration, the profiles and the plans are the test's (tests/cost/test_paper.py),
+# so that the benchmark prints what the test asserts.
+from tests.cost.test_paper import MEGATRON_2021, SEQ, VOCAB  # noqa: E402
+from tests.cost.test_paper import MEGATRON_TABLE1 as ROWS  # noqa: E402
+from tests.cost.test_paper import _megatron_plans as candidate_plans  # noqa: E402
+from tests.cost.test_paper import _profile as row_profile  # noqa: E402
 
 
 def paper_flops(batch: int, layers: int, hidden: int) -> float:
     """FLOPs of one iteration as the paper counts them (with the recomputed forward)."""
     return 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
-
-
-def candidate_plans(layers: int, tp: int, pp: int, gpus: int, batch: int):
-    dp = gpus // (tp * pp)
-    local = batch // dp
-    for mb in (1, 2, 4, 8):
-        if local % mb:
-            continue
-        micro = local // mb
-        schedules = [(None, 1)] if pp == 1 else [("1f1b", 1)] + [
-            ("interleaved_1f1b", v) for v in (2, 3, 4, 5, 6, 8) if (layers // pp) % v == 0 and micro % pp == 0]
-        for schedule, v in schedules:
-            if pp > 1 and micro < pp:
-                continue
-            yield autopar.Plan(pp=pp, tp=tp, dp_replicate=dp, micro_batch_size=mb, grad_accum=micro,
-                               pp_schedule=schedule, pp_stages_per_rank=v, checkpointing="full", precision="bf16")
 
 
 def predict_row(row):
