@@ -462,8 +462,13 @@ class _StepWatcher(TorchDispatchMode):
             else:
                 moved = allocated + sum(t.numel() * t.element_size() for t in tensors_in)
                 self.traffic_bytes += moved
-                outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-                if outs and all(tuple(t.shape) in self.param_shapes for t in outs):
+                # Weight traffic: casts of the weights (autocast's copies, forward) and, in backward, ops whose
+                # inputs and outputs all have a parameter's shape (gradient casts and accumulation). Inputs
+                # count too, so that an activation whose shape happens to match a weight's (tokens = hidden
+                # in a flattened 2-D layer) is not taken for one unless everything it touches is.
+                if from_weights or (not self.forward and all(tuple(t.shape) in self.param_shapes for t in tensors_in)
+                                    and all(tuple(t.shape) in self.param_shapes for t in
+                                            torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))):
                     self.weight_traffic_bytes += moved
         return out
 
@@ -493,7 +498,8 @@ class _CudaAutocastPolicy(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _CUDA_FP32_OPS and torch.is_autocast_enabled(self.device_type):
+        if getattr(func, "__name__", "") in _CUDA_FP32_OPS and "out" not in kwargs \
+                and torch.is_autocast_enabled(self.device_type):  # autocast leaves out= calls alone
             def up(t: Any) -> Any:
                 if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16):
                     return t.float()

@@ -1,7 +1,8 @@
 """Where one training step's GPU time goes: torch.profiler over one autopar.train_step of a wrapped
 Hugging Face model (bench/grid_single_gpu.py shapes), its CUDA kernels summed by kind (GEMM, attention,
-optimizer, memory-bound elementwise/reduction/copy), next to the cost model's terms for the same plan.
-One JSON line per configuration in $OUT/kernels.jsonl.
+optimizer, memory-bound elementwise/reduction/copy), the step time and the 30 longest kernels.
+(The FLOP and byte counts to turn these into rates are the profile's: autopar.profile_model on the
+same model and batch.) One JSON line per configuration in $OUT/kernels.jsonl.
 
     python bench/profile_kernels.py [--configs llama-1b:4,gpt2-355m:8,gpt2-355m:4:fp32]
 """

@@ -162,7 +162,7 @@ def main() -> int:
         ranked = autopar.candidates(m, sample=sample(model), topology=topo, global_batch_size=gb, eager=True,
                                     calibration=cal)
         feasible = [c for c in ranked if c.feasible]
-        first = next((grid.get(c.plan.key()) for c in feasible if c.plan.key() in grid), None)
+        first = grid.get(feasible[0].plan.key()) if feasible else None  # None: not measured in the grid
         fastest = max(ok, key=lambda r: r["measured_tokens_per_s"])
         ooms = [r for r in grid.values() if r["status"] == "oom"]
         out.append(f"{model} (global batch {gb}): {len(grid)} plans measured, {len(ok)} ok, {len(ooms)} out of memory")

@@ -87,6 +87,7 @@ def main() -> int:
     script = [sys.executable, os.path.join(ROOT, "bench", "train_hf.py"), "--model", args.model,
               "--global-batch", str(args.global_batch)]
     started = time.perf_counter()
+    os.environ["AUTOPAR_CACHE_DIR"] = env["AUTOPAR_CACHE_DIR"]  # the space the tuner will see: no cached calibration
     n = space_size(args.model, args.global_batch)
     head = {"what": args.what, "model": args.model, "global_batch": args.global_batch, "space": n,
             "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -22,6 +23,9 @@ import yaml
 from ..errors import AutoparError
 
 GiB = 2**30
+# The cost model's terms that a cached calibration's factors belong to; files of another version are ignored.
+# 2: the H200 kernel-profile defaults of 2026-11-29 (reserve following the largest tensor, misaligned GEMMs).
+CALIBRATION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -36,12 +40,16 @@ class Calibration:
 
     # --- memory ---------------------------------------------------------------------------------------
     context_bytes: float = 0.55 * GiB  # CUDA context, cuBLAS/cuDNN workspaces; bytes; typical H100/H200 torch 2.x
-    reserve_bytes: float = 0.0  # allocator reserve over the allocated peak, fixed part; bytes; H200, measured (the
-    # reserve follows the largest tensor instead: largest_reserve_factor)
+    reserve_bytes: float = 0.5 * GiB  # allocator reserve over the allocated peak, at the least (where no large
+    # tensor is made, e.g. a pipeline stage without the head); bytes; H200, measured: the smallest reserve of the
+    # bf16 validation steps (0.52 GiB, Llama-1B at 2 x 2048 tokens); above it the reserve follows the largest
+    # tensor (largest_reserve_factor)
     fragmentation_fraction: float = 0.0  # reserve growing with the allocated peak; fraction; H200, measured (none
     # beyond largest_reserve_factor's)
     largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the largest tensor's bytes (the
-    # fp32 logits); ratio; H200, measured (bench/results/report_h200_2026-11-29.txt: 0.98-1.16 for bf16 steps)
+    # fp32 logits); ratio; H200, measured: (max_memory_reserved - max_memory_allocated) / those bytes = 0.91-1.27
+    # over the 7 bf16 validation runs (bench/results/validate_h200_2026-11-29.jsonl and raw_2026-11-29/call2;
+    # the fp32 run: 0.1)
     transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count;
     # anchor fit (fp32 runs) and the exact check on CPU (tests/cost/test_exact.py)
     upcast_transient_factor: float = 2.0  # the same where the largest tensor is an upcast copy (the loss's
@@ -215,7 +223,8 @@ def save_calibration(cal: Calibration, fingerprint: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(yaml.safe_dump(cal.replace(topology_fingerprint=fingerprint).to_dict(), sort_keys=False))
+        data = {"version": CALIBRATION_VERSION, **cal.replace(topology_fingerprint=fingerprint).to_dict()}
+        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except BaseException:
@@ -225,7 +234,9 @@ def save_calibration(cal: Calibration, fingerprint: str) -> Path:
 
 
 def load_calibration(fingerprint: str) -> Calibration | None:
-    """The cached calibration of this topology, or None. A file that is not ours or not plain YAML is refused."""
+    """The cached calibration of this topology, or None. A file that is not ours or not plain YAML is refused.
+    One written for another version of the cost model (CALIBRATION_VERSION) is ignored, with a warning: its
+    factors belong to terms that have changed (it stays on disk; the next tuning study overwrites it)."""
     path = cache_dir() / "calibration" / f"{fingerprint}.yaml"
     if not path.is_file():
         return None
@@ -234,7 +245,12 @@ def load_calibration(fingerprint: str) -> Calibration | None:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
         raise AutoparError(f"{path} is not plain YAML: remove it (autopar will measure again).") from None
-    cal = Calibration.from_dict(data)
+    if isinstance(data, Mapping) and data.get("version") != CALIBRATION_VERSION:
+        warnings.warn(f"{path} was written for another version of autopar's cost model (version "
+                      f"{data.get('version')!r}, this one is {CALIBRATION_VERSION}): ignored, the defaults stand. "
+                      "Run autopar tune again to refit, or remove the file.", stacklevel=2)
+        return None
+    cal = Calibration.from_dict({k: v for k, v in data.items() if k != "version"} if isinstance(data, Mapping) else data)
     if cal.topology_fingerprint not in (None, fingerprint):
         raise AutoparError(f"{path} holds the calibration of topology {cal.topology_fingerprint}: remove it.")
     return cal

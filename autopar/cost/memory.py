@@ -210,8 +210,9 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     # growing with the peak (fragmentation) and the freed blocks of the largest tensor (the fp32 logits) it
     # keeps cached (measured on the H200: 0.5-3.4 GiB reserved over allocated, about that tensor's size),
     # plus a fixed CUDA context.
-    overhead = cal.context_bytes + cal.fragmentation_fraction * allocated + cal.reserve_bytes \
-        + cal.largest_reserve_factor * largest
+    # (at least reserve_bytes, where no large tensor is made: a pipeline stage without the head)
+    overhead = cal.context_bytes + cal.fragmentation_fraction * allocated \
+        + max(cal.reserve_bytes, cal.largest_reserve_factor * largest)
     return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                             gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
                             overhead_bytes=overhead)

@@ -266,7 +266,7 @@ class _Study:
         meta = {"format": STUDY_FORMAT, "model_fingerprint": self.probe.model_fingerprint or profile.fingerprint,
                 "topology_fingerprint": topo.fingerprint(), "device": topo.device.name,
                 "world_size": int(self.probe.world_size), "global_batch_size": int(self.probe.global_batch_size),
-                "allow_train_step": bool(self.allow_train_step), "unit": unit,
+                "allow_train_step": bool(self.allow_train_step), "eager": bool(self.eager), "unit": unit,
                 "tokens_per_sample": profile.tokens_per_sample, "candidates": len(ranked),
                 "argv": list(self.argv) if self.argv is not None else None,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -283,11 +283,14 @@ class _Study:
                                f"this one writes {STUDY_FORMAT}): use a new --study file.")
         now = {"model_fingerprint": self.probe.model_fingerprint or self.profile.fingerprint,
                "topology_fingerprint": self.topology.fingerprint(), "world_size": int(self.probe.world_size),
-               "global_batch_size": int(self.probe.global_batch_size), "allow_train_step": bool(self.allow_train_step)}
-        diffs = [f"{k} {meta.get(k)!r} there, {v!r} here" for k, v in now.items() if meta.get(k) != v]
+               "global_batch_size": int(self.probe.global_batch_size), "allow_train_step": bool(self.allow_train_step),
+               "eager": bool(self.eager)}
+        diffs = [f"{k} {meta.get(k, True if k == 'eager' else None)!r} there, {v!r} here" for k, v in now.items()
+                 if meta.get(k, True if k == "eager" else None) != v]
         if diffs:
             raise AutoparError(f"{self.study_path} is a study of another job ({'; '.join(diffs)}): resume it with the "
-                               "same model, hardware, batch and --plain-loop setting, or use a new --study file.")
+                               "same model, hardware, batch, --plain-loop and --compiled-only settings, or use a new "
+                               "--study file.")
 
     def _save_queue(self) -> None:
         self.study.set_user_attr(STUDY_QUEUE, self.queue)

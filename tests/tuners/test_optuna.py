@@ -513,3 +513,5 @@ def test_the_space_holds_the_eager_twin_of_each_compiled_plan_unless_compiled_on
     assert both.space_size == 2 * compiled.space_size > 0
     assert {p.replace(compile=False).key() for p in plans if p.compile} == {p.key() for p in plans if not p.compile}
     assert both.rows[0].plan.compile and compiled.rows[0].plan.compile  # the best predicted runs first
+    with pytest.raises(AutoparError, match="--compiled-only"):  # resuming with the other setting is refused
+        _tune(probe, FakeRunner(probe), tmp_path / "both.db", trials=2, prune_factor=NO_PRUNING, eager=False)
