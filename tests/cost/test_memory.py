@@ -30,13 +30,18 @@ def test_largest_reserve_factor_adds_the_largest_tensor_at_the_micro_batch_to_th
     assert profile.largest_transient_bytes >= 4 * CFG.vocab_size * CFG.seq_len * profile.sample_batch_size
     for micro_batch in (4, 8):
         plan = Plan(micro_batch_size=micro_batch)  # one GPU, fp32: no variants needed
-        without = predict_memory(profile, plan, Calibration(largest_reserve_factor=0.0))
-        with_ = predict_memory(profile, plan, Calibration(largest_reserve_factor=1.0))
+        without = predict_memory(profile, plan, Calibration(largest_reserve_factor=0.0, reserve_bytes=0.0))
+        with_ = predict_memory(profile, plan, Calibration(largest_reserve_factor=1.0, reserve_bytes=0.0))
         largest = profile.largest_transient_bytes * micro_batch / profile.sample_batch_size
         assert with_.overhead_bytes - without.overhead_bytes == pytest.approx(largest, rel=1e-9)
         assert with_.allocated_bytes == without.allocated_bytes  # a reserve, not an allocation
-        half = predict_memory(profile, plan, Calibration(largest_reserve_factor=0.5))
+        half = predict_memory(profile, plan, Calibration(largest_reserve_factor=0.5, reserve_bytes=0.0))
         assert half.overhead_bytes - without.overhead_bytes == pytest.approx(largest / 2, rel=1e-9)
+        # reserve_bytes is a floor: below it the largest tensor adds nothing, above it the larger one counts
+        floor = predict_memory(profile, plan, Calibration(largest_reserve_factor=1.0, reserve_bytes=2 * largest))
+        assert floor.overhead_bytes - without.overhead_bytes == pytest.approx(2 * largest, rel=1e-9)
+        low = predict_memory(profile, plan, Calibration(largest_reserve_factor=1.0, reserve_bytes=largest / 2))
+        assert low.overhead_bytes == pytest.approx(with_.overhead_bytes, rel=1e-9)
 
 
 def test_upcast_transient_factor_replaces_transient_factor_when_the_largest_tensor_is_a_to_copy():
