@@ -23,6 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from ._io import atomic_write_text
 from .errors import PlanError, PlanMismatchError
 
 SCHEMA_VERSION = 1
@@ -294,13 +295,7 @@ class Plan:
         """Write the plan as YAML (atomically: a crash never leaves half a file). Returns the path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(self.to_yaml())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        atomic_write_text(path, self.to_yaml())
         return path
 
     @classmethod

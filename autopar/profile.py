@@ -219,6 +219,20 @@ class ModelProfile:
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
 
+    def __hash__(self) -> int:
+        """Computed once per object: the cost model caches by profile (pipeline stage splits, TP pairs), and
+        hashing every block each time was half of an 80-block model's search."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclass_fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)  # string hashes differ between processes
+        return state
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)

@@ -28,7 +28,6 @@ installed.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
@@ -155,25 +154,6 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                                                        **fingerprints)
 
 
-class _HashedOnce(ModelProfile):
-    """The same profile, with its hash computed once. The cost model caches pipeline stage splits by
-    profile (`strategies.pipeline.split_stages`, an lru_cache), and hashing a frozen ModelProfile hashes
-    every block each time: for an 80-block model that was half of the search's time."""
-
-    def __hash__(self) -> int:
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = ModelProfile.__hash__(self)
-            object.__setattr__(self, "_hash", cached)
-        return cached
-
-
-def _hashed_once(profile: ModelProfile) -> ModelProfile:
-    if isinstance(profile, _HashedOnce):
-        return profile
-    return _HashedOnce(**{f.name: getattr(profile, f.name) for f in dataclasses.fields(ModelProfile)})
-
-
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
            variants: Mapping[str, ModelProfile] | None = None, calibration: Any = None,
            allow_train_step: bool = False, headroom: float = 0.95, eager: bool = False) -> list[Candidate]:
@@ -199,7 +179,6 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     # Compile for GPUs elsewhere (a spec); for the GPUs here only if Triton, inductor's GPU backend, is installed.
     compile_available = topology.source != "detected" or importlib.util.find_spec("triton") is not None
     budget = headroom * topology.device.memory_bytes
-    keyed = _hashed_once(profile)
     out: list[Candidate] = []
     for offload in ((False, True) if topology.is_gpu else (False,)):
         groups: dict[tuple, list[Plan]] = {}
@@ -213,11 +192,11 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
             for plan in plans:
                 if plan.pp > 1:
                     try:
-                        check_pipeline(plan, keyed)
+                        check_pipeline(plan, profile)
                     except PlanError as exc:
                         out.append(Candidate(plan, None, False, str(exc).split(":")[0]))
                         continue
-                memory = predict_memory(keyed, plan, cal, variants=variants)
+                memory = predict_memory(profile, plan, cal, variants=variants)
                 need = plan.replace(prediction={"memory_bytes": float(memory.peak_bytes),
                                                 "allocated_bytes": float(memory.allocated_bytes)})
                 if memory.peak_bytes > budget:
@@ -232,7 +211,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                     out.append(Candidate(plan, None, False, f"{DOMINATED} checkpointing={better.checkpointing}, "
                                                             f"reshard_after_forward={better.reshard_after_forward}"))
                     continue
-                pred = predict_profile(keyed, plan, topology, cal, variants=variants, memory=memories[id(plan)])
+                pred = predict_profile(profile, plan, topology, cal, variants=variants, memory=memories[id(plan)])
                 out.append(Candidate(plan.replace(prediction=pred.summary()), pred, True))
         if any(c.feasible for c in out):
             break

@@ -6,6 +6,7 @@ follows the candidates, not the number of GPUs."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.plans import Plan
 from autopar.profile import profile_model
-from autopar.search import (DOMINATED, _divisors, _hashed_once, data_parallel_degrees, enumerate_plans, search,
+from autopar.search import (DOMINATED, _divisors, data_parallel_degrees, enumerate_plans, search,
                             tensor_parallel_degrees)
 from autopar.topology import Topology
 
@@ -113,11 +114,14 @@ def test_cost_follows_the_candidates_not_the_gpus(eight):
     assert 0 < len(plans) < 200
 
 
-def test_hashed_once_profile_is_the_same_profile(six):
-    keyed = _hashed_once(six)
-    assert hash(keyed) == hash(six) == hash(keyed)
-    assert all(getattr(keyed, f.name) == getattr(six, f.name) for f in dataclasses.fields(six))
-    assert _hashed_once(keyed) is keyed
+def test_a_profile_is_hashed_once_and_like_an_equal_copy(six):
+    """The search's caches key on the profile: its hash is computed once, kept off pickles (string hashes
+    differ between processes), and equal to an equal copy's."""
+    copy = dataclasses.replace(six)
+    assert copy == six and copy is not six
+    assert hash(copy) == hash(six) == hash(six) == six.__dict__["_hash"]
+    assert "_hash" not in pickle.loads(pickle.dumps(six)).__dict__
+    assert pickle.loads(pickle.dumps(six)) == six
 
 
 def test_ranking_feasible_first_fastest_first_then_dropped_with_reasons(eight):

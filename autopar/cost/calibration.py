@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from .._io import atomic_write_text
 from ..errors import AutoparError
 
 GiB = 2**30
@@ -221,15 +222,8 @@ def _check_private(path: Path) -> None:
 def save_calibration(cal: Calibration, fingerprint: str) -> Path:
     path = cache_dir() / "calibration" / f"{fingerprint}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        data = {"version": CALIBRATION_VERSION, **cal.replace(topology_fingerprint=fingerprint).to_dict()}
-        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    data = {"version": CALIBRATION_VERSION, **cal.replace(topology_fingerprint=fingerprint).to_dict()}
+    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False), mode=0o600)
     return path
 
 

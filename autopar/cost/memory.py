@@ -10,6 +10,7 @@ anchors' values and `autopar.cost.calibration` refits them from runs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Mapping
 
@@ -218,26 +219,16 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
                             overhead_bytes=overhead)
 
 
-_PAIRS: dict[int, tuple[ModelProfile, tuple[int, int]]] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _tp_pairs(profile: ModelProfile) -> tuple[int, int]:
-    """(TP pairs, column-parallel layers) in one block; cached per profile object (the search asks often)."""
-    hit = _PAIRS.get(id(profile))
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    result = (0, 0)
-    if profile.blocks and profile.hidden_dim is not None and profile.matmul_calls:
-        from ..strategies.tensor_parallel import _pairs_from_calls
+    """(TP pairs, column-parallel layers) in one block; cached per profile (the search asks often)."""
+    if not (profile.blocks and profile.hidden_dim is not None and profile.matmul_calls):
+        return (0, 0)
+    from ..strategies.tensor_parallel import _pairs_from_calls
 
-        prefix = profile.blocks[0].name + "."
-        pairs = _pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)],
-                                  profile.hidden_dim, None)
-        result = (len(pairs), sum(len(p.colwise) for p in pairs))
-    if len(_PAIRS) > 64:
-        _PAIRS.clear()
-    _PAIRS[id(profile)] = (profile, result)
-    return result
+    prefix = profile.blocks[0].name + "."
+    pairs = _pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)], profile.hidden_dim, None)
+    return (len(pairs), sum(len(p.colwise) for p in pairs))
 
 
 def replicated_hidden_bytes(profile: ModelProfile, block_saved_hidden: float) -> float:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from .._io import atomic_write_text
 from ..errors import AutoparError
 from ..plans import Plan
 
@@ -158,9 +159,7 @@ def parse_inject(spec: str | None) -> tuple[str, int] | None:
 
 def _write_json(path: Path, data: Mapping[str, Any]) -> None:
     """Atomically (a reader never sees half a file)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data))
 
 
 def _rank() -> int:
