@@ -23,7 +23,7 @@ _LAZY = {
     "plan": ".api",
     "candidates": ".planning",
     "predict": ".planning",
-    "autotune": ".tuners.optuna",
+    "autotune": ".tune.study",
     "applied": ".api",
     "plan_of": ".api",
     "data_shard": ".api",
@@ -46,7 +46,7 @@ __all__ = sorted(_LAZY)
 if TYPE_CHECKING:  # pragma: no cover
     from .api import applied, data_shard, plan, plan_of, wrap
     from .planning import candidates, predict
-    from .tuners.optuna import autotune
+    from .tune.study import autotune
     from .checkpoint import load, save
     from .data import dataloader, local_batch, sampler
     from .step import train_step

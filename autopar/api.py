@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from . import _dist
-from ._log import get_logger
+from ._util import dist as _dist
+from ._util.log import get_logger
 from .errors import PlanError
 from .plans import Plan
 from .errors import ProfileError
@@ -153,11 +153,11 @@ def wrap(
     if getattr(model, _ATTR, None) is not None:
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
     log = get_logger()
-    from .tuners.trial import start_run
+    from .tune.trial import start_run
 
     mode = start_run()  # under autopar's tuner: "probe" or "trial" (autopar/tuners/trial.py), else None
     if mode == "trial":  # apply the trial's plan, as if it were given
-        from .tuners.trial import plan_path
+        from .tune.trial import plan_path
 
         plan, force = plan_path(), False
     elif mode == "probe":  # profile as if choosing
@@ -186,7 +186,7 @@ def wrap(
     _dist.first_failure(error)
     assert profile is not None
     if mode is not None:  # a probe writes the profile for the tuner and ends the run here
-        from .tuners.trial import after_profile
+        from .tune.trial import after_profile
 
         after_profile(mode, model, sample, profile, topo, world_size=world.size, global_batch_size=global_batch,
                       loss_fn=loss_fn, blocks=blocks, uses_train_step=uses_train_step)
@@ -198,7 +198,7 @@ def wrap(
     if world.rank == 0:
         try:
             if plan is None:
-                from .tuners.cache import cached_plan_for
+                from .plan_cache import cached_plan_for
 
                 # A plan tuned for this model, hardware, batch and torch (autopar tune) wins over the model's.
                 # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
@@ -251,7 +251,7 @@ def wrap(
             log.info("%s", note)
     object.__setattr__(model, _ATTR, applied)
     if mode == "trial":  # time the loop's optimizer steps, write the result, end the run
-        from .tuners.trial import install_recorder
+        from .tune.trial import install_recorder
 
         install_recorder(model, chosen, profile)
     return model

@@ -30,7 +30,7 @@ HEADROOM = 0.95
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from .specs import known_specs
+    from .named_models import known_specs
 
     p = argparse.ArgumentParser(
         prog="autopar plan",
@@ -69,7 +69,7 @@ def _plan(argv: list[str]) -> int:
     from .errors import InfeasiblePlanError, PlanError
     from .planning import GiB, _short, calibration_for, describe_candidates, dropped_reasons, resolve_topology
     from .search import data_parallel_degrees, search
-    from .specs import ModelSpecError, model_profiles, model_sample_batch, resolve_model
+    from .named_models import ModelSpecError, model_profiles, model_sample_batch, resolve_model
 
     args = _plan_parser().parse_args(argv)
     if args.top < 1:
@@ -203,7 +203,7 @@ def _model_summary(source, profile, variants) -> dict:
     shape = ", ".join(f"{k} {v}" for k, v in (("hidden", profile.hidden_dim), ("heads", profile.num_heads),
                                               ("kv heads", profile.num_kv_heads), ("ffn", profile.ffn_dim),
                                               ("vocab", profile.vocab_size)) if v is not None)
-    from .specs import DEEPER_DEPTH, SHALLOW_DEPTH
+    from .named_models import DEEPER_DEPTH, SHALLOW_DEPTH
 
     traced = ["fp32"] + list(variants.traced)
     how = (f"traced at depths {SHALLOW_DEPTH} and {DEEPER_DEPTH} ({', '.join(traced)}) and extended to "
@@ -294,7 +294,7 @@ class _ProgressLine:
         self.shown = False
 
     def __call__(self, ev) -> None:
-        from .tuners.report import _num
+        from .tune.report import _num
 
         unit = "tok/s" if ev.unit == "tokens/s" else "samples/s"
         best = f"best {_num(ev.best)} {unit} ({ev.best_plan})" if ev.best is not None else "best -"
@@ -355,7 +355,7 @@ def _tune(argv: list[str]) -> int:
             raise AutoparError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}.")
     import optuna
 
-    from .tuners.optuna import tune
+    from .tune.study import tune
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress line says it instead
     bar = _ProgressLine(sys.stderr)
@@ -386,7 +386,7 @@ def _report(argv: list[str]) -> int:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where to write the charts (default: the study file's folder)")
     args = p.parse_args(argv)
-    from .tuners.report import load_report, write_plots
+    from .tune.report import load_report, write_plots
 
     report = load_report(args.study)
     print(report.table())

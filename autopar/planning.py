@@ -106,7 +106,7 @@ def candidates(
     `global_batch_size` defaults to the sample's batch times the world size (the topology's GPUs).
     `allow_train_step=False` keeps to plans a plain loop runs (no accumulation, no pipeline), as `wrap`
     does unless told otherwise. `headroom`: the share of a GPU's memory a plan may fill.
-    `verify=N` runs the exact memory check (autopar.cost.exact) on the N best candidates (a few seconds
+    `verify=N` runs the exact memory check (autopar.exact) on the N best candidates (a few seconds
     to minutes each, no memory used) and drops those it finds too big; it builds the model with
     `model_fn()` (or copies a meta-device model) and needs `sample`. `eager=True` also ranks eager plans
     where compiled ones are searched (the tuner's space; autopar.search.search).
@@ -145,7 +145,7 @@ def verify_candidates(ranked: Sequence[Candidate], model_fn: Any, sample: Any, *
     plans are not checked (their state lives in host memory). Returns the list re-ranked."""
     from dataclasses import replace as dc_replace
 
-    from .cost.exact import exact_memory
+    from .exact import exact_memory
     from .search import _rank_key
 
     if top < 0:

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ._io import atomic_write_text
+from ._util.io import atomic_write_text
 from .errors import PlanError, PlanMismatchError
 
 SCHEMA_VERSION = 1

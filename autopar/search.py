@@ -51,7 +51,7 @@ class Candidate:
     prediction: Any  # autopar.cost.Prediction
     feasible: bool
     reason: str | None = None
-    exact: Any = None  # autopar.cost.exact.ExactMemory, when the exact check verified this candidate
+    exact: Any = None  # autopar.exact.ExactMemory, when the exact check verified this candidate
 
 
 def _divisors(n: int) -> list[int]:

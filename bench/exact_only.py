@@ -3,7 +3,7 @@ import json, os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import autopar
 from validate_h200 import CONFIGS, build, sample
-from autopar.cost.exact import exact_memory
+from autopar.exact import exact_memory
 for i in [int(a) for a in sys.argv[1:]]:
     name, kw = CONFIGS[i]
     t = time.perf_counter()

@@ -4,7 +4,7 @@ For a Hugging Face model shape (bench/train_hf.py, the user's unmodified script)
 - `--what tune`: `python -m autopar tune --trials K ...` (the CLI, trials in the script's own process) with
   K the largest number of trials below a third of the search space (the cost model's feasible plans, eager
   and compiled: `autopar.candidates(..., eager=True)`), from a fresh inductor cache;
-- `--what grid`: every plan of that space measured the same way (autopar.tuners.optuna.tune with no trial
+- `--what grid`: every plan of that space measured the same way (autopar.tune.study.tune with no trial
   budget, no pruning, every plan enqueued in predicted order), from another fresh inductor cache.
 Each writes a JSON line per trial and a summary line to $OUT/tune_<model>.jsonl (the date, device, torch
 version, command, the space, K, wall time). `python bench/tune_h200.py --summarize FILE...` then compares
@@ -45,7 +45,7 @@ def space_size(model: str, global_batch: int) -> int:
 
 
 def rows_of(study: str) -> list[dict]:
-    from autopar.tuners.report import load_report
+    from autopar.tune.report import load_report
 
     rep = load_report(study)
     out = []
@@ -103,7 +103,7 @@ def main() -> int:
         proc = subprocess.run(cmd + script, env=env, capture_output=True, text=True)
         head.update(returncode=proc.returncode, output_tail=(proc.stdout + proc.stderr)[-6000:])
     else:
-        from autopar.tuners.optuna import tune
+        from autopar.tune.study import tune
 
         os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
         rep = tune(script, study_path=study, trials=None, time_budget_s=args.time_budget, steps=args.steps,

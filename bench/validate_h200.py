@@ -1,7 +1,7 @@
 """Check the cost model on one GPU: exact memory check, analytic memory and time, against measured runs.
 
 For each single-GPU configuration (Hugging Face GPT-2-355M and a Llama-1B shape, bf16 plans with and
-without checkpointing and accumulation): (1) the exact check (autopar.cost.exact: the step traced under
+without checkpointing and accumulation): (1) the exact check (autopar.exact: the step traced under
 FakeTensorMode on a fake CUDA device, no memory used), (2) the analytic prediction (autopar.predict),
 (3) the real run: autopar.wrap with the plan, autopar.train_step, `--warmup` then `--steps` timed steps
 (device synchronised), torch.cuda.max_memory_allocated / max_memory_reserved, plus the CUDA context
@@ -76,7 +76,7 @@ def main() -> int:
     out_dir = os.environ.get("OUT", "/tmp")
     path = os.path.join(out_dir, "validate.jsonl")
     topo = autopar.Topology.detect()
-    from autopar.cost.exact import exact_memory
+    from autopar.exact import exact_memory
     from autopar.planning import calibration_for
     from autopar.cost import predict_profile
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import autopar
-from autopar import _dist
+from autopar._util import dist as _dist
 from autopar import api as api_mod
-from autopar._log import get_logger
+from autopar._util.log import get_logger
 from autopar.errors import InfeasiblePlanError, PlanError, PlanMismatchError
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 from autopar.plans import Plan
@@ -537,7 +537,7 @@ def test_wrap_hugging_face_llama_with_selective_checkpointing():
 
 # ---- the plan cache in wrap ---------------------------------------------------------------------------
 def test_wrap_uses_a_plan_cached_for_this_model_and_says_so(caplog):
-    from autopar.tuners.cache import cache_key, store
+    from autopar.plan_cache import cache_key, store
 
     model = make_model()
     x = batch(0)
@@ -559,7 +559,7 @@ def test_wrap_uses_a_plan_cached_for_this_model_and_says_so(caplog):
 
 
 def test_wrap_refuses_a_tampered_plan_cache():
-    from autopar.tuners.cache import CacheError, cache_key, store
+    from autopar.plan_cache import CacheError, cache_key, store
 
     x = batch(0)
     profile = autopar.profile_model(make_model(), x, warn=False)

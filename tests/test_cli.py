@@ -156,7 +156,7 @@ def test_hf_config_file(capsys, tmp_path):
 
 
 def test_specs_have_the_published_sizes():
-    from autopar.specs import SPECS, known_specs
+    from autopar.named_models import SPECS, known_specs
 
     assert known_specs() == ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-1b", "llama3-8b", "llama3-70b",
                              "llama3-405b")

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from .._io import atomic_write_text
+from .._util.io import atomic_write_text
 from ..errors import AutoparError
 
 GiB = 2**30

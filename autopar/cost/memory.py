@@ -185,7 +185,7 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
         if plan.compile:
             transient *= cal.compile_transient_factor
 
-    # The peak is the largest of three moments (measured with the exact check, autopar.cost.exact):
+    # The peak is the largest of three moments (measured with the exact check, autopar.exact):
     # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
     # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
     #     activations exist again;

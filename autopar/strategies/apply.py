@@ -136,7 +136,7 @@ def apply_plan(
     """Apply `plan` to `model` in place (see the module docstring for the order) and describe what was done.
 
     `fake_mode`: a FakeTensorMode in which a meta-device model is materialised and everything after runs
-    (the exact memory check, autopar.cost.exact); the sharding steps run outside it, as the mesh needs.
+    (the exact memory check, autopar.exact); the sharding steps run outside it, as the mesh needs.
     """
     import contextlib
 
@@ -181,7 +181,7 @@ def apply_plan(
         if fsdp_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            from .._dist import ensure_single_process_group
+            from .._util.dist import ensure_single_process_group
 
             ensure_single_process_group()
             fsdp_mesh = init_device_mesh(device.type, (1,))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from .._io import atomic_write_text
+from .._util.io import atomic_write_text
 from ..errors import AutoparError
 from ..plans import Plan
 
@@ -359,7 +359,7 @@ class _Recorder:
         mine = [step_s, float(alloc), float(reserved), float(_peak_rss_bytes())]
         rows = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            from .._dist import local_device
+            from .._util.dist import local_device
 
             device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
             local = torch.tensor(mine, dtype=torch.float64, device=device)  # exact for bytes below 2**53

@@ -1,4 +1,4 @@
-"""The plan cache (autopar/tuners/cache.py): round trip, keys, and refusal of tampered files."""
+"""The plan cache (autopar/plan_cache.py): round trip, keys, and refusal of tampered files."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import yaml
 from autopar.errors import AutoparError
 from autopar.plans import Plan
 from autopar.topology import Topology
-from autopar.tuners import cache
-from autopar.tuners.cache import CacheError, CacheKey, cache_key, cached_plan_for, entries, lookup, store
+from autopar import plan_cache as cache
+from autopar.plan_cache import CacheError, CacheKey, cache_key, cached_plan_for, entries, lookup, store
 
 MODEL = "0123456789abcdef"
 OTHER_MODEL = "fedcba9876543210"

@@ -1,6 +1,6 @@
 """Small PNG charts without matplotlib: a pixel buffer, lines, points, axes with ticks, a 5x7 bitmap font.
 
-`autopar report` draws two charts with it (autopar.tuners.report.write_plots). It depends on nothing but
+`autopar report` draws two charts with it (autopar.tune.report.write_plots). It depends on nothing but
 the standard library: the image is an RGB pixel buffer, written as a PNG (8-bit RGB, no interlace, filter
 0 on every row) with zlib and struct. Text is upper case, drawn with a built-in 5x7 font (letters,
 digits and a few signs; other characters draw as blanks). Each PNG also carries its axes' ranges in a

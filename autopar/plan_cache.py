@@ -38,9 +38,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from ..errors import AutoparError, PlanError
-from ..plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
-from ..plans import Plan
+from .errors import AutoparError, PlanError
+from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
+from .plans import Plan
 
 #: Version of the cache file layout (the top-level mapping). It is part of every key's digest, so files of
 #: another layout are never read under this one's names.
@@ -157,7 +157,7 @@ def cache_key(
 # ---------------------------------------------------------------------------------------------------
 def _root(directory: str | os.PathLike[str] | None, *, create: bool) -> Path | None:
     if directory is None:
-        from ..cost.calibration import cache_dir  # reads $AUTOPAR_CACHE_DIR; creates the root 0700
+        from .cost.calibration import cache_dir  # reads $AUTOPAR_CACHE_DIR; creates the root 0700
 
         return cache_dir()
     root = Path(directory)

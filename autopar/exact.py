@@ -1,6 +1,6 @@
 """The exact memory check: one rank's training steps under a plan, traced in one process without memory.
 
-    from autopar.cost.exact import exact_memory
+    from autopar.exact import exact_memory
     m = exact_memory(lambda: MyModel(cfg), sample, plan)       # any world size, on this machine
     m.peak_bytes, m.by_category                                # the traced rank's allocated peak
 
@@ -32,9 +32,9 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ..errors import AutoparError, PlanError
-from ..plans import Plan
-from ..topology import Topology
+from .errors import AutoparError, PlanError
+from .plans import Plan
+from .topology import Topology
 
 GiB = 2**30
 
@@ -80,7 +80,7 @@ def _imports() -> tuple[Any, Any, Any]:
 
 def _fake_batch(sample: Any, batch_size: int, device: torch.device) -> Any:
     """`sample` with `batch_size` rows, as zeros on `device` (valid token ids, fake under FakeTensorMode)."""
-    from ..profile import map_tensors
+    from .profile import map_tensors
 
     def grow(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0:
@@ -142,12 +142,12 @@ def exact_memory(
         raise PlanError("exact_memory makes its own (fake) process group: call it before init_process_group, or in "
                         "a separate process (e.g. `autopar plan --verify N`, or a subprocess).")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from ..planning import resolve_topology
-    from ..profile import _flash_like_sdpa, profile_model
-    from ..step import train_step
-    from ..strategies.apply import apply_plan, check_plan
-    from ..strategies.mesh import build_mesh
-    from ..api import _ATTR
+    from .planning import resolve_topology
+    from .profile import _flash_like_sdpa, profile_model
+    from .step import train_step
+    from .strategies.apply import apply_plan, check_plan
+    from .strategies.mesh import build_mesh
+    from .api import _ATTR
 
     topo = resolve_topology(topology) if topology is not None else (
         Topology.from_spec(f"{plan.world_size}xH200") if dev.type == "cuda" else Topology.cpu(plan.world_size))

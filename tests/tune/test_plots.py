@@ -1,4 +1,4 @@
-"""The dependency-free PNG charts (autopar/tuners/plots.py): valid files, and points where they belong."""
+"""The dependency-free PNG charts (autopar/tune/plots.py): valid files, and points where they belong."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import zlib
 
 import pytest
 
-from autopar.tuners import plots
-from autopar.tuners.plots import (BLUE, GREEN, GREY, ORANGE, RED, WHITE, Canvas, compact, encode_png, line_and_points,
+from autopar.tune import plots
+from autopar.tune.plots import (BLUE, GREEN, GREY, ORANGE, RED, WHITE, Canvas, compact, encode_png, line_and_points,
                                   nice_step, read_png, scatter_with_diagonal)
 
 

@@ -5,7 +5,7 @@
 
 How a study runs (docs/tuning.md, "The study"):
 
-1. **Probe** the user's script once (autopar.tuners.trial.probe): the profile its `wrap` makes, the
+1. **Probe** the user's script once (autopar.tune.trial.probe): the profile its `wrap` makes, the
    topology, the world size and the global batch.
 2. **The space** is the cost model's feasible candidates (autopar.search.search with the calibration
    cached for this topology): plans that do not fit or are dominated never run. At most `max_space` of
@@ -38,7 +38,7 @@ How a study runs (docs/tuning.md, "The study"):
 8. **Budgets**: `trials` plans measured (ok or failed) over the study's life, resumed runs included;
    `time_budget_s` of this call (no trial starts after it; the one in flight finishes); or the space is
    exhausted. Pruned trials and repeats do not count.
-9. **At the end** the best measured plan is cached (autopar.tuners.cache.store) and written to `plan_out`.
+9. **At the end** the best measured plan is cached (autopar.plan_cache.store) and written to `plan_out`.
 
 **Storage and resuming.** The study lives in a SQLite file (Optuna's RDBStorage), one study per file.
 While a tuner works on it, it holds an exclusive lock on `STUDY.lock` (a second tuner is refused), so
@@ -587,7 +587,7 @@ class _Study:
                                    wall_s=time.perf_counter() - self.started, stopped=stopped)
         if report.best is None:
             return report
-        from .cache import cache_key, store, write_plan_out
+        from ..plan_cache import cache_key, store, write_plan_out
 
         best = report.best
         key = cache_key(self.probe.model_fingerprint or self.profile, self.topology,
@@ -641,9 +641,9 @@ def tune(
     the script's own `wrap(uses_train_step=...)`, as the probe saw it, so that the cached plan is the one
     later runs of the script look up. `eager`: measure eager plans beside compiled ones (the cost model
     ranks compiled plans first, but compilation can fail or lose on a given model); False keeps the search's
-    compiled plans only. The best plan is cached (autopar.tuners.cache; in
+    compiled plans only. The best plan is cached (autopar.plan_cache; in
     `cache_directory` when given) and written to `plan_out`. `progress(Progress)` is called at each event.
-    `runner`/`prober` replace autopar.tuners.trial's run_trial/probe (tests)."""
+    `runner`/`prober` replace autopar.tune.trial's run_trial/probe (tests)."""
     _check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
     if runner is None or prober is None:
         from . import trial as _trial
@@ -682,7 +682,7 @@ def _check_budget(trials: Any, time_budget_s: Any, steps: Any, warmup: Any, top_
 # ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class InProcessResult:
-    """One in-process trial: the fields of autopar.tuners.trial.TrialResult that the study reads."""
+    """One in-process trial: the fields of autopar.tune.trial.TrialResult that the study reads."""
 
     status: str
     plan: Plan

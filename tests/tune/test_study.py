@@ -1,4 +1,4 @@
-"""The tuning study (autopar/tuners/optuna.py), the report (report.py) and `autopar tune` / `autopar report`.
+"""The tuning study (autopar/tune/study.py), the report (report.py) and `autopar tune` / `autopar report`.
 
 Most tests drive the study with a fake trial runner: its "measured" step is the cost model's prediction (at
 the calibration a study starts from) times a factor per plan, and it can fail chosen plans with "oom". The
@@ -34,11 +34,11 @@ from autopar.planning import calibration_for, profile_variants
 from autopar.plans import Plan
 from autopar.search import search
 from autopar.topology import Topology
-from autopar.tuners import cache
-from autopar.tuners.optuna import STALE_CAUSE, Progress, autotune, measure_in_process, tune
-from autopar.tuners.plots import read_png
-from autopar.tuners.report import PARAM, STUDY_SPACE, load_report
-from autopar.tuners.trial import TrialResult
+from autopar import plan_cache as cache
+from autopar.tune.study import STALE_CAUSE, Progress, autotune, measure_in_process, tune
+from autopar.tune.plots import read_png
+from autopar.tune.report import PARAM, STUDY_SPACE, load_report
+from autopar.tune.trial import TrialResult
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=4, hidden_dim=64, num_heads=4)
@@ -303,9 +303,9 @@ def test_report_reads_the_same_table_from_the_database(probe_result, tmp_path, c
 
 def test_tune_command_shows_progress_and_ends_with_the_table(probe_result, tmp_path, capsys, monkeypatch):
     from autopar.cli import main
-    from autopar.tuners import trial
+    from autopar.tune import trial
 
-    from autopar.tuners import optuna as tuners_optuna
+    from autopar.tune import study as tuners_optuna
 
     runner = FakeRunner(probe_result, fail=lambda plan: plan.pp > 1)
     monkeypatch.setattr(trial, "run_trial", runner)

@@ -1,6 +1,6 @@
 """autopar's tuners: measured trials of plans in the user's own launch command.
 
-    from autopar.tuners import run_trial, probe
+    from autopar.tune import run_trial, probe
     p = probe(["torchrun", "--nproc-per-node", "8", "train.py"])          # the profile wrap() makes there
     r = run_trial(["torchrun", "--nproc-per-node", "8", "train.py"], plan)  # one plan, measured
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'autopar.tuners' has no attribute {name!r}")
+        raise AttributeError(f"module 'autopar.tune' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value

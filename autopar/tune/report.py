@@ -2,7 +2,7 @@
 
 `autopar tune` and `autopar.autotune` end by building this report from the study they ran, and
 `autopar report STUDY` builds the same one from the SQLite file later, so the three print the same table.
-Everything the report needs is stored in the study itself (autopar.tuners.optuna writes it): the search
+Everything the report needs is stored in the study itself (autopar.tune.study writes it): the search
 space with each plan's YAML and its prediction (study user attribute `autopar.space`), the calibration at
 the start (`autopar.calibration_before`) and the last fit with its predictions of the measured plans
 (`autopar.fit`), and, on each trial, the plan's key, the status, the cause and what was measured.
@@ -230,7 +230,7 @@ def _plan_of(entry: Mapping[str, Any]) -> Plan:
 
 def report_from_study(study: Any, *, study_path: str | None = None, wall_s: float | None = None,
                       stopped: str | None = None) -> TuneReport:
-    """The report of an Optuna study autopar made (autopar.tuners.optuna), from its stored attributes only."""
+    """The report of an Optuna study autopar made (autopar.tune.study), from its stored attributes only."""
     from optuna.trial import TrialState
 
     from ..errors import AutoparError
@@ -339,7 +339,7 @@ def load_report(path: str | Path) -> TuneReport:
 # Plots
 # ---------------------------------------------------------------------------------------------------
 def write_plots(report: TuneReport, out_dir: str | Path, *, prefix: str = "autopar") -> list[Path]:
-    """Two PNGs (autopar.tuners.plots, no matplotlib): `<prefix>-throughput.png`, measured vs predicted
+    """Two PNGs (autopar.tune.plots, no matplotlib): `<prefix>-throughput.png`, measured vs predicted
     throughput per measured trial (blue: the calibration at the start, orange: after the fit; the grey
     line is y = x), and `<prefix>-history.png`, the optimisation history (blue dots: each trial's measured
     throughput, in trial order; the green line: the best so far; red marks on the x axis: failed trials).

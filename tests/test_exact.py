@@ -1,4 +1,4 @@
-"""The exact memory check (autopar.cost.exact) and the analytic memory model against it.
+"""The exact memory check (autopar.exact) and the analytic memory model against it.
 
 The exact check traces a rank's training steps under a plan in one process (fake process group of the
 plan's world size, FakeTensorMode, torch's MemTracker): no memory, any world size. The analytic model
@@ -17,7 +17,7 @@ import torch
 
 import autopar
 from autopar.cost import Calibration, predict_profile
-from autopar.cost.exact import ExactMemory, exact_memory
+from autopar.exact import ExactMemory, exact_memory
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.profile import profile_model
 

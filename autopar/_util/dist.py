@@ -98,6 +98,6 @@ def first_failure(error: BaseException | None) -> None:
     if error is not None:
         raise error
     if failed < dist.get_world_size():
-        from .errors import AutoparError
+        from ..errors import AutoparError
 
         raise AutoparError(f"rank {failed} failed (its error is in its own output); every rank stops.")

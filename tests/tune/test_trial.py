@@ -1,4 +1,4 @@
-"""Trial runs and the probe (autopar/tuners/trial.py), in real subprocesses: torchrun, 2 ranks, gloo on CPU.
+"""Trial runs and the probe (autopar/tune/trial.py), in real subprocesses: torchrun, 2 ranks, gloo on CPU.
 
 The user's script (written below) is a plain training loop of 1000 steps around `autopar.wrap`; a trial
 must end it early, measure it, and, when a rank fails, hangs or the command exits, end the whole group
@@ -21,8 +21,8 @@ import pytest
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 from autopar.plans import Plan
 from autopar.profile import ModelProfile, model_fingerprint, profile_model
-from autopar.tuners import trial
-from autopar.tuners.trial import ENV_DIR, ENV_INJECT, ENV_MODE, ENV_STEPS, ENV_WARMUP, probe, run_trial
+from autopar.tune import trial
+from autopar.tune.trial import ENV_DIR, ENV_INJECT, ENV_MODE, ENV_STEPS, ENV_WARMUP, probe, run_trial
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)

@@ -1,0 +1,1 @@
+"""Layer 0: utilities every other module may use (environment, process world, logging, files, batches)."""
