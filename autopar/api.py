@@ -10,20 +10,21 @@ import torch
 import torch.nn as nn
 
 from ._util import dist as _dist
+from ._util.batch import sample_batch_size
 from ._util.log import get_logger
-from .errors import PlanError
+from .errors import InfeasiblePlanError, PlanError, TraceError
+from .hooks import Profiled, wrap_hook
+from .plan_cache import cached_plan_for
+from .planning import bf16_variants, calibration_for, profile_variants, resolve_topology
 from .plans import Plan
-from .errors import ProfileError
-from .profile import ModelProfile, profile_model, sample_batch_size
+from .profile import ModelProfile, profile_model
+from .search import search
+from .strategies.apply import apply_plan, check_plan
+from .strategies.mesh import build_mesh
+from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
 from .topology import Topology
 
-_ATTR = "_autopar_applied"
-
-
-def _resolve_topology(topology: Topology | str | None) -> Topology:
-    from .planning import resolve_topology
-
-    return resolve_topology(topology)
+__all__ = ["wrap", "plan", "applied", "plan_of", "data_shard"]
 
 
 def _global_batch(sample: Any, global_batch_size: int | None, readers: int) -> int:
@@ -66,11 +67,9 @@ def plan(
     (accumulation, pipelines, tensor parallelism); by default every process reads its own batch.
     The plan is the search's first (autopar.candidates ranks them all).
     """
-    topo = _resolve_topology(topology)
+    topo = resolve_topology(topology)
     if world_size is None:
         world_size = topo.world_size if topology is not None else _dist.world().size
-    from .planning import profile_variants
-
     profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
     return _choose(profile, topo, world_size=world_size, global_batch_size=_global_batch(sample, global_batch_size,
                                                                                          world_size),
@@ -80,10 +79,6 @@ def plan(
 def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
             variants: Any = None, uses_train_step: bool = False) -> Plan:
     """The fastest plan the cost model predicts to fit (autopar.search), or a clear error."""
-    from .errors import InfeasiblePlanError
-    from .planning import calibration_for
-    from .search import search
-
     if not profile.traced:
         raise PlanError("choosing a plan needs a traced profile (FLOPs and activation bytes); pass a plan instead.")
     if topology.is_gpu and topology.world_size != world_size:
@@ -150,18 +145,13 @@ def wrap(
       with `autopar.dataloader` (or `autopar.data_shard`); autopar may then choose plans a plain loop
       cannot run: gradient accumulation, pipeline and tensor parallelism (whose peers read the same samples).
     """
-    if getattr(model, _ATTR, None) is not None:
+    if is_wrapped(model):
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
     log = get_logger()
-    from .tune.trial import start_run
-
-    mode = start_run()  # under autopar's tuner: "probe" or "trial" (autopar/tuners/trial.py), else None
-    if mode == "trial":  # apply the trial's plan, as if it were given
-        from .tune.trial import plan_path
-
-        plan, force = plan_path(), False
-    elif mode == "probe":  # profile as if choosing
-        plan = None
+    hook = wrap_hook()  # a no-op outside a tuner's trial (autopar/hooks.py)
+    override = hook.plan_override()
+    if override is not None:  # a trial applies its plan, as if it were given
+        plan, force = override, False
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
 
@@ -169,11 +159,11 @@ def wrap(
     error: BaseException | None = None
     profile: ModelProfile | None = None
     try:
-        topo = _resolve_topology(topology)
+        topo = resolve_topology(topology)
         try:
             profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
-        except ProfileError as exc:
-            if plan is None or "could not run one step" not in str(exc):
+        except TraceError as exc:
+            if plan is None:
                 raise
             # A given plan needs only the model's structure (its blocks).
             profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
@@ -185,11 +175,9 @@ def wrap(
         error = exc
     _dist.first_failure(error)
     assert profile is not None
-    if mode is not None:  # a probe writes the profile for the tuner and ends the run here
-        from .tune.trial import after_profile
-
-        after_profile(mode, model, sample, profile, topo, world_size=world.size, global_batch_size=global_batch,
-                      loss_fn=loss_fn, blocks=blocks, uses_train_step=uses_train_step)
+    hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
+                           global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks,
+                           uses_train_step=uses_train_step))
 
     # Every rank applies the same plan: rank 0's, sent as YAML text (nothing is unpickled).
     chosen: Plan | None = None
@@ -198,8 +186,6 @@ def wrap(
     if world.rank == 0:
         try:
             if plan is None:
-                from .plan_cache import cached_plan_for
-
                 # A plan tuned for this model, hardware, batch and torch (autopar tune) wins over the model's.
                 # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
                 hit, cached_note = cached_plan_for(profile, topo, world_size=world.size,
@@ -207,8 +193,6 @@ def wrap(
             if hit is not None:
                 chosen = hit
             elif plan is None:
-                from .planning import bf16_variants
-
                 variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
                 chosen = _choose(profile, topo, world_size=world.size, global_batch_size=global_batch,
                                  variants=variants, uses_train_step=uses_train_step)
@@ -223,9 +207,6 @@ def wrap(
     if text.startswith("error: "):
         raise PlanError(f"rank 0 could not make a plan: {text[7:]}")
     chosen = Plan.from_yaml(text)
-
-    from .strategies.apply import apply_plan, check_plan
-    from .strategies.mesh import build_mesh
 
     # Checks before anything is changed: processes, batch, model, hardware.
     chosen.check_world(world.size)
@@ -245,33 +226,10 @@ def wrap(
         if chosen.needs_train_step:
             log.info("this plan splits the step (pp > 1 or grad_accum > 1): drive it with autopar.train_step.")
     mesh = build_mesh(chosen, _dist.device_type())
-    applied = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
+    state = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
     if say:
-        for note in applied.notes:
+        for note in state.notes:
             log.info("%s", note)
-    object.__setattr__(model, _ATTR, applied)
-    if mode == "trial":  # time the loop's optimizer steps, write the result, end the run
-        from .tune.trial import install_recorder
-
-        install_recorder(model, chosen, profile)
+    attach(model, state)
+    hook.applied(model, chosen, profile)
     return model
-
-
-def applied(model: nn.Module) -> Any:
-    """What autopar did to a wrapped model: its plan, profile, topology, mesh, device and data shard."""
-    state = getattr(model, _ATTR, None)
-    if state is None:
-        raise PlanError("this model was not wrapped by autopar.wrap: there is no plan to report.")
-    return state
-
-
-def plan_of(model: nn.Module) -> Plan:
-    """The Plan a wrapped model runs."""
-    return applied(model).plan
-
-
-def data_shard(model: nn.Module) -> Any:
-    """(rank, size): which of `size` equal slices of the global batch this process reads.
-
-    Processes with the same data-shard rank (tensor- or pipeline-parallel peers) read the same samples."""
-    return applied(model).data_shard

@@ -20,6 +20,7 @@ import torch.nn as nn
 import yaml
 
 from .errors import AutoparError, PlanMismatchError
+from .profile import model_fingerprint
 
 _META = "autopar.yaml"
 
@@ -32,8 +33,6 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     """Save `model` (wrapped by autopar or not) and `optimizer` to the folder `path`, from every rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from .profile import model_fingerprint
 
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -79,8 +78,6 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from .profile import model_fingerprint
 
     path = Path(path)
     meta_path = path / _META

@@ -14,13 +14,14 @@ import torch
 import torch.nn as nn
 
 from .errors import PlanError
+from ._util.batch import map_tensors, sample_batch_size
+from .strategies.state import data_shard
+from .strategies.state import plan_of
 
 
 def sampler(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int = 0,
             drop_last: bool = True) -> torch.utils.data.DistributedSampler:
     """A DistributedSampler over the data-parallel ranks of the wrapped model's plan."""
-    from .api import data_shard
-
     shard = data_shard(model)
     return torch.utils.data.DistributedSampler(dataset, num_replicas=shard.size, rank=shard.rank,
                                                shuffle=shuffle, seed=seed, drop_last=drop_last)
@@ -35,8 +36,6 @@ def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: in
 
     Call `loader.sampler.set_epoch(epoch)` each epoch to reshuffle, as with any DistributedSampler.
     """
-    from .api import plan_of
-
     if "batch_size" in kwargs or "sampler" in kwargs:
         raise PlanError("autopar.dataloader sets batch_size and sampler from the plan: leave them out.")
     plan = plan_of(model)
@@ -47,9 +46,6 @@ def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: in
 
 def local_batch(model: nn.Module, global_batch: Any) -> Any:
     """This rank's slice of a global batch (dim 0 of every tensor), by the plan's data-parallel index."""
-    from .api import data_shard
-    from .profile import map_tensors, sample_batch_size
-
     shard = data_shard(model)
     size = sample_batch_size(global_batch)
     if size % shard.size:

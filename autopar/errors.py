@@ -25,3 +25,8 @@ class TopologyError(AutoparError, ValueError):
 
 class InfeasiblePlanError(AutoparError):
     """No plan fits the hardware (memory), or a requested plan cannot fit."""
+
+
+class TraceError(ProfileError):
+    """The model could not run one training step on fake tensors; the structure (blocks, parameters) may still
+    be read, so a given plan can be applied. The original exception is the `__cause__`."""

@@ -32,8 +32,15 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
+from ._util.batch import map_tensors
 from .errors import AutoparError, PlanError
+from .planning import resolve_topology
 from .plans import Plan
+from .profile import _flash_like_sdpa, profile_model
+from .step import train_step
+from .strategies.apply import apply_plan, check_plan
+from .strategies.mesh import build_mesh
+from .strategies.state import attach
 from .topology import Topology
 
 GiB = 2**30
@@ -80,8 +87,6 @@ def _imports() -> tuple[Any, Any, Any]:
 
 def _fake_batch(sample: Any, batch_size: int, device: torch.device) -> Any:
     """`sample` with `batch_size` rows, as zeros on `device` (valid token ids, fake under FakeTensorMode)."""
-    from .profile import map_tensors
-
     def grow(t: torch.Tensor) -> torch.Tensor:
         if t.dim() == 0:
             return torch.zeros((), dtype=t.dtype, device=device)
@@ -142,13 +147,6 @@ def exact_memory(
         raise PlanError("exact_memory makes its own (fake) process group: call it before init_process_group, or in "
                         "a separate process (e.g. `autopar plan --verify N`, or a subprocess).")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    from .planning import resolve_topology
-    from .profile import _flash_like_sdpa, profile_model
-    from .step import train_step
-    from .strategies.apply import apply_plan, check_plan
-    from .strategies.mesh import build_mesh
-    from .api import _ATTR
-
     topo = resolve_topology(topology) if topology is not None else (
         Topology.from_spec(f"{plan.world_size}xH200") if dev.type == "cuda" else Topology.cpu(plan.world_size))
     exact_plan = plan.replace(compile=False, cpu_offload=plan.cpu_offload)
@@ -167,7 +165,7 @@ def exact_memory(
         mesh = build_mesh(exact_plan, dev.type)
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         applied = apply_plan(model, exact_plan, profile, topo, mesh=mesh, device=dev, fake_mode=fake)
-        object.__setattr__(model, _ATTR, applied)
+        attach(model, applied)
         with fake, flash:
             params = [p for p in model.parameters() if p.requires_grad]
             if optimizer_fn is not None:
@@ -238,9 +236,7 @@ def _static_pipeline_warmup():
     """Skip the pipeline schedule's first-step vote between neighbours (a real exchange whose answer is
     read with .item(), which fake tensors cannot give); the stages run with static shapes, as autopar
     builds them."""
-    import unittest.mock
-
-    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import schedules  # imported on use: alpha, and only pipeline plans need it
 
     base = getattr(schedules, "PipelineScheduleSingle", None)
     if base is None or not hasattr(schedules._PipelineSchedule, "_warmup_p2p"):
@@ -253,13 +249,22 @@ def _static_pipeline_warmup():
             if mode is not None and hasattr(stage, "_inference_mode"):
                 stage._inference_mode = mode
 
-    with unittest.mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", warmup):
+    with _replaced(schedules._PipelineSchedule, "_warmup_p2p", warmup):
         yield
 
 
 @contextlib.contextmanager
-def _patched_sdpa(replacement: Callable[..., torch.Tensor]):
-    import unittest.mock
+def _replaced(owner: Any, name: str, value: Any):
+    """`owner.name` is `value` inside the block, and what it was after it."""
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)
 
-    with unittest.mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", replacement):
+
+@contextlib.contextmanager
+def _patched_sdpa(replacement: Callable[..., torch.Tensor]):
+    with _replaced(torch.nn.functional, "scaled_dot_product_attention", replacement):
         yield

@@ -37,8 +37,14 @@ import torch
 import torch.nn as nn
 
 from .errors import AutoparError, ProfileError
-from .profile import ModelProfile, extrapolate_profile, profile_model, sample_batch_size
+from .profile import ModelProfile, extrapolate_profile, profile_model
+from ._util.batch import sample_batch_size
 from .topology import Topology
+from .models.gpt import GPTConfig
+from .models.llama import LlamaConfig
+from .models.gpt import GPT
+from .models.llama import Llama
+from .models.gpt import lm_loss
 
 # Depths of the two traces a profile is extended from (`extrapolate_profile`).
 SHALLOW_DEPTH, DEEPER_DEPTH = 2, 3
@@ -67,12 +73,8 @@ class ModelSpec:
         """The model config at `num_layers` (default: full depth), taking sequences of `seq_len` tokens."""
         layers = num_layers or self.num_layers
         if self.family == "gpt":
-            from .models.gpt import GPTConfig
-
             return GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, num_layers=layers,
                              hidden_dim=self.hidden_dim, num_heads=self.num_heads)
-        from .models.llama import LlamaConfig
-
         return LlamaConfig(vocab_size=self.vocab_size, seq_len=max(self.seq_len, seq_len or 0), num_layers=layers,
                            hidden_dim=self.hidden_dim, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                            ffn_dim=self.ffn_dim)
@@ -81,11 +83,7 @@ class ModelSpec:
         """The model, on the current default device (use `with torch.device("meta")` for no memory)."""
         cfg = self.config(num_layers=num_layers, seq_len=seq_len)
         if self.family == "gpt":
-            from .models.gpt import GPT
-
             return GPT(cfg)
-        from .models.llama import Llama
-
         return Llama(cfg)
 
 
@@ -174,8 +172,6 @@ def resolve_model(model: str) -> ModelSource:
 
 
 def _spec_source(spec: ModelSpec) -> ModelSource:
-    from .models.gpt import lm_loss
-
     def build(num_layers: int | None, seq_len: int) -> nn.Module:
         with torch.device("meta"):
             return spec.build(num_layers=num_layers, seq_len=seq_len)

@@ -17,7 +17,8 @@ import torch.nn as nn
 
 from .errors import PlanError
 from .plans import Plan
-from .profile import ModelProfile, profile_model, sample_batch_size
+from .profile import ModelProfile, profile_model
+from ._util.batch import sample_batch_size
 from .search import Candidate, search
 from .topology import Topology
 

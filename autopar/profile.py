@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .errors import ProfileError
+from ._util.batch import call_model, default_loss, first_tensor, map_tensors, sample_batch_size, split_sample
+from .errors import ProfileError, TraceError
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -347,88 +348,6 @@ def model_fingerprint(model: nn.Module) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
-def sample_batch_size(sample: Any) -> int:
-    """The batch size of a sample: dim 0 of its first tensor (`input_ids` first for a dict)."""
-    first = _first_tensor(sample)
-    if first is None or first.dim() == 0:
-        raise ProfileError(
-            "sample must hold a batched tensor (a tensor, a tuple/list of tensors, or a dict of them with the "
-            f"batch in dim 0); got {type(sample).__name__}."
-        )
-    return int(first.shape[0])
-
-
-def _first_tensor(sample: Any) -> torch.Tensor | None:
-    if isinstance(sample, torch.Tensor):
-        return sample
-    if isinstance(sample, Mapping):
-        if isinstance(sample.get("input_ids"), torch.Tensor):
-            return sample["input_ids"]
-        values = list(sample.values())
-    elif isinstance(sample, (tuple, list)):
-        values = list(sample)
-    else:
-        return None
-    for v in values:
-        t = _first_tensor(v)
-        if t is not None:
-            return t
-    return None
-
-
-def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """`batch` with `fn` applied to every tensor in it: tensors, tuples, lists, namedtuples and any Mapping
-    (dicts and dict-likes such as Hugging Face's BatchEncoding, rebuilt as their own type)."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, Mapping):
-        items = {k: map_tensors(fn, v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except Exception:  # a mapping type that cannot be rebuilt from a dict
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(map_tensors(fn, v) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(map_tensors(fn, v) for v in batch)
-    return batch
-
-
-def split_sample(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """(args, kwargs) of a sample as autopar passes it: model(x), model(*tuple) or model(**dict)."""
-    if isinstance(sample, Mapping):
-        return (), dict(sample)
-    if isinstance(sample, (tuple, list)):
-        return tuple(sample), {}
-    return (sample,), {}
-
-
-def call_model(model: Callable[..., Any], sample: Any) -> Any:
-    """Call the model with a sample the way autopar does everywhere (see `split_sample`)."""
-    args, kwargs = split_sample(sample)
-    return model(*args, **kwargs)
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The loss used to drive backward when none is given: `output.loss` if present, else a sum of the output."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    t = output if isinstance(output, torch.Tensor) else None
-    if t is None:
-        if isinstance(output, Mapping):
-            t = output.get("logits")
-            t = t if isinstance(t, torch.Tensor) else _first_tensor(list(output.values()))
-        elif isinstance(output, (tuple, list)):
-            t = _first_tensor(list(output))
-    if t is None or not t.is_floating_point():
-        raise ProfileError(
-            f"cannot make a loss from the model's output ({type(output).__name__}): pass loss_fn=, a function "
-            "from the model's output to a scalar loss."
-        )
-    return t.float().sum()
-
-
 class _StepWatcher(TorchDispatchMode):
     """Watches every op of the traced step: the largest tensor it creates (bytes, op); which storages derive
     from parameters only (casts, transposes and views of weights, e.g. autocast's bf16 weight copies: those
@@ -672,7 +591,7 @@ def _fake_sample(sample: Any, fake_mode: Any, device: torch.device, dtype: torch
 
 
 def _profile_device(model: nn.Module, sample: Any) -> torch.device:
-    for t in list(model.parameters()) + ([_first_tensor(sample)] if _first_tensor(sample) is not None else []):
+    for t in list(model.parameters()) + ([first_tensor(sample)] if first_tensor(sample) is not None else []):
         if t.device.type != "meta":
             return t.device
     return torch.device("cpu")
@@ -825,7 +744,7 @@ def _trace_step(model: nn.Module, sample: Any, units: list[tuple[str, nn.Module]
     except ProfileError:
         raise
     except Exception as exc:  # a model that cannot run on fake tensors, or a sample that does not fit it
-        raise ProfileError(
+        raise TraceError(
             f"could not run one step of {type(model).__name__} on the sample without real memory "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). Check that the sample is "
             "what the model takes (model(x), model(*tuple) or model(**dict)); a model whose forward reads tensor "
@@ -928,7 +847,7 @@ def profile_model(
         for i, (name, _) in enumerate(units)
     )
     facts = _shape_facts(model, units if repeated else [])
-    first = _first_tensor(sample)
+    first = first_tensor(sample)
     tokens = int(first.shape[1]) if first is not None and first.dim() == 2 and not first.is_floating_point() else None
     block_classes = {type(m).__name__ for _, m in units}
     return ModelProfile(

@@ -32,7 +32,10 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from .cost import Calibration, predict_profile
+from .cost.memory import predict_memory
 from .errors import PlanError
+from .layout import check_pipeline
 from .plans import Plan
 from .profile import ModelProfile
 from .topology import Topology
@@ -170,10 +173,6 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
 
     `variants` may be any mapping (e.g. one that traces a precision on first use): only the precisions
     some plan needs are read."""
-    from .cost import Calibration, predict_profile
-    from .cost.memory import predict_memory
-    from .strategies.pipeline import check_pipeline
-
     world_size = world_size or topology.world_size
     cal = calibration or Calibration()
     # Compile for GPUs elsewhere (a spec); for the GPUs here only if Triton, inductor's GPU backend, is installed.

@@ -23,7 +23,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import PlanError
-from .profile import call_model, default_loss, map_tensors, sample_batch_size
+from ._util.batch import call_model, default_loss, map_tensors, sample_batch_size
+from .strategies.tensor_parallel import loss_parallel_scope
+from .strategies.pipeline import sync_tied_grads
+from .strategies.state import applied
 
 
 def split_batch(batch: Any, num: int) -> list[Any]:
@@ -139,10 +142,6 @@ def train_step(
     split over the vocabulary, and cross-entropy runs on the shards. A loss that needs the full logits as a
     plain tensor: pass `vocab_parallel_loss=False` (the logits are then gathered first).
     """
-    from .api import applied
-
-    from .strategies.tensor_parallel import loss_parallel_scope
-
     state = applied(model)
     plan, runtime = state.plan, state.pipeline
     vocab_parallel = vocab_parallel_loss and state.tensor_parallel is not None and \
@@ -203,8 +202,6 @@ def _to(batch: Any, device: torch.device) -> Any:
 
 def _pipeline_step(runtime: Any, micro: list[Any], loss_of: Callable[[Any, Any], torch.Tensor],
                    device: torch.device, mesh: Any) -> torch.Tensor:
-    from .strategies.pipeline import sync_tied_grads
-
     n = len(micro)
     runtime.microbatches = micro
     runtime.loss_fn = loss_of

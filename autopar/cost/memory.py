@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
+from ..layout import pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
 from ..profile import BlockProfile, ModelProfile
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .calibration import Calibration
+from .calibration import Calibration
 
 GiB = 2**30
 
@@ -64,8 +63,6 @@ def stage_blocks(profile: ModelProfile, plan: Plan, pp_rank: int = 0) -> tuple[l
     in flight), and whether it holds the embeddings / the head."""
     if plan.pp == 1:
         return list(range(len(profile.blocks))), True, True
-    from ..strategies.pipeline import split_stages, stage_ids
-
     split = split_stages(profile, plan.pp * plan.pp_stages_per_rank)
     stages = stage_ids(plan, pp_rank)
     blocks = [i for s in stages for i in split[s]]
@@ -224,10 +221,9 @@ def _tp_pairs(profile: ModelProfile) -> tuple[int, int]:
     """(TP pairs, column-parallel layers) in one block; cached per profile (the search asks often)."""
     if not (profile.blocks and profile.hidden_dim is not None and profile.matmul_calls):
         return (0, 0)
-    from ..strategies.tensor_parallel import _pairs_from_calls
 
     prefix = profile.blocks[0].name + "."
-    pairs = _pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)], profile.hidden_dim, None)
+    pairs = pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)], profile.hidden_dim, None)
     return (len(pairs), sum(len(p.colwise) for p in pairs))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Mapping
 
+from ..layout import split_stages, stage_ids
 from ..plans import Plan
 from ..profile import ModelProfile
 from ..topology import Topology
@@ -190,8 +191,6 @@ def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     (an uneven split, e.g. 105 blocks over 70 stages, makes a middle rank the slowest)."""
     ranks = {0, plan.pp - 1}
     if plan.pp > 2:
-        from ..strategies.pipeline import split_stages, stage_ids
-
         split = split_stages(profile, plan.pp * plan.pp_stages_per_rank)
         ranks.add(max(range(plan.pp), key=lambda r: sum(profile.blocks[i].flops for s in stage_ids(plan, r)
                                                         for i in split[s])))

@@ -21,13 +21,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._util.dist import ensure_single_process_group
 from ..errors import PlanError
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
@@ -35,25 +35,11 @@ from ..topology import Topology
 from .checkpointing import apply_checkpointing, disable_kv_cache
 from .compile import apply_compile
 from .fsdp import apply_fsdp
-from .mesh import DataShard, data_shard, dp_mesh
+from .mesh import data_shard, dp_mesh
+from .pipeline import _PassThrough, apply_pipeline_split, build_schedule, check_pipeline, install_stage_gates
 from .precision import apply_autocast
-
-
-@dataclass(frozen=True)
-class Applied:
-    """What `apply_plan` did to a model; kept on the model and returned by `autopar.applied(model)`."""
-
-    plan: Plan
-    profile: ModelProfile
-    topology: Topology
-    mesh: DeviceMesh | None
-    device: torch.device
-    data_shard: DataShard
-    checkpointed: tuple[str, ...]
-    compiled: tuple[str, ...]
-    notes: tuple[str, ...] = ()  # what was changed besides the plan's techniques, for the log
-    pipeline: Any = None  # the PipelineRuntime of a pipeline-parallel plan
-    tensor_parallel: Any = None  # the TPLayout of a tensor-parallel plan
+from .state import Applied
+from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
 
 def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_size: int,
@@ -74,12 +60,8 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
                 "parallelism communicates in every layer and stays within a node; lower tp."
             )
         if model is not None:
-            from .tensor_parallel import check_tensor_parallel
-
             check_tensor_parallel(model, profile, plan.tp)
     if plan.pp > 1:
-        from .pipeline import check_pipeline
-
         check_pipeline(plan, profile)
     if not topology.is_gpu:
         if plan.cpu_offload:
@@ -146,16 +128,12 @@ def apply_plan(
     # 2. Pipeline split.
     runtime = None
     if plan.pp > 1:
-        from .pipeline import apply_pipeline_split
-
         assert mesh is not None, "a pipeline plan runs on several processes"
         runtime = apply_pipeline_split(model, plan, profile, mesh.get_local_rank("pp"))
     blocks = [(name, module) for name, module in iter_block_modules(model, profile) if _kept(module)]
     # 3. Tensor parallel (+ sequence parallel).
     layout = None
     if plan.tp > 1:
-        from .tensor_parallel import apply_tensor_parallel
-
         assert mesh is not None, "a tensor-parallel plan runs on several processes"
         ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else [blocks[-1][0]]
         layout = apply_tensor_parallel(model, mesh["tp"], profile=profile, blocks=blocks,
@@ -180,8 +158,6 @@ def apply_plan(
         fsdp_mesh = dp_mesh(mesh, plan)
         if fsdp_mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
-
-            from .._util.dist import ensure_single_process_group
 
             ensure_single_process_group()
             fsdp_mesh = init_device_mesh(device.type, (1,))
@@ -223,16 +199,12 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
             compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
     # 9. Pipeline: gates and schedule.
     if runtime is not None:
-        from .pipeline import build_schedule, install_stage_gates
-
         install_stage_gates(model, runtime)
         build_schedule(model, runtime, mesh["pp"], device)
 
 
 def _kept(module: nn.Module) -> bool:
     """False for the pass-through standing in for a block of another pipeline rank."""
-    from .pipeline import _PassThrough
-
     return not isinstance(module, _PassThrough)
 
 

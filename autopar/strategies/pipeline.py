@@ -32,121 +32,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._util.batch import split_sample
 from ..errors import PlanError
+from ..layout import MULTI_STAGE, block_costs, check_pipeline, split_stages, stage_ids  # noqa: F401 (re-exported)
 from ..plans import Plan
-from ..profile import ModelProfile, split_sample
-
-# Schedules that run several stages on one rank.
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Splitting the blocks into stages
-# ---------------------------------------------------------------------------------------------------
-def block_costs(profile: ModelProfile) -> tuple[list[float], float, float]:
-    """(cost of each block, extra cost of the first stage, extra cost of the last stage).
-
-    A cost is the share of the step's FLOPs plus the share of the memory held (parameter bytes +
-    activation bytes saved for backward), so a stage's cost is about its share of time plus its share
-    of memory; the split minimises the largest stage.
-    """
-    blocks = profile.blocks
-    flops = [b.flops for b in blocks]
-    mem = [b.param_bytes + b.saved_bytes for b in blocks]
-    outside_flops = max(profile.flops - sum(flops), 0.0)
-    outside_mem = max(profile.param_bytes - sum(b.param_bytes for b in blocks), 0) + profile.saved_bytes_outside_blocks
-    total_flops = sum(flops) + outside_flops or 1.0
-    total_mem = sum(mem) + outside_mem or 1.0
-    costs = [f / total_flops + m / total_mem for f, m in zip(flops, mem)]
-    # Embeddings: lookups (no FLOPs), about half the outside memory; head + loss: the outside FLOPs.
-    first = 0.5 * outside_mem / total_mem
-    last = outside_flops / total_flops + 0.5 * outside_mem / total_mem
-    return costs, first, last
-
-
-def split_stages(profile: ModelProfile, num_stages: int) -> tuple[tuple[int, ...], ...]:
-    """Block indices of each stage: contiguous, non-empty, minimising the costliest stage."""
-    return _split_stages(profile, num_stages)
-
-
-@functools.lru_cache(maxsize=256)
-def _split_stages(profile: ModelProfile, num_stages: int) -> tuple[tuple[int, ...], ...]:
-    n = len(profile.blocks)
-    if num_stages > n:
-        raise PlanError(
-            f"{num_stages} pipeline stages but {profile.model_class} has {n} blocks: every stage needs at least one "
-            f"block; lower pp (or pp_stages_per_rank) so that pp x stages per rank <= {n}."
-        )
-    costs, first_extra, last_extra = block_costs(profile)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-
-    def cost(i: int, j: int, stage: int) -> float:  # blocks i..j-1 as stage `stage`
-        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == num_stages - 1 else 0.0)
-        return prefix[j] - prefix[i] + extra
-
-    inf = float("inf")
-    # best[s][j]: the smallest possible largest-stage cost placing blocks 0..j-1 in stages 0..s-1
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, num_stages + 1):
-        for j in range(s, n - (num_stages - s) + 1):
-            for i in range(s - 1, j):
-                value = max(best[s - 1][i], cost(i, j, s - 1))
-                if value < best[s][j]:
-                    best[s][j], cut[s][j] = value, i
-    bounds, j = [], n
-    for s in range(num_stages, 0, -1):
-        i = cut[s][j]
-        bounds.append(tuple(range(i, j)))
-        j = i
-    return tuple(reversed(bounds))
-
-
-def stage_ids(plan: Plan, pp_rank: int) -> tuple[int, ...]:
-    """The stages this pipeline rank runs: one; or, with several per rank, a loop (r, r + pp, ...) or,
-    for the two-stage zero-bubble schedule, a V (r, 2 pp - 1 - r)."""
-    v = plan.pp_stages_per_rank
-    if v == 1:
-        return (pp_rank,)
-    if plan.pp_schedule == "zero_bubble" and v == 2:
-        return (pp_rank, 2 * plan.pp - 1 - pp_rank)
-    return tuple(pp_rank + k * plan.pp for k in range(v))
-
-
-def check_pipeline(plan: Plan, profile: ModelProfile) -> None:
-    """Refuse, with what to change, a pipeline plan this model or schedule cannot run."""
-    if plan.pp == 1:
-        return
-    split_stages(profile, plan.pp * plan.pp_stages_per_rank)
-    if plan.pp_schedule in ("1f1b", "interleaved_1f1b", "zero_bubble") and plan.grad_accum < plan.pp:
-        raise PlanError(
-            f"the {plan.pp_schedule} schedule needs at least as many micro-batches as pipeline ranks: "
-            f"grad_accum={plan.grad_accum} < pp={plan.pp}. Raise grad_accum (and lower micro_batch_size to keep "
-            "the global batch), or use pp_schedule='gpipe'."
-        )
-    if plan.pp_schedule in MULTI_STAGE and plan.grad_accum % plan.pp:
-        raise PlanError(
-            f"the {plan.pp_schedule} schedule needs a number of micro-batches divisible by pp={plan.pp}; "
-            f"grad_accum={plan.grad_accum} is not."
-        )
-    if profile.root_param_names:
-        raise PlanError(
-            f"pipeline parallelism places the parameters around the blocks on the first or last stage by module, "
-            f"and {profile.model_class} holds {', '.join(profile.root_param_names)} directly on the model: move them "
-            "into a submodule, or set pp=1."
-        )
-    if profile.block_input is None or not profile.block_input_shape:
-        raise PlanError("pipeline parallelism needs a traced profile (how blocks receive their input).")
-    if profile.block_input_shape[0] != profile.sample_batch_size:
-        raise PlanError(
-            f"pipeline parallelism sends a block's input between stages split along the batch, but "
-            f"{profile.model_class}'s blocks receive {tuple(profile.block_input_shape)} for a batch of "
-            f"{profile.sample_batch_size} (the batch is not dim 0): set pp=1."
-        )
-
+from ..profile import ModelProfile
+from .precision import to_fp32_outputs
 
 # ---------------------------------------------------------------------------------------------------
 # Running one stage of the user's model
@@ -278,8 +169,6 @@ class PipelineStageModule(nn.Module):
             return done.hidden
         finally:
             rt.active = None
-        from .precision import to_fp32_outputs
-
         output = to_fp32_outputs(output)
         if not self.is_last:
             raise RuntimeError(f"pipeline stage {self.stage_id} ran past its last block")  # invariant

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import PlanError
-from ..profile import MatmulCall, ModelProfile, is_matmul_layer
+from ..layout import TPPair, pairs_from_calls
+from ..profile import ModelProfile, is_matmul_layer
 
 # Attributes of an attention module that count heads or head-sized widths; under TP each rank holds
 # 1/tp of them, so they are divided where a module keeps them (e.g. GPT-2's `split_size`).
@@ -64,28 +65,6 @@ _NAMED_PAIRS = (
 
 
 @dataclass(frozen=True)
-class TPPair:
-    """Column-parallel layers reading one input, and the row-parallel layer that maps back to hidden."""
-
-    colwise: tuple[str, ...]  # fully qualified names
-    rowwise: str
-    kinds: tuple[str, ...]  # "linear" / "conv1d" for each colwise layer, then the rowwise one
-    chunks: int = 1  # >1: a single colwise layer computing `chunks` projections at once (fused q, k, v)
-    attention: bool = False  # the pair is an attention (several or fused projections), not an MLP
-
-    @property
-    def parent(self) -> str:
-        """The module holding the pair (the attention or MLP module)."""
-        names = [n.split(".") for n in (*self.colwise, self.rowwise)]
-        common = []
-        for parts in zip(*names):
-            if len(set(parts)) > 1:
-                break
-            common.append(parts[0])
-        return ".".join(common)
-
-
-@dataclass(frozen=True)
 class TPLayout:
     """What tensor parallelism splits in a model."""
 
@@ -101,44 +80,6 @@ class TPLayout:
 # ---------------------------------------------------------------------------------------------------
 # Finding the pairs
 # ---------------------------------------------------------------------------------------------------
-def _pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str, str] | None) -> list[TPPair]:
-    """Pair column groups with their row layer in call order, within one block's calls."""
-    pairs: list[TPPair] = []
-    i = 0
-    while i < len(calls):
-        first = calls[i]
-        is_col = (lambda c: hf_plan.get(c.name, "").startswith("colwise")) if hf_plan is not None else \
-            (lambda c: c.in_features == hidden)
-        is_row = (lambda c: hf_plan.get(c.name, "").startswith("rowwise")) if hf_plan is not None else \
-            (lambda c: c.out_features == hidden)
-        if not is_col(first):
-            i += 1
-            continue
-        group = [first]
-        j = i + 1
-        while j < len(calls) and calls[j].input_id == first.input_id and is_col(calls[j]):
-            group.append(calls[j])
-            j += 1
-        if j >= len(calls) or not is_row(calls[j]):
-            i = j  # no row partner right after the group: a layer in between would see sharded data
-            continue
-        row = calls[j]
-        chunks = 1
-        if len(group) == 1 and group[0].out_features != row.in_features:
-            if group[0].out_features % row.in_features:
-                i = j + 1
-                continue
-            chunks = group[0].out_features // row.in_features
-        elif len(group) > 1 and any(c.name == row.name for c in group):
-            i = j + 1
-            continue
-        pairs.append(TPPair(colwise=tuple(c.name for c in group), rowwise=row.name,
-                            kinds=tuple(c.kind for c in group) + (row.kind,), chunks=chunks,
-                            attention=len(group) >= 3 or chunks >= 3))
-        i = j + 1
-    return pairs
-
-
 def _hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
     """A Hugging Face model's own TP plan as {fully qualified layer pattern: style}, or None."""
     config = getattr(model, "config", None)
@@ -253,7 +194,7 @@ def tp_layout(model: nn.Module, profile: ModelProfile) -> TPLayout:
         pairs = []
         for block in block_names:
             calls = [c for c in profile.matmul_calls if c.name.startswith(block + ".")]
-            pairs += _pairs_from_calls(calls, hidden or 0, hf_expanded or None)
+            pairs += pairs_from_calls(calls, hidden or 0, hf_expanded or None)
     else:
         source = "names"
         pairs = _pairs_from_names(model, block_names)
@@ -288,7 +229,7 @@ def check_tensor_parallel(model: nn.Module, profile: ModelProfile, tp: int) -> T
             out = _out_features(named[name], kind)
             if (out // pair.chunks) % tp:
                 raise PlanError(f"tp={tp} does not divide the output features of {name} ({out // pair.chunks}"
-                                f"{f' per fused projection' if pair.chunks > 1 else ''}): choose another tp.")
+                                f"{' per fused projection' if pair.chunks > 1 else ''}): choose another tp.")
     return layout
 
 

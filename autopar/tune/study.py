@@ -715,7 +715,7 @@ def _single_device(topology: Any) -> Any:
 
 def _batch_of(sample: Any, n: int) -> Any:
     """`sample` repeated along dim 0 (and cut) to `n` samples."""
-    from ..profile import map_tensors, sample_batch_size
+    from .._util.batch import map_tensors, sample_batch_size
 
     have = sample_batch_size(sample)
     if have == n:
@@ -740,7 +740,7 @@ def measure_in_process(model_fn: Callable[[], Any], sample: Any, plan: Plan, *, 
     import torch
 
     from ..api import wrap
-    from ..profile import map_tensors
+    from .._util.batch import map_tensors
     from ..step import train_step
 
     started = time.perf_counter()
@@ -821,7 +821,7 @@ def autotune(
     `study_path`: a SQLite file to keep (and resume) the study; default: in memory. `optimizer_fn(params)`:
     the optimizer (default AdamW, lr 1e-4). `eager`: as in `tune`. Returns the TuneReport; the best plan is cached for `wrap`."""
     from ..planning import profile_variants
-    from ..profile import sample_batch_size
+    from .._util.batch import sample_batch_size
 
     _check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
     started = time.perf_counter()
