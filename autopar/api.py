@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -147,17 +148,48 @@ def wrap(
     """
     if is_wrapped(model):
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
-    log = get_logger()
     hook = wrap_hook()  # a no-op outside a tuner's trial (autopar/hooks.py)
     override = hook.plan_override()
     if override is not None:  # a trial applies its plan, as if it were given
         plan, force = override, False
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
+    # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
+    topo, profile, global_batch = _profile_everywhere(model, sample, topology=topology, plan=plan, loss_fn=loss_fn,
+                                                      blocks=blocks, global_batch_size=global_batch_size,
+                                                      world=world, say=say)
+    hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
+                           global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks,
+                           uses_train_step=uses_train_step))
+    # 2. Rank 0 decides (the plan cache, the cost model, or the given plan); every rank applies its plan,
+    #    sent as YAML text (nothing is unpickled).
+    decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
+                       world_size=world.size, global_batch_size=global_batch,
+                       uses_train_step=uses_train_step) if world.rank == 0 else None
+    chosen = _broadcast(decision)
+    # 3. Checks before anything is changed: processes, batch, model, hardware.
+    if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
+        global_batch = _global_batch(sample, None, chosen.dp_size)
+    _check(chosen, profile, topo, model=model, world_size=world.size, global_batch_size=global_batch, force=force)
+    if say:
+        _log_choice(chosen, profile, topo, decision)
+    # 4. Apply, and keep what was applied on the model.
+    mesh = build_mesh(chosen, _dist.device_type())
+    state = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
+    if say:
+        for note in state.notes:
+            get_logger().info("%s", note)
+    attach(model, state)
+    hook.applied(model, chosen, profile)
+    return model
 
-    # Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
+
+def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,
+                        loss_fn: Callable | None, blocks: Any, global_batch_size: int | None, world: _dist.World,
+                        say: bool) -> tuple[Topology, ModelProfile, int]:
+    """(topology, profile, global batch) on every rank; if one rank fails here, every rank raises."""
     error: BaseException | None = None
-    profile: ModelProfile | None = None
+    result: tuple[Topology, ModelProfile, int] | None = None
     try:
         topo = resolve_topology(topology)
         try:
@@ -168,68 +200,77 @@ def wrap(
             # A given plan needs only the model's structure (its blocks).
             profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
             if say:
-                log.warning("the model could not be traced on fake tensors (%s); applying the given plan from "
-                            "the model's structure alone.", exc.__cause__)
-        global_batch = _global_batch(sample, global_batch_size, world.size)
+                get_logger().warning("the model could not be traced on fake tensors (%s); applying the given plan "
+                                     "from the model's structure alone.", exc.__cause__)
+        result = topo, profile, _global_batch(sample, global_batch_size, world.size)
     except Exception as exc:
         error = exc
     _dist.first_failure(error)
-    assert profile is not None
-    hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
-                           global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks,
-                           uses_train_step=uses_train_step))
+    assert result is not None
+    return result
 
-    # Every rank applies the same plan: rank 0's, sent as YAML text (nothing is unpickled).
-    chosen: Plan | None = None
-    cached_note: str | None = None
-    hit: Plan | None = None
-    if world.rank == 0:
-        try:
-            if plan is None:
-                # A plan tuned for this model, hardware, batch and torch (autopar tune) wins over the model's.
-                # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
-                hit, cached_note = cached_plan_for(profile, topo, world_size=world.size,
-                                                   global_batch_size=global_batch, allow_train_step=uses_train_step)
-            if hit is not None:
-                chosen = hit
-            elif plan is None:
-                variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
-                chosen = _choose(profile, topo, world_size=world.size, global_batch_size=global_batch,
-                                 variants=variants, uses_train_step=uses_train_step)
-            else:
-                chosen = _load_plan(plan, profile, world.size, force)
-        except Exception as exc:  # sent to the other ranks so that none waits forever
-            error = exc
-    text = _dist.broadcast_text(
-        chosen.to_yaml() if chosen is not None else f"error: {type(error).__name__}: {error}")
-    if error is not None:
-        raise error
+
+@dataclass(frozen=True)
+class _Decision:
+    """Rank 0's decision: the plan and where it came from, or the error every rank must raise."""
+
+    plan: Plan | None
+    source: str  # "given", "from the plan cache" or "chosen by the cost model"
+    cache_note: str | None = None  # what the plan cache said (a hit, or why a stored plan was not used)
+    error: BaseException | None = None
+
+
+def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology, *, plan: Any, force: bool,
+            loss_fn: Callable | None, blocks: Any, world_size: int, global_batch_size: int,
+            uses_train_step: bool) -> _Decision:
+    """Rank 0: the given plan (loaded and checked against the model), else a plan tuned for this model,
+    hardware, batch and torch (autopar tune's cache), else the cost model's choice."""
+    try:
+        if plan is not None:
+            return _Decision(_load_plan(plan, profile, world_size, force), "given")
+        # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
+        hit, note = cached_plan_for(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
+                                    allow_train_step=uses_train_step)
+        if hit is not None:
+            return _Decision(hit, "from the plan cache", note)
+        variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+        chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
+                         variants=variants, uses_train_step=uses_train_step)
+        return _Decision(chosen, "chosen by the cost model", note)
+    except Exception as exc:  # sent to the other ranks so that none waits forever
+        return _Decision(None, "", error=exc)
+
+
+def _broadcast(decision: _Decision | None) -> Plan:
+    """Rank 0's plan on every rank (YAML text), or its error: rank 0 raises its own, the others a PlanError."""
+    text = None
+    if decision is not None:
+        text = decision.plan.to_yaml() if decision.plan is not None else \
+            f"error: {type(decision.error).__name__}: {decision.error}"
+    text = _dist.broadcast_text(text)
+    if decision is not None and decision.error is not None:
+        raise decision.error
     if text.startswith("error: "):
         raise PlanError(f"rank 0 could not make a plan: {text[7:]}")
-    chosen = Plan.from_yaml(text)
+    return Plan.from_yaml(text)
 
-    # Checks before anything is changed: processes, batch, model, hardware.
-    chosen.check_world(world.size)
-    if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
-        global_batch = _global_batch(sample, None, chosen.dp_size)
-    chosen.check_batch(global_batch)
+
+def _check(chosen: Plan, profile: ModelProfile, topo: Topology, *, model: nn.Module, world_size: int,
+           global_batch_size: int, force: bool) -> None:
+    """Refuse, before the model is touched, a plan for another world, batch, model or hardware."""
+    chosen.check_world(world_size)
+    chosen.check_batch(global_batch_size)
     chosen.check_model(profile.fingerprint, force=force)
-    check_plan(chosen, profile, topo, world_size=world.size, model=model)
-    if say:
-        source = "given" if plan is not None else "from the plan cache" if hit is not None else "chosen by the cost model"
-        if cached_note:
-            (log.info if hit is not None else log.warning)("%s", cached_note)
-        log.info("%s\n%s   (%s)", profile.describe(), chosen.describe(), source)
-        if chosen.topology_fingerprint not in (None, topo.fingerprint()):
-            log.warning("this plan was made for other hardware (topology %s; here: %s): it runs, but its memory "
-                        "and speed estimates may not hold.", chosen.topology_fingerprint, topo.fingerprint())
-        if chosen.needs_train_step:
-            log.info("this plan splits the step (pp > 1 or grad_accum > 1): drive it with autopar.train_step.")
-    mesh = build_mesh(chosen, _dist.device_type())
-    state = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
-    if say:
-        for note in state.notes:
-            log.info("%s", note)
-    attach(model, state)
-    hook.applied(model, chosen, profile)
-    return model
+    check_plan(chosen, profile, topo, world_size=world_size, model=model)
+
+
+def _log_choice(chosen: Plan, profile: ModelProfile, topo: Topology, decision: _Decision | None) -> None:
+    log = get_logger()
+    if decision is not None and decision.cache_note:
+        (log.info if decision.source == "from the plan cache" else log.warning)("%s", decision.cache_note)
+    log.info("%s\n%s   (%s)", profile.describe(), chosen.describe(), decision.source if decision else "given")
+    if chosen.topology_fingerprint not in (None, topo.fingerprint()):
+        log.warning("this plan was made for other hardware (topology %s; here: %s): it runs, but its memory "
+                    "and speed estimates may not hold.", chosen.topology_fingerprint, topo.fingerprint())
+    if chosen.needs_train_step:
+        log.info("this plan splits the step (pp > 1 or grad_accum > 1): drive it with autopar.train_step.")

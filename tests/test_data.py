@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import autopar
-from autopar import api as api_mod
+from autopar import data as data_mod
 from autopar.errors import PlanError
 from autopar.models.gpt import lm_loss
 from autopar.plans import Plan
@@ -33,7 +33,7 @@ def model():
 
 def _as_rank(monkeypatch, rank: int, size: int = 4) -> None:
     """Make autopar believe this process reads data shard `rank` of `size`."""
-    monkeypatch.setattr(api_mod, "data_shard", lambda model: DataShard(rank, size))
+    monkeypatch.setattr(data_mod, "data_shard", lambda model: DataShard(rank, size))
 
 
 def _dataset(n: int) -> TensorDataset:
