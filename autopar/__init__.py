@@ -19,6 +19,9 @@ from .step import train_step
 from .strategies.state import applied, data_shard, plan_of
 from .topology import DeviceSpec, Topology
 from .tune.study import autotune
+from .tune.worker import install_from_env as _install_tuner_hook
+
+_install_tuner_hook()  # in a run autopar's tuner launched (AUTOPAR_TRIAL_*): its wrap hook; elsewhere nothing
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Trial runs and the probe (autopar/tune/trial.py), in real subprocesses: torchrun, 2 ranks, gloo on CPU.
+"""Trial runs and the probe (autopar/tune/launcher.py, worker.py), in real subprocesses: torchrun, 2 ranks, gloo.
 
 The user's script (written below) is a plain training loop of 1000 steps around `autopar.wrap`; a trial
 must end it early, measure it, and, when a rank fails, hangs or the command exits, end the whole group
@@ -18,11 +18,16 @@ from pathlib import Path
 
 import pytest
 
+from autopar.errors import AutoparError
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 from autopar.plans import Plan
 from autopar.profile import ModelProfile, model_fingerprint, profile_model
-from autopar.tune import trial
-from autopar.tune.trial import ENV_DIR, ENV_INJECT, ENV_MODE, ENV_STEPS, ENV_WARMUP, probe, run_trial
+from autopar.tune import launcher, worker
+from autopar.tune.launcher import _classify
+from autopar.tune.launcher import probe, run_trial
+from autopar.tune.worker import ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP
+from tests.tune import _faults
+from tests.tune._faults import ENV_FAULT
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
@@ -47,6 +52,8 @@ from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 cfg = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
 torch.manual_seed(0)
 model = autopar.wrap(GPT(cfg), sample=synthetic_tokens(4, cfg), loss_fn=lm_loss, verbose=rank == 0)
+from tests.tune import _faults
+_faults.install()  # the fault the test asks for (AUTOPAR_TEST_FAULT), at the first timed step
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 try:
     for step in range(1000):
@@ -118,16 +125,16 @@ def _digest(path: Path) -> str:
 
 # ---- in one process: the contract's names and checks --------------------------------------------
 def test_contract_names_and_argument_checks(tmp_path):
-    assert (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP, ENV_INJECT) == tuple(
-        f"AUTOPAR_TRIAL_{n}" for n in ("DIR", "MODE", "STEPS", "WARMUP", "INJECT"))
-    assert trial.parse_inject("oom:1") == ("oom", 1) and trial.parse_inject(None) is None
+    assert (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP) == tuple(
+        f"AUTOPAR_TRIAL_{n}" for n in ("DIR", "MODE", "STEPS", "WARMUP"))
+    assert _faults.parse("oom:1") == ("oom", 1) and _faults.parse(None) is None
     with pytest.raises(ValueError, match="oom:RANK"):
-        trial.parse_inject("segfault:0")
+        _faults.parse("segfault:0")
     with pytest.raises(TypeError, match="no shell"):
         run_trial("torchrun train.py", PLAN)
     with pytest.raises(ValueError, match="steps"):
         run_trial(["true"], PLAN, steps=0)
-    with pytest.raises(ValueError, match="oom:RANK"):
+    with pytest.raises(TypeError, match="inject"):  # fault injection lives in the tests (tests/tune/_faults.py)
         run_trial(["true"], PLAN, inject="oom")
     # a command that never calls wrap: exit 0 without a result is not a measurement
     r = run_trial([sys.executable, "-c", "pass"], PLAN, timeout_s=60, workdir=tmp_path)
@@ -136,22 +143,49 @@ def test_contract_names_and_argument_checks(tmp_path):
     assert Plan.load(_trial_dir(tmp_path) / "plan.yaml") == PLAN
 
 
+def test_install_from_env_only_in_a_tuners_run(tmp_path, monkeypatch):
+    from autopar import hooks
+
+    for name in (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP):
+        monkeypatch.delenv(name, raising=False)
+    assert worker.install_from_env() is None and type(hooks.wrap_hook()) is hooks.WrapHook  # outside: nothing
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    previous = hooks.wrap_hook()
+    try:
+        monkeypatch.setenv(ENV_MODE, "trial")
+        monkeypatch.setenv(ENV_DIR, str(tmp_path))
+        hook = worker.install_from_env()
+        assert isinstance(hook, worker.TrialHook) and hooks.wrap_hook() is hook
+        assert worker.install_from_env() is hook  # once
+        assert isinstance(sys.excepthook, worker.ErrorHook)
+        assert hook.plan_override() == tmp_path / "plan.yaml"
+        assert json.loads((tmp_path / "progress.rank0.json").read_text())["phase"] == "wrap"
+        hooks.set_wrap_hook(None)
+        monkeypatch.setenv(ENV_MODE, "probe")
+        assert isinstance(worker.install_from_env(), worker.ProbeHook)
+        monkeypatch.setenv(ENV_MODE, "nonsense")
+        with pytest.raises(AutoparError, match="expected one of trial, probe"):
+            worker.install_from_env()
+    finally:
+        hooks.set_wrap_hook(previous)
+
+
 def test_classification_of_an_ended_run():
     def ended(errors=(), rc=1, timeout=None, log=""):
-        return trial._Ended(returncode=rc, wall_s=1.0, timeout_cause=timeout, errors=list(errors), log_tail=log)
+        return launcher._Ended(returncode=rc, wall_s=1.0, timeout_cause=timeout, errors=list(errors), log_tail=log)
 
     crash = {"rank": 0, "time": 1.0, "line": "RuntimeError: Connection closed by peer", "oom": False}
     oom = {"rank": 1, "time": 2.0, "line": "OutOfMemoryError: CUDA out of memory", "oom": True}
-    assert trial._classify(ended([crash, oom]), done=False) == ("oom", "rank 1: OutOfMemoryError: CUDA out of memory")
-    assert trial._classify(ended([crash]), done=False) == ("crash", "rank 0: RuntimeError: Connection closed by peer")
-    assert trial._classify(ended(timeout="no progress for 5 s", rc=-15), done=False) == ("timeout", "no progress for 5 s")
-    assert trial._classify(ended(rc=0), done=True) == ("ok", None)
-    assert trial._classify(ended(rc=-9), done=False) == ("exit", "the command was killed by SIGKILL")
+    assert _classify(ended([crash, oom]), done=False) == ("oom", "rank 1: OutOfMemoryError: CUDA out of memory")
+    assert _classify(ended([crash]), done=False) == ("crash", "rank 0: RuntimeError: Connection closed by peer")
+    assert _classify(ended(timeout="no progress for 5 s", rc=-15), done=False) == ("timeout", "no progress for 5 s")
+    assert _classify(ended(rc=0), done=True) == ("ok", None)
+    assert _classify(ended(rc=-9), done=False) == ("exit", "the command was killed by SIGKILL")
     summary = "[0]:\n  exitcode  : -9 (pid: 123)\n  error_file: <N/A>"
-    assert trial._classify(ended(rc=1, log=summary), done=False) == (
+    assert _classify(ended(rc=1, log=summary), done=False) == (
         "exit", "the command exited with code 1 (a rank was killed by SIGKILL)")
-    assert trial._is_oom(MemoryError()) and trial._is_oom(RuntimeError("CUDA error: out of memory"))
-    assert not trial._is_oom(RuntimeError("injected crash"))
+    assert worker.is_oom(MemoryError()) and worker.is_oom(RuntimeError("CUDA error: out of memory"))
+    assert not worker.is_oom(RuntimeError("injected crash"))
 
 
 def test_exit_code_before_wrap_is_exit(script, tmp_path):
@@ -208,7 +242,7 @@ def test_probe_writes_the_profile_wrap_made(script, tmp_path):
 def test_injected_failure_ends_the_trial(script, tmp_path, fault, status, cause):
     out = tmp_path / "out"
     t0 = time.monotonic()
-    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, env=ENV, inject=fault)
+    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, env={**ENV, ENV_FAULT: fault})
     assert r.status == status and r.cause == cause, (r.status, r.cause, r.log_tail)
     assert r.returncode != 0 and r.step_s is None and r.tokens_per_s is None and r.samples_per_s is None
     assert r.peak_allocated_bytes == (0, 0)  # from the ranks' progress files
@@ -220,8 +254,8 @@ def test_injected_failure_ends_the_trial(script, tmp_path, fault, status, cause)
 
 def test_injected_hang_times_out_and_ends_the_group(script, tmp_path):
     out, work = tmp_path / "out", tmp_path / "trials"
-    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, progress_timeout_s=10, env=ENV,
-                  workdir=work, inject="hang:1")
+    r = run_trial(_torchrun(script, out), PLAN, steps=3, warmup=1, timeout_s=240, progress_timeout_s=10,
+                  env={**ENV, ENV_FAULT: "hang:1"}, workdir=work)
     ended = time.time()
     assert r.status == "timeout" and r.cause == "no progress for 10 s", (r.status, r.cause, r.log_tail)
     assert r.step_s is None and r.returncode != 0
@@ -230,5 +264,5 @@ def test_injected_hang_times_out_and_ends_the_group(script, tmp_path):
     assert not list(run_dir.glob("error.rank*.json"))  # ended by the tuner: no rank's error
     # ended within the progress timeout (+ the SIGTERM grace and polling) of the last sign of life
     last = max(p.stat().st_mtime for p in run_dir.glob("progress.rank*.json"))
-    assert ended - last < 10 + trial.TERM_GRACE_S + 5
+    assert ended - last < 10 + launcher.TERM_GRACE_S + 5
     _assert_all_ended(out)

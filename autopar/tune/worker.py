@@ -1,0 +1,320 @@
+"""The run's side of a tuner's trial or probe: the `WrapHook` installed in the process the tuner launched.
+
+The tuner (autopar.tune.launcher) starts the user's command with `AUTOPAR_TRIAL_*` set; `install_from_env`,
+called when autopar is imported, reads them and installs, in that process only:
+
+- **"trial"**: a hook whose `plan_override` is the trial's `plan.yaml` and whose `applied` installs the
+  step recorder, a global optimizer-step hook that times `steps` steps after `warmup` (device
+  synchronised), gathers every rank's peak memory, writes `result.json` (rank 0) and ends the run from
+  the loop's optimizer step, after wrap returned.
+- **"probe"**: a hook whose `profiled` writes `probe.json` (rank 0: the profile, the bf16 traces where the
+  hardware has bf16, the topology, the world and the global batch) and returns; wrap goes on, and the
+  tuner ends the run as soon as the file is there (else it ends itself at the loop's first optimizer step).
+- an error hook (chained to the previous `sys.excepthook`) that writes `error.rank{r}.json`, classified
+  as out of memory or not, when an exception escapes the script.
+
+Every rank rewrites `progress.rank{r}.json` as it goes: the tuner's sign of life, and the pid it must end.
+Nothing in this module ends a process from inside `wrap`. Outside a tuner's run it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from .._util.dist import local_device
+from .._util.env import env_int
+from .._util.io import atomic_write_text
+from ..errors import AutoparError
+from ..hooks import Profiled, WrapHook, set_wrap_hook, wrap_hook
+from ..planning import bf16_variants
+from ..plans import Plan
+from ..profile import ModelProfile
+
+ENV_DIR = "AUTOPAR_TRIAL_DIR"  # a directory the tuner made; the run reads plan.yaml there and writes its files there
+ENV_MODE = "AUTOPAR_TRIAL_MODE"  # "trial" (apply plan.yaml, time, end) or "probe" (write the profile)
+ENV_STEPS = "AUTOPAR_TRIAL_STEPS"  # timed optimizer steps (after warm-up)
+ENV_WARMUP = "AUTOPAR_TRIAL_WARMUP"  # warm-up optimizer steps (compile, allocator)
+ENV_NAMES = (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP)
+
+MODES = ("trial", "probe")
+PLAN_FILE = "plan.yaml"
+RESULT_FILE = "result.json"
+PROBE_FILE = "probe.json"
+DEFAULT_STEPS = 10
+DEFAULT_WARMUP = 3
+_SET_BY = "autopar's tuner sets it"  # as env_int's messages say who sets a variable
+PROGRESS_EVERY_S = 0.25  # a rank rewrites its progress file at most this often (and at every phase change)
+
+
+def _rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _peaks() -> tuple[int, int]:
+    """This rank's peak allocated and reserved device memory (0, 0 on CPU)."""
+    if torch.cuda.is_available():
+        try:
+            return int(torch.cuda.max_memory_allocated()), int(torch.cuda.max_memory_reserved())
+        except RuntimeError:
+            return 0, 0
+    return 0, 0
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for an out-of-memory error (host or device)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return "out of memory" in str(exc).lower()
+
+
+class RunDir:
+    """The directory of one run, as this rank sees it: its files, its progress, whether it has ended."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ended = False  # set once the run wrote its result: errors after that do not count
+        self._progress_at = 0.0
+
+    def write_json(self, name: str, data: Mapping[str, Any]) -> None:
+        atomic_write_text(self.path / name, json.dumps(data))
+
+    def progress(self, phase: str, step: int = 0, *, force: bool = True) -> None:
+        """Rewrite this rank's progress file: the tuner's sign of life, and the pid it must end on failure."""
+        now = time.monotonic()
+        if not force and now - self._progress_at < PROGRESS_EVERY_S:
+            return
+        self._progress_at = now
+        rank = _rank()
+        alloc, reserved = _peaks()
+        try:
+            self.write_json(f"progress.rank{rank}.json", {
+                "rank": rank, "pid": os.getpid(), "phase": phase, "step": step, "time": time.time(),
+                "peak_allocated_bytes": alloc, "peak_reserved_bytes": reserved})
+        except OSError:  # the tuner removed the directory: it has given up on this run
+            pass
+
+    def end(self) -> None:
+        """End this rank's run cleanly, from the loop's optimizer step: wait for every rank, leave the process
+        group, exit 0."""
+        self.ended = True
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # closed or replaced by the script
+                stream.flush()
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() > 1:
+                dist.barrier()
+            dist.destroy_process_group()
+        raise SystemExit(0)
+
+
+class ErrorHook:
+    """`sys.excepthook` in a tuner's run: writes error.rank{r}.json, then calls the hook it replaced."""
+
+    def __init__(self, run: RunDir, previous: Callable[..., Any]) -> None:
+        self.run, self.previous = run, previous
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        if self.run.ended:  # the run already wrote its result; an error in the script's cleanup after it
+            # (e.g. an unguarded dist.destroy_process_group() in a `finally:`) does not undo the measurement
+            stream = sys.__stderr__ or sys.stderr  # torch's own excepthook captures sys.stderr around ours
+            print(f"[autopar] trial: the run had ended; ignoring {exc_type.__name__}: {exc}", file=stream, flush=True)
+            os._exit(0)
+        rank = _rank()
+        line = f"{exc_type.__name__}: {exc}".strip().splitlines()
+        try:
+            self.run.write_json(f"error.rank{rank}.json", {
+                "rank": rank, "pid": os.getpid(), "time": time.time(), "type": exc_type.__name__,
+                "message": str(exc)[:2000], "line": (line[0] if line else exc_type.__name__)[:500],
+                "oom": is_oom(exc)})
+        except OSError:
+            pass
+        self.previous(exc_type, exc, tb)
+
+
+class StepRecorder:
+    """The global optimizer-step hook of a trial: counts the steps of the first optimizer that steps, times
+    `steps` of them after `warmup`, then writes the result and ends the run."""
+
+    def __init__(self, run: RunDir, plan: Plan, profile: ModelProfile, *, warmup: int, steps: int) -> None:
+        self.run, self.plan, self.profile, self.warmup, self.steps = run, plan, profile, warmup, steps
+        self.optimizer_id: int | None = None
+        self.count = 0
+        self.t0: float | None = None
+        self.handle: Any = None
+        if warmup == 0:
+            _sync()
+            self.t0 = time.perf_counter()
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.optimizer_id is None:
+            self.optimizer_id = id(optimizer)
+        elif id(optimizer) != self.optimizer_id:
+            return
+        self.count += 1
+        n = self.count
+        if n == self.warmup:
+            self.run.progress("timed", n)  # before the clock starts
+            _sync()
+            self.t0 = time.perf_counter()
+            return
+        if n >= self.warmup + self.steps:
+            _sync()
+            self.finish((time.perf_counter() - (self.t0 or 0.0)) / self.steps)
+        self.run.progress("timed" if n > self.warmup else "warmup", n, force=False)
+
+    def _gather(self, step_s: float) -> list[list[float]]:
+        """Every rank's figures (one all_gather of numbers: nothing pickled, no shared files)."""
+        alloc, reserved = _peaks()
+        mine = [step_s, float(alloc), float(reserved), float(_peak_rss_bytes())]
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return [mine]
+        device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+        local = torch.tensor(mine, dtype=torch.float64, device=device)  # exact for bytes below 2**53
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local)
+        return [p.cpu().tolist() for p in parts]
+
+    def finish(self, step_s: float) -> None:
+        """Rank 0 writes result.json; then the run ends."""
+        if self.handle is not None:
+            self.handle.remove()
+        rows = self._gather(step_s)
+        self.run.progress("done", self.count)
+        if _rank() == 0:
+            step = max(r[0] for r in rows)
+            batch = self.plan.global_batch_size
+            tokens = self.profile.tokens_per_sample
+            self.run.write_json(RESULT_FILE, {
+                "status": "ok", "plan_key": self.plan.key(), "world_size": len(rows), "warmup": self.warmup,
+                "steps": self.steps, "step_s": step, "step_s_per_rank": [r[0] for r in rows],
+                "samples_per_s": batch / step if step > 0 else None,
+                "tokens_per_s": batch * tokens / step if tokens and step > 0 else None,
+                "peak_allocated_bytes": [int(r[1]) for r in rows], "peak_reserved_bytes": [int(r[2]) for r in rows],
+                "peak_rss_bytes": [int(r[3]) for r in rows]})
+        self.run.end()
+
+
+class TrialHook(WrapHook):
+    """A trial run: wrap applies the trial's plan; the recorder times the loop and ends the run."""
+
+    def __init__(self, run: RunDir, *, warmup: int, steps: int) -> None:
+        self.run, self.warmup, self.steps = run, warmup, steps
+        self.recorder: StepRecorder | None = None
+
+    def plan_override(self) -> Path:
+        self.run.progress("wrap")
+        return self.run.path / PLAN_FILE
+
+    def profiled(self, event: Profiled) -> None:
+        self.run.progress("profiled")
+
+    def applied(self, model: nn.Module, plan: Plan, profile: ModelProfile) -> None:
+        if self.recorder is not None:
+            return  # a second wrap in one script: the first model's loop is the one timed
+        self.recorder = StepRecorder(self.run, plan, profile, warmup=self.warmup, steps=self.steps)
+        self.recorder.handle = register_optimizer_step_post_hook(self.recorder)
+        self.run.progress("applied")
+
+
+class ProbeHook(WrapHook):
+    """A probe run: rank 0 writes what wrap profiled, and wrap goes on; the tuner ends the run once the file
+    is there. Should the run reach its loop first, it ends at the first optimizer step, before it."""
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self.handle: Any = None
+
+    def plan_override(self) -> None:
+        self.run.progress("wrap")
+
+    def profiled(self, event: Profiled) -> None:
+        if _rank() == 0:
+            variants = bf16_variants(event.model, event.sample, event.topology, loss_fn=event.loss_fn,
+                                     blocks=event.blocks)  # as wrap's own choice reads them
+            self.run.write_json(PROBE_FILE, {
+                "profile": event.profile.to_dict(), "variants": {k: v.to_dict() for k, v in variants.items()},
+                "topology": event.topology.to_dict(), "world_size": event.world_size,
+                "global_batch_size": event.global_batch_size, "model_fingerprint": event.profile.fingerprint,
+                "uses_train_step": event.uses_train_step})
+        self.run.progress("probed")
+
+    def applied(self, model: nn.Module, plan: Plan, profile: ModelProfile) -> None:
+        if self.handle is None:
+            self.handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.handle.remove()
+        self.run.progress("done")
+        self.run.end()
+
+
+@dataclass(frozen=True)
+class RunEnv:
+    """What the tuner's environment says about this process's run."""
+
+    mode: str
+    path: Path
+
+    @staticmethod
+    def read(environ: Mapping[str, str]) -> RunEnv | None:
+        """None outside a tuner's run; an AutoparError when the environment is not the tuner's."""
+        mode = environ.get(ENV_MODE)
+        if not mode:
+            return None
+        if mode not in MODES:
+            raise AutoparError(f"{ENV_MODE}={mode!r}: expected one of {', '.join(MODES)} (set by autopar's tuner).")
+        path = environ.get(ENV_DIR)
+        if not path or not os.path.isdir(path):
+            raise AutoparError(f"{ENV_MODE}={mode} needs {ENV_DIR}, the directory the tuner made for this run "
+                               f"(got {path!r}).")
+        return RunEnv(mode=mode, path=Path(path))
+
+
+def install_from_env() -> WrapHook | None:
+    """In a run the tuner launched: install its wrap hook and error hook (once) and return the wrap hook.
+    Elsewhere: do nothing and return None."""
+    run_env = RunEnv.read(os.environ)
+    if run_env is None:
+        return None
+    current = wrap_hook()
+    if isinstance(current, (TrialHook, ProbeHook)):
+        return current
+    run = RunDir(run_env.path)
+    hook: WrapHook
+    if run_env.mode == "trial":
+        hook = TrialHook(run, warmup=env_int(ENV_WARMUP, DEFAULT_WARMUP, minimum=0, set_by=_SET_BY),
+                         steps=env_int(ENV_STEPS, DEFAULT_STEPS, minimum=1, set_by=_SET_BY))
+    else:
+        hook = ProbeHook(run)
+    sys.excepthook = ErrorHook(run, sys.excepthook)
+    set_wrap_hook(hook)
+    return hook
