@@ -1,9 +1,36 @@
-"""The `autopar` command: `autopar demo | topology | plan | tune | report`."""
+"""The `autopar` command: `autopar demo | topology | plan | tune | report`.
+
+Each command is a function of its arguments that returns the exit status; `main` prints an AutoparError
+as one line (`autopar COMMAND: message`) and returns 2. `autopar plan` runs as short steps: check the
+arguments, profile the model (autopar.named_models), choose the global batch, rank the plans
+(autopar.planning.candidates, with the exact check for --verify), write the best, print a table or JSON.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+import torch.nn as nn
+import yaml
+
+from .demo import main as demo_main
+from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError
+from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
+                           model_sample_batch, resolve_model)
+from .planning import GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name
+from .plans import Plan
+from .profile import ModelProfile
+from .search import Candidate, data_parallel_degrees
+from .topology import Topology
+from .tune.report import _num, load_report, write_plots
+from .tune.study import tune
 
 
 def _topology(argv: list[str]) -> int:
@@ -12,12 +39,8 @@ def _topology(argv: list[str]) -> int:
     p.add_argument("--cluster", default=None, help="a spec like 4x8xH100-SXM instead of detecting")
     p.add_argument("--yaml", action="store_true", help="print as YAML")
     args = p.parse_args(argv)
-    from .topology import Topology
-
     topo = Topology.from_spec(args.cluster) if args.cluster else Topology.detect()
     if args.yaml:
-        import yaml
-
         print(yaml.safe_dump(topo.to_dict(), sort_keys=False), end="")
     else:
         print(topo.describe())
@@ -30,8 +53,6 @@ HEADROOM = 0.95
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    from .named_models import known_specs
-
     p = argparse.ArgumentParser(
         prog="autopar plan",
         description="Rank every parallelism plan for a model on some hardware by the cost model, print the "
@@ -62,15 +83,41 @@ def _plan_parser() -> argparse.ArgumentParser:
     return p
 
 
+@dataclass(frozen=True)
+class _PlanRun:
+    """What `autopar plan` found: the model, the hardware, the ranking and the plan chosen (and written)."""
+
+    source: ModelSource
+    topology: Topology
+    profile: ModelProfile
+    variants: TracedVariants
+    global_batch: int
+    ranked: list[Candidate]
+    best: Plan
+    out: str | None  # the file written, None with --out -
+    timings: dict[str, float]  # profile_s, search_s, total_s
+
+    @property
+    def seq(self) -> int | None:
+        return self.profile.tokens_per_sample
+
+    @property
+    def feasible(self) -> list[Candidate]:
+        return [c for c in self.ranked if c.feasible]
+
+
 def _plan(argv: list[str]) -> int:
-    import json
-    import time
+    args = _plan_args(argv)
+    run = _run_plan(args)
+    if args.json:
+        print(json.dumps(_plan_json(args, run), indent=2))
+    else:
+        _print_plan(args, run)
+    return 0
 
-    from .errors import InfeasiblePlanError, PlanError
-    from .planning import GiB, _short, calibration_for, describe_candidates, dropped_reasons, resolve_topology
-    from .search import data_parallel_degrees, search
-    from .named_models import ModelSpecError, model_profiles, model_sample_batch, resolve_model
 
+def _plan_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments of `autopar plan`, checked."""
     args = _plan_parser().parse_args(argv)
     if args.top < 1:
         raise PlanError(f"--top must be at least 1, got {args.top}.")
@@ -80,13 +127,37 @@ def _plan(argv: list[str]) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be a positive integer, got {value}.")
+    return args
+
+
+def _run_plan(args: argparse.Namespace) -> _PlanRun:
+    """Profile the model, rank the plans (autopar.planning.candidates), write the best one."""
     started = time.perf_counter()
     topo = resolve_topology(args.cluster)
     source = resolve_model(args.model)
     profile, variants = model_profiles(source, topo, seq_len=args.seq)
     profiled = time.perf_counter()
-    seq = profile.tokens_per_sample
-    world = topo.world_size
+    global_batch = _global_batch(args, source, profile.tokens_per_sample, topo.world_size)
+    _check_batch_splits(global_batch, profile, topo, plain_loop=args.plain_loop)
+    ranked = _rank(args, source, profile, variants, topo, global_batch)
+    searched = time.perf_counter()
+    feasible = [c for c in ranked if c.feasible]
+    if not feasible:
+        raise InfeasiblePlanError(_infeasible_message(source.name, topo, ranked, global_batch,
+                                                      profile.tokens_per_sample, args.plain_loop))
+    best = feasible[0].plan
+    if source.extrapolated:  # no model was traced at full depth: the plan fits any model of this shape
+        best = best.replace(model_fingerprint=None)
+    out = None if args.out == "-" else str(best.save(args.out))
+    # bf16 variants are traced while searching, when a plan first needs them: count them as profiling
+    traced_s = profiled - started + variants.seconds
+    timings = {"profile_s": traced_s, "search_s": searched - started - traced_s, "total_s": searched - started}
+    return _PlanRun(source=source, topology=topo, profile=profile, variants=variants, global_batch=global_batch,
+                    ranked=ranked, best=best, out=out, timings=timings)
+
+
+def _global_batch(args: argparse.Namespace, source: ModelSource, seq: int | None, world: int) -> int:
+    """Samples per optimizer step: --tokens-per-step / seq, --global-batch, or the sample's batch per GPU."""
     if args.tokens_per_step is not None:
         if seq is None:
             raise ModelSpecError(f"{source.name}'s input has no sequence: give --global-batch (samples) instead of "
@@ -94,94 +165,115 @@ def _plan(argv: list[str]) -> int:
         if args.tokens_per_step % seq:
             raise PlanError(f"--tokens-per-step {args.tokens_per_step} is not a whole number of {seq}-token samples: "
                             f"use a multiple of {seq} (e.g. {max(seq, args.tokens_per_step // seq * seq)}).")
-        global_batch = args.tokens_per_step // seq
-    elif args.global_batch is not None:
-        global_batch = args.global_batch
-    else:
-        global_batch = model_sample_batch(source) * world
-    allow_train_step = not args.plain_loop
-    degrees = data_parallel_degrees(profile, topo, world_size=world, allow_train_step=allow_train_step)
-    if not any(global_batch % d == 0 for d in degrees):
-        hint = " (or drop --plain-loop: pipelines and tensor parallelism leave fewer data-parallel ranks)" if args.plain_loop else ""
-        raise PlanError(
-            f"a global batch of {global_batch} samples splits over none of the data-parallel degrees a plan on "
-            f"{world} GPUs can have ({', '.join(map(str, degrees))}): use a global batch divisible by one of them, "
-            f"e.g. {_round_up(global_batch, degrees[0])}{hint}.")
-    ranked = search(profile, topo, world_size=world, global_batch_size=global_batch, variants=variants,
-                    calibration=calibration_for(topo), allow_train_step=allow_train_step, headroom=HEADROOM)
-    if args.verify:
-        from .planning import verify_candidates
+        return args.tokens_per_step // seq
+    if args.global_batch is not None:
+        return args.global_batch
+    return model_sample_batch(source) * world
 
-        if source.build is not None:
-            model_fn = lambda: source.build(None, seq)  # noqa: E731 - the full-depth model, on meta
-            sample = source.make_sample(seq)
-        else:
-            model_fn, sample = source.model, source.sample if source.sample is not None else source.make_sample(seq)
-        ranked = verify_candidates(ranked, model_fn, sample, top=args.verify, topology=topo, loss_fn=source.loss_fn,
-                                   headroom=HEADROOM)
-    searched = time.perf_counter()
-    feasible = [c for c in ranked if c.feasible]
-    if not feasible:
-        raise InfeasiblePlanError(_infeasible_message(source.name, topo, ranked, global_batch, seq, args.plain_loop))
-    best = feasible[0].plan
-    if source.extrapolated:  # no model was traced at full depth: the plan fits any model of this shape
-        best = best.replace(model_fingerprint=None)
-    out = None
-    if args.out != "-":
-        out = str(best.save(args.out))
-    # bf16 variants are traced while searching, when a plan first needs them: count them as profiling
-    traced_s = profiled - started + variants.seconds
-    timings = {"profile_s": traced_s, "search_s": searched - started - traced_s, "total_s": searched - started}
 
-    if args.json:
-        print(json.dumps({
-            "model": _model_summary(source, profile, variants),
-            "topology": {"spec": args.cluster, "fingerprint": topo.fingerprint(), "world_size": world,
-                         "device": topo.device.name, "memory_bytes_per_gpu": topo.device.memory_bytes},
-            "global_batch_size": global_batch, "seq_len": seq,
-            "tokens_per_step": global_batch * seq if seq else None, "allow_train_step": allow_train_step,
-            "candidates": len(ranked), "feasible": len(feasible),
-            "ranked": [{"rank": i, "plan": c.plan.strategy(), "prediction": dict(c.plan.prediction or {})}
-                       for i, c in enumerate(feasible[:args.top], 1)],
-            "dropped": [{"count": n, "reason": why} for n, why in dropped_reasons(ranked)],
-            "chosen": best.to_dict(), "out": out, "timings": timings,
-        }, indent=2))
-        return 0
+def _check_batch_splits(global_batch: int, profile: ModelProfile, topo: Topology, *, plain_loop: bool) -> None:
+    """Refuse a global batch that no data-parallel degree of a plan on this world divides."""
+    world = topo.world_size
+    degrees = data_parallel_degrees(profile, topo, world_size=world, allow_train_step=not plain_loop)
+    if any(global_batch % d == 0 for d in degrees):
+        return
+    hint = " (or drop --plain-loop: pipelines and tensor parallelism leave fewer data-parallel ranks)" if plain_loop else ""
+    raise PlanError(
+        f"a global batch of {global_batch} samples splits over none of the data-parallel degrees a plan on "
+        f"{world} GPUs can have ({', '.join(map(str, degrees))}): use a global batch divisible by one of them, "
+        f"e.g. {_round_up(global_batch, degrees[0])}{hint}.")
 
-    m = _model_summary(source, profile, variants)
-    print(topo.describe())
-    print(f"model {source.name}: {m['description']}")
-    print(f"  parameters    {_count(m['params'])}, {m['blocks']} x {m['block_class']}; {m['shape']}")
-    tokens = f" x {seq} tokens = {global_batch * seq:,} tokens" if seq else ""
-    print(f"  batch         {global_batch} samples{tokens} per step, over {world} "
-          f"{'GPUs' if topo.is_gpu else 'processes'}")
-    print(f"  profile       {m['profile']}")
-    budget = HEADROOM * topo.device.memory_bytes / GiB
-    plain = "; plain loop only (--plain-loop)" if args.plain_loop else ""
-    print(f"search: {len(ranked)} plans considered, {len(feasible)} fit in {budget:.1f} GiB per GPU and are not "
-          f"dominated{plain} ({timings['total_s']:.1f} s: profile {timings['profile_s']:.1f} s, "
-          f"search {timings['search_s']:.1f} s)")
+
+def _rank(args: argparse.Namespace, source: ModelSource, profile: ModelProfile, variants: TracedVariants,
+          topo: Topology, global_batch: int) -> list[Candidate]:
+    """Every plan, ranked by autopar.candidates, the --verify best checked by the exact memory check."""
+    model_fn, sample = _exact_check_inputs(source, profile.tokens_per_sample) if args.verify else (None, None)
+    return candidates(profile, sample=sample, topology=topo, world_size=topo.world_size,
+                      global_batch_size=global_batch, loss_fn=source.loss_fn, variants=variants,
+                      allow_train_step=not args.plain_loop, headroom=HEADROOM, verify=args.verify, model_fn=model_fn)
+
+
+def _exact_check_inputs(source: ModelSource, seq: int | None) -> tuple[Callable[[], nn.Module] | nn.Module, Any]:
+    """The full-depth model (a builder on meta, or the factory's model) and a sample for the exact check."""
+    if source.build is not None:
+        assert source.make_sample is not None and seq is not None
+        return functools.partial(source.build, None, seq), source.make_sample(seq)
+    assert source.model is not None
+    if source.sample is not None:
+        return source.model, source.sample
+    assert source.make_sample is not None and seq is not None
+    return source.model, source.make_sample(seq)
+
+
+def _plan_json(args: argparse.Namespace, run: _PlanRun) -> dict[str, Any]:
+    """`autopar plan --json`: the model, the hardware, the ranking, the dropped reasons and the choice."""
+    topo, seq, feasible = run.topology, run.seq, run.feasible
+    return {
+        "model": _model_summary(run.source, run.profile, run.variants),
+        "topology": {"spec": args.cluster, "fingerprint": topo.fingerprint(), "world_size": topo.world_size,
+                     "device": topo.device.name, "memory_bytes_per_gpu": topo.device.memory_bytes},
+        "global_batch_size": run.global_batch, "seq_len": seq,
+        "tokens_per_step": run.global_batch * seq if seq else None, "allow_train_step": not args.plain_loop,
+        "candidates": len(run.ranked), "feasible": len(feasible),
+        "ranked": [{"rank": i, "plan": c.plan.strategy(), "prediction": dict(c.plan.prediction or {})}
+                   for i, c in enumerate(feasible[:args.top], 1)],
+        "dropped": [{"count": n, "reason": why} for n, why in dropped_reasons(run.ranked)],
+        "chosen": run.best.to_dict(), "out": run.out, "timings": run.timings,
+    }
+
+
+def _print_plan(args: argparse.Namespace, run: _PlanRun) -> None:
+    """`autopar plan`'s report: the hardware, the model, the search, the table, the exact checks, the choice."""
+    print(run.topology.describe())
+    _print_model(run)
+    _print_search(args, run)
     print()
-    print(describe_candidates(ranked, limit=args.top))
-    verified = [c for c in ranked if c.exact is not None]
-    if verified:
-        print()
-        print("exact memory check (allocated peak traced on fake tensors vs the analytic prediction):")
-        for c in verified:
-            eager = " (eager step: an upper bound for this compiled plan)" if c.plan.compile else ""
-            print(f"  {'fits ' if c.feasible else 'DROPS'} {_size(c.exact.peak_bytes)} traced{eager}, "
-                  f"{_size(c.prediction.memory.allocated_bytes)} predicted, in {c.exact.trace_s:.0f} s: "
-                  f"{_short(c.plan)}")
+    print(describe_candidates(run.ranked, limit=args.top))
+    _print_exact_checks(run.ranked)
     print()
     print("chosen (rank 1):")
-    print(best.describe())
-    if out is None:
+    print(run.best.describe())
+    if run.out is None:
         print()
-        print(best.to_yaml(), end="")
+        print(run.best.to_yaml(), end="")
     else:
-        print(f"wrote {out}; apply it with autopar.wrap(model, sample=batch, plan={out!r})"
-              + (" and autopar.train_step" if best.needs_train_step else ""))
-    return 0
+        print(f"wrote {run.out}; apply it with autopar.wrap(model, sample=batch, plan={run.out!r})"
+              + (" and autopar.train_step" if run.best.needs_train_step else ""))
+
+
+def _print_model(run: _PlanRun) -> None:
+    m = _model_summary(run.source, run.profile, run.variants)
+    topo, seq, batch = run.topology, run.seq, run.global_batch
+    print(f"model {run.source.name}: {m['description']}")
+    print(f"  parameters    {_count(m['params'])}, {m['blocks']} x {m['block_class']}; {m['shape']}")
+    tokens = f" x {seq} tokens = {batch * seq:,} tokens" if seq else ""
+    print(f"  batch         {batch} samples{tokens} per step, over {topo.world_size} "
+          f"{'GPUs' if topo.is_gpu else 'processes'}")
+    print(f"  profile       {m['profile']}")
+
+
+def _print_search(args: argparse.Namespace, run: _PlanRun) -> None:
+    budget = HEADROOM * run.topology.device.memory_bytes / GiB
+    plain = "; plain loop only (--plain-loop)" if args.plain_loop else ""
+    t = run.timings
+    print(f"search: {len(run.ranked)} plans considered, {len(run.feasible)} fit in {budget:.1f} GiB per GPU and are "
+          f"not dominated{plain} ({t['total_s']:.1f} s: profile {t['profile_s']:.1f} s, "
+          f"search {t['search_s']:.1f} s)")
+
+
+def _print_exact_checks(ranked: list[Candidate]) -> None:
+    """The candidates the exact memory check traced (--verify): traced vs predicted peak."""
+    verified = [c for c in ranked if c.exact is not None]
+    if not verified:
+        return
+    print()
+    print("exact memory check (allocated peak traced on fake tensors vs the analytic prediction):")
+    for c in verified:
+        assert c.exact is not None and c.prediction is not None
+        eager = " (eager step: an upper bound for this compiled plan)" if c.plan.compile else ""
+        print(f"  {'fits ' if c.feasible else 'DROPS'} {_size(c.exact.peak_bytes)} traced{eager}, "
+              f"{_size(c.prediction.memory.allocated_bytes)} predicted, in {c.exact.trace_s:.0f} s: "
+              f"{short_name(c.plan)}")
 
 
 def _size(n: float) -> str:
@@ -199,12 +291,11 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _model_summary(source, profile, variants) -> dict:
+def _model_summary(source: ModelSource, profile: ModelProfile, variants: TracedVariants) -> dict[str, Any]:
+    """The model as `autopar plan` reports it (the JSON's "model", the text's model lines)."""
     shape = ", ".join(f"{k} {v}" for k, v in (("hidden", profile.hidden_dim), ("heads", profile.num_heads),
                                               ("kv heads", profile.num_kv_heads), ("ffn", profile.ffn_dim),
                                               ("vocab", profile.vocab_size)) if v is not None)
-    from .named_models import DEEPER_DEPTH, SHALLOW_DEPTH
-
     traced = ["fp32"] + list(variants.traced)
     how = (f"traced at depths {SHALLOW_DEPTH} and {DEEPER_DEPTH} ({', '.join(traced)}) and extended to "
            f"{profile.num_blocks} blocks"
@@ -219,9 +310,9 @@ def _model_summary(source, profile, variants) -> dict:
             "fingerprint": None if source.extrapolated else profile.fingerprint}
 
 
-def _infeasible_message(name, topo, ranked, global_batch, seq, plain_loop) -> str:
-    from .planning import GiB, _short
-
+def _infeasible_message(name: str, topo: Topology, ranked: list[Candidate], global_batch: int, seq: int | None,
+                        plain_loop: bool) -> str:
+    """Why no plan fits, with the smallest need and what would help."""
     budget = HEADROOM * topo.device.memory_bytes / GiB
     predicted = [c for c in ranked if (c.plan.prediction or {}).get("memory_bytes") is not None]
     unit = "GPU" if topo.is_gpu else "process"
@@ -229,7 +320,7 @@ def _infeasible_message(name, topo, ranked, global_batch, seq, plain_loop) -> st
     if predicted:
         least = min(predicted, key=lambda c: c.plan.prediction["memory_bytes"])
         need = least.plan.prediction["memory_bytes"] / GiB
-        lines[0] += f" The smallest, {_short(least.plan)}, needs {need:.1f} GiB per {unit}."
+        lines[0] += f" The smallest, {short_name(least.plan)}, needs {need:.1f} GiB per {unit}."
     elif ranked:
         lines[0] += f" No plan could run: {ranked[0].reason}."
     helps = [f"more {'GPUs' if topo.is_gpu else 'processes'} (--cluster with more nodes)"]
@@ -288,14 +379,12 @@ class _ProgressLine:
     """`autopar tune`'s progress on stderr: one line rewritten in place on a terminal (trial i/N, the plan
     in flight, the best so far), a line per event otherwise. Ended trials are printed as lines that stay."""
 
-    def __init__(self, stream, *, tty: bool | None = None) -> None:
+    def __init__(self, stream: TextIO, *, tty: bool | None = None) -> None:
         self.stream = stream
         self.tty = stream.isatty() if tty is None else tty
         self.shown = False
 
-    def __call__(self, ev) -> None:
-        from .tune.report import _num
-
+    def __call__(self, ev: Any) -> None:  # an autopar.tune.study.Progress
         unit = "tok/s" if ev.unit == "tokens/s" else "samples/s"
         best = f"best {_num(ev.best)} {unit} ({ev.best_plan})" if ev.best is not None else "best -"
         budget = ev.budget
@@ -334,8 +423,6 @@ class _ProgressLine:
 
 
 def _tune(argv: list[str]) -> int:
-    from .errors import AutoparError
-
     if "--" in argv:
         cut = argv.index("--")
         own, command = argv[:cut], argv[cut + 1:]
@@ -353,9 +440,7 @@ def _tune(argv: list[str]) -> int:
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise AutoparError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value}.")
-    import optuna
-
-    from .tune.study import tune
+    import optuna  # on use: a second to import, and only `autopar tune` needs it
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # the progress line says it instead
     bar = _ProgressLine(sys.stderr)
@@ -376,8 +461,6 @@ def _tune(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from pathlib import Path
-
     p = argparse.ArgumentParser(
         prog="autopar report",
         description="Print the table of a tuning study (autopar tune --study FILE) from its file alone, and draw "
@@ -386,8 +469,6 @@ def _report(argv: list[str]) -> int:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where to write the charts (default: the study file's folder)")
     args = p.parse_args(argv)
-    from .tune.report import load_report, write_plots
-
     report = load_report(args.study)
     print(report.table())
     study = Path(args.study)
@@ -400,7 +481,8 @@ def _report(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": None, "topology": _topology, "plan": _plan, "tune": _tune, "report": _report}
+    commands: dict[str, Callable[[list[str]], int]] = {
+        "demo": demo_main, "topology": _topology, "plan": _plan, "tune": _tune, "report": _report}
     asked = not argv or argv[0] in ("-h", "--help")
     if asked or argv[0] not in commands:
         print("usage: autopar {demo,topology,plan,tune,report} [options]\n\n"
@@ -413,13 +495,7 @@ def main(argv: list[str] | None = None) -> int:
               "  report     print a tuning study's table from its file and draw its charts (PNG)\n\n"
               "autopar COMMAND --help describes a command's options.", file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
-    from .errors import AutoparError
-
     try:
-        if argv[0] == "demo":
-            from .demo import main as demo_main
-
-            return demo_main(argv[1:])
         return commands[argv[0]](argv[1:])
     except AutoparError as exc:
         print(f"autopar {argv[0]}: {exc}", file=sys.stderr)

@@ -30,3 +30,30 @@ class InfeasiblePlanError(AutoparError):
 class TraceError(ProfileError):
     """The model could not run one training step on fake tensors; the structure (blocks, parameters) may still
     be read, so a given plan can be applied. The original exception is the `__cause__`."""
+
+
+class CacheError(AutoparError):
+    """A cache file or folder (plan cache, calibration cache) that autopar refuses: tampered, not ours,
+    writable by others, not plain YAML, another key's entry. The message names the path and says what to do."""
+
+
+class ModelSpecError(AutoparError, ValueError):
+    """A MODEL argument that names no built-in spec, no readable Hugging Face config and no importable factory."""
+
+
+class ExactCheckUnavailable(AutoparError):
+    """The torch here lacks what the exact check needs (MemTracker, the fake process group)."""
+
+
+class ProbeError(AutoparError):
+    """The probe run did not write its profile: it failed, exited without calling autopar.wrap, or timed out.
+    `status`, `cause`, `returncode` and `log_tail` say how the run ended (as a trial's result does)."""
+
+    def __init__(self, message: str, *, status: str, cause: str | None, returncode: int | None, log_tail: str) -> None:
+        super().__init__(message)
+        self.status, self.cause, self.returncode, self.log_tail = status, cause, returncode, log_tail
+
+
+class EnvironmentVariableError(AutoparError, ValueError):
+    """An environment variable autopar reads (torchrun's WORLD_SIZE, RANK, MASTER_ADDR..., the tuner's) is
+    missing or not a valid value; the message names it, its value and who sets it."""

@@ -33,25 +33,20 @@ import torch
 import torch.nn as nn
 
 from ._util.batch import map_tensors
-from .errors import AutoparError, PlanError
-from .planning import resolve_topology
+from .errors import ExactCheckUnavailable, PlanError
 from .plans import Plan
 from .profile import _flash_like_sdpa, profile_model
 from .step import train_step
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import attach
-from .topology import Topology
+from .topology import Topology, resolve_topology
 
 GiB = 2**30
 
 # MemTracker's categories, renamed to the analytic model's parts.
 _CATEGORIES = {"PARAM": "parameters", "BUFFER": "buffers", "GRAD": "gradients", "ACT": "activations",
                "TEMP": "temporaries", "OPT": "optimizer", "OTH": "other"}
-
-
-class ExactCheckUnavailable(AutoparError):
-    """The torch here lacks what the exact check needs (MemTracker, the fake process group)."""
 
 
 @dataclass(frozen=True)

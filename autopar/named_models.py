@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.nn as nn
 
-from .errors import AutoparError, ProfileError
+from .errors import ModelSpecError, ProfileError
 from .profile import ModelProfile, extrapolate_profile, profile_model
 from ._util.batch import sample_batch_size
 from .topology import Topology
@@ -48,10 +48,6 @@ from .models.gpt import lm_loss
 
 # Depths of the two traces a profile is extended from (`extrapolate_profile`).
 SHALLOW_DEPTH, DEEPER_DEPTH = 2, 3
-
-
-class ModelSpecError(AutoparError, ValueError):
-    """A MODEL argument that names no built-in spec, no readable Hugging Face config and no importable factory."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The plan cache: the best plan the tuner found, kept under a key of model, topology, batch and torch.
 
-One YAML file per key, `<root>/plans/<digest>.yaml`, where `<root>` is `autopar.cost.calibration.cache_dir()`
+One YAML file per key, `<root>/plans/<digest>.yaml`, where `<root>` is `autopar._util.io.cache_dir()`
 ($AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar) unless a `directory=` is given.
 The key (`CacheKey`) is the model's fingerprint, the topology's fingerprint, the global batch, torch's
 version (major.minor.patch and any pre-release part, without the local build tag: "2.13.0+cu128" keys as
@@ -12,8 +12,8 @@ A cache file is data autopar will act on, so it is read with care: `yaml.safe_lo
 `!!python/object` is refused, never run), and a file or directory is refused (`CacheError`, saying what to
 do) when it is a symlink, belongs to another user, can be written by the group or others, holds a key other
 than the one asked for (a file copied over from another model, topology, batch or torch), or holds a plan
-that is not valid. Files are written atomically (a temporary file, then `os.replace`) with mode 0600 in a
-directory created 0700.
+that is not valid (the privacy checks are `autopar._util.io`'s, shared with the calibration cache). Files
+are written atomically (`atomic_write_text`) with mode 0600 in a directory created 0700.
 
 `cached_plan_for` is what `wrap` calls: it returns the cached plan and a message to log, or (None, None)
 when there is none, or (None, why) when the cached plan does not fit this job (a stale entry is ignored,
@@ -25,20 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import errno
 import hashlib
 import json
 import os
-import stat
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import torch
 import yaml
 
-from .errors import AutoparError, PlanError
+from ._util.io import atomic_write_text, cache_dir, cache_subdir, read_private_bytes
+from .errors import AutoparError, CacheError, PlanError
 from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
 from .plans import Plan
 
@@ -50,12 +49,6 @@ MAX_FILE_BYTES = 1 << 20
 
 _FORMAT_FIELD = "autopar_plan_cache"
 _TOP_LEVEL = (_FORMAT_FIELD, "key", "plan", "measurement", "stored_at")
-_CHECK_MODES = os.name != "nt"  # POSIX permission bits; Windows reports no meaningful group/other bits
-
-
-class CacheError(AutoparError):
-    """A plan cache file or directory that autopar refuses (tampered, not ours, writable by others, not
-    plain YAML, another key's plan). The message names the path and says what to do."""
 
 
 class CacheWarning(UserWarning):
@@ -69,8 +62,6 @@ def current_torch_version() -> str:
     """torch's version as keyed: the public version without the local build tag ("2.13.0+cu128" ->
     "2.13.0"; a pre-release such as "2.14.0a0" keeps its suffix). CPU and CUDA builds are told apart by
     the topology fingerprint, not by the version."""
-    import torch
-
     return str(torch.__version__).split("+", 1)[0]
 
 
@@ -153,75 +144,12 @@ def cache_key(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Directories and permission checks
+# The folder
 # ---------------------------------------------------------------------------------------------------
-def _root(directory: str | os.PathLike[str] | None, *, create: bool) -> Path | None:
-    if directory is None:
-        from .cost.calibration import cache_dir  # reads $AUTOPAR_CACHE_DIR; creates the root 0700
-
-        return cache_dir()
-    root = Path(directory)
-    if not root.exists():
-        if not create:
-            return None
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(root, 0o700)
-    return root
-
-
-def _refuse_stat(path: Path, st: os.stat_result, what: str, *, want_dir: bool) -> None:
-    """Raise CacheError if `st` (of `path`) is not a private, regular file or directory of ours."""
-    if stat.S_ISLNK(st.st_mode):
-        raise CacheError(
-            f"{path} is a symlink: autopar only reads its cache through real files and folders. Delete the "
-            f"link (rm {path}); autopar writes the {what} again."
-        )
-    if want_dir and not stat.S_ISDIR(st.st_mode):
-        raise CacheError(f"{path} should be autopar's cache folder but is not a folder: remove it.")
-    if not want_dir and not stat.S_ISREG(st.st_mode):
-        raise CacheError(f"{path} is not a regular file: remove it (autopar tunes again and rewrites it).")
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise CacheError(
-            f"{path} belongs to another user (uid {st.st_uid}): autopar only uses its own cache {what}s. "
-            f"Delete it, or point AUTOPAR_CACHE_DIR at a folder of your own."
-        )
-    if _CHECK_MODES and st.st_mode & 0o022:
-        who = "others" if st.st_mode & 0o002 else "the group"
-        fix = (f"Make it private: chmod 700 {path}" if want_dir else
-               f"Delete it (autopar tunes again and rewrites it), or make it private: chmod 600 {path}")
-        raise CacheError(
-            f"{path} can be written by {who} (mode {stat.S_IMODE(st.st_mode):o}): anyone who can change a "
-            f"cached plan changes what your job runs, so autopar refuses it. {fix}."
-        )
-
-
-def _check_dir(path: Path, *, follow: bool) -> None:
-    try:
-        st = path.stat() if follow else path.lstat()
-    except OSError as exc:
-        raise CacheError(f"cannot inspect the cache folder {path} ({exc.strerror}).") from None
-    _refuse_stat(path, st, "folder", want_dir=True)
-
-
 def _plans_dir(directory: str | os.PathLike[str] | None, *, create: bool) -> Path | None:
-    """`<root>/plans`, checked (root: followed if a symlink, since users relocate caches; plans: not a
-    symlink); None when it does not exist and `create` is False."""
-    root = _root(directory, create=create)
-    if root is None:
-        return None
-    _check_dir(root, follow=True)
-    plans = root / "plans"
-    if not os.path.lexists(plans):
-        if not create:
-            return None
-        try:
-            plans.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-        else:
-            os.chmod(plans, 0o700)
-    _check_dir(plans, follow=False)
-    return plans
+    """`<root>/plans`, checked private (autopar._util.io.cache_subdir); None when it does not exist and
+    `create` is False."""
+    return cache_subdir("plans", directory=directory, create=create)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -238,33 +166,6 @@ class CacheEntry:
     stored_at: str | None
 
 
-def _read_bytes(path: Path) -> bytes | None:
-    """The file's bytes, or None if it does not exist; opened without following a symlink and checked on
-    the open descriptor (no window between the check and the read)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
-        _refuse_stat(path, path.lstat(), "file", want_dir=False)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP or os.path.islink(path):
-            _refuse_stat(path, path.lstat(), "file", want_dir=False)
-        raise CacheError(f"cannot read the plan cache file {path} ({exc.strerror}): delete it.") from None
-    try:
-        st = os.fstat(fd)
-        _refuse_stat(path, st, "file", want_dir=False)
-        if st.st_size > MAX_FILE_BYTES:
-            raise CacheError(f"{path} is {st.st_size} bytes, too large for a plan cache file: delete it.")
-        with os.fdopen(fd, "rb") as f:
-            fd = -1
-            return f.read(MAX_FILE_BYTES + 1)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
 def _measurement(value: Any, where: str) -> dict[str, float | str] | None:
     """A measurement: names to numbers (or short strings, such as a device name)."""
     if value is None:
@@ -277,7 +178,7 @@ def _measurement(value: Any, where: str) -> dict[str, float | str] | None:
 
 
 def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
-    raw = _read_bytes(path)
+    raw = read_private_bytes(path, max_bytes=MAX_FILE_BYTES, what="plan cache file")
     if raw is None:
         return None
     remedy = "Delete it; autopar tunes again and rewrites it."
@@ -350,7 +251,7 @@ def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
 # ---------------------------------------------------------------------------------------------------
 def path_for(key: CacheKey, *, directory: str | os.PathLike[str] | None = None) -> Path:
     """Where `key`'s plan is (or would be) cached. Creates nothing but the default root."""
-    root = _root(None, create=True) if directory is None else Path(directory)
+    root = cache_dir() if directory is None else Path(directory)
     return root / "plans" / f"{key.digest()}.yaml"
 
 
@@ -403,20 +304,7 @@ def store(
     header = f"# autopar plan cache entry: {key.describe()}. Written by autopar; delete to forget it.\n"
     text = header + yaml.safe_dump(doc, sort_keys=False)
 
-    fd, tmp = tempfile.mkstemp(dir=plans, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_text(path, text, mode=0o600)
     return path
 
 

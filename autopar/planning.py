@@ -4,36 +4,31 @@ Both take a model (profiled here on fake tensors: no memory used) or a ModelProf
 (detected, a spec such as "4x8xH100-SXM", or a Topology). bf16 plans are predicted from traces in bf16
 (autocast, and bf16 weights as FSDP's mixed precision runs): for a model they are made here; for a
 profile, pass them as `variants`. The calibration defaults to the one measured or fitted for this
-topology (cached by its fingerprint, autopar.cost.calibration) and else to the defaults.
+topology (cached by its fingerprint, autopar.calibration_cache) and else to the defaults.
+
+`describe_candidates` is the table `autopar plan` prints, `dropped_reasons` the dropped plans grouped by
+their `Drop` (autopar.search), and `short_name(plan)` a plan in one line (the table's, the tuner's).
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
+from ._util.batch import sample_batch_size
+from .calibration_cache import load_calibration
+from .cost import Calibration, Prediction, predict_profile
 from .errors import PlanError
+from .exact import exact_memory
 from .plans import Plan
 from .profile import ModelProfile, profile_model
-from ._util.batch import sample_batch_size
-from .search import Candidate, search
-from .topology import Topology
+from .search import Candidate, Drop, DropKind, rank_key, search
+from .topology import Topology, resolve_topology
 
 GiB = 2**30
-
-
-def resolve_topology(topology: Topology | str | None) -> Topology:
-    if topology is None:
-        return Topology.detect()
-    if isinstance(topology, str):
-        return Topology.from_spec(topology)
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a Topology, a spec string like '2x8xH100-SXM', or None; "
-                        f"got {type(topology).__name__}.")
-    return topology
 
 
 def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
@@ -54,10 +49,8 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
             for precision in ("bf16", "bf16-pure")}
 
 
-def calibration_for(topology: Topology) -> Any:
+def calibration_for(topology: Topology) -> Calibration:
     """The calibration cached for this topology (measured or fitted), else the defaults."""
-    from .cost.calibration import Calibration, load_calibration
-
     try:
         cached = load_calibration(topology.fingerprint())
     except Exception:  # an unreadable cache never stops planning; the defaults stand
@@ -70,8 +63,9 @@ def calibration_for(topology: Topology) -> Any:
     return Calibration()
 
 
-def _inputs(model_or_profile: nn.Module | ModelProfile, sample: Any, topology: Topology, loss_fn: Any, blocks: Any,
-            variants: Mapping[str, ModelProfile] | None) -> tuple[ModelProfile, Mapping[str, ModelProfile]]:
+def _inputs(model_or_profile: nn.Module | ModelProfile, sample: Any, topology: Topology, loss_fn: Callable | None,
+            blocks: Any, variants: Mapping[str, ModelProfile] | None) -> tuple[ModelProfile, Mapping[str, ModelProfile]]:
+    """The profile and the precision variants the search reads: a model is profiled here (sample needed)."""
     if isinstance(model_or_profile, ModelProfile):  # the mapping as given: it may trace a variant on first use
         return model_or_profile, (variants if variants is not None else {})
     if not isinstance(model_or_profile, nn.Module):
@@ -94,11 +88,11 @@ def candidates(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     blocks: Any = None,
     variants: Mapping[str, ModelProfile] | None = None,
-    calibration: Any = None,
+    calibration: Calibration | None = None,
     allow_train_step: bool = True,
     headroom: float = 0.95,
     verify: int = 0,
-    model_fn: Callable[[], nn.Module] | None = None,
+    model_fn: Callable[[], nn.Module] | nn.Module | None = None,
     eager: bool = False,
 ) -> list[Candidate]:
     """Every plan the search considers for this model on this hardware, predicted and ranked: the ones
@@ -118,7 +112,7 @@ def candidates(
     if global_batch_size is None:
         global_batch_size = (sample_batch_size(sample) if sample is not None else profile.sample_batch_size) * world
     if not 0 < headroom <= 1:
-        raise ValueError(f"headroom is the share of a GPU's memory a plan may fill, in (0, 1]; got {headroom}.")
+        raise PlanError(f"headroom is the share of a GPU's memory a plan may fill, in (0, 1]; got {headroom}.")
     cal = calibration or calibration_for(topo)
     ranked = search(profile, topo, world_size=world, global_batch_size=global_batch_size, variants=var,
                     calibration=cal, allow_train_step=allow_train_step, headroom=headroom, eager=eager)
@@ -136,36 +130,33 @@ def candidates(
     return ranked
 
 
-def verify_candidates(ranked: Sequence[Candidate], model_fn: Any, sample: Any, *, top: int, topology: Topology,
-                      loss_fn: Callable | None = None, blocks: Any = None, headroom: float = 0.95
-                      ) -> list[Candidate]:
+def verify_candidates(ranked: Sequence[Candidate], model_fn: Callable[[], nn.Module] | nn.Module, sample: Any, *,
+                      top: int, topology: Topology, loss_fn: Callable | None = None, blocks: Any = None,
+                      headroom: float = 0.95) -> list[Candidate]:
     """Check the `top` best feasible candidates with the exact memory check: each gets its `exact` result;
     one whose traced peak plus the predicted allocator and context overhead exceeds `headroom` of a GPU's
     memory is dropped with that reason. The check traces the eager step: for a compiled plan its peak is an
     upper bound (compile saves fewer activations), reported but never the reason to drop it. CPU-offload
     plans are not checked (their state lives in host memory). Returns the list re-ranked."""
-    from dataclasses import replace as dc_replace
-
-    from .exact import exact_memory
-    from .search import _rank_key
 
     if top < 0:
-        raise ValueError(f"verify must be a non-negative number of candidates, got {top}.")
+        raise PlanError(f"verify must be a non-negative number of candidates, got {top}.")
     budget = headroom * topology.device.memory_bytes
     out, checked = [], 0
     for c in ranked:
         if c.feasible and checked < top and not c.plan.cpu_offload:  # offloaded state lives in host memory
             checked += 1
             exact = exact_memory(model_fn, sample, c.plan, topology=topology, loss_fn=loss_fn, blocks=blocks)
+            assert c.prediction is not None
             need = exact.peak_bytes + c.prediction.memory.overhead_bytes
             plan = c.plan.replace(prediction={**(c.plan.prediction or {}), "exact_allocated_bytes": exact.peak_bytes})
             if need > budget and not c.plan.compile:
-                c = dc_replace(c, plan=plan, feasible=False, exact=exact,
-                               reason=f"exact check: needs {need / GiB:.1f} GiB per GPU, more than {budget / GiB:.1f} GiB")
+                c = dataclasses.replace(c, plan=plan, feasible=False, exact=exact,
+                                        drop=Drop.memory(need, budget, exact=True))
             else:
-                c = dc_replace(c, plan=plan, exact=exact)
+                c = dataclasses.replace(c, plan=plan, exact=exact)
         out.append(c)
-    out.sort(key=_rank_key)
+    out.sort(key=rank_key)
     return out
 
 
@@ -178,12 +169,10 @@ def predict(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     blocks: Any = None,
     variants: Mapping[str, ModelProfile] | None = None,
-    calibration: Any = None,
-) -> Any:
+    calibration: Calibration | None = None,
+) -> Prediction:
     """The cost model's prediction for one plan: `.memory` (peak bytes per GPU, by part), `.time` (step
     seconds, by part), `.tokens_per_s`, `.mfu`. The topology must have the plan's number of GPUs."""
-    from .cost import predict_profile
-
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an autopar.Plan, got {type(plan).__name__}.")
     topo = resolve_topology(topology)
@@ -199,12 +188,13 @@ def describe_candidates(ranked: Sequence[Candidate], *, limit: int = 10, dropped
     grouped (`dropped_reasons`), the `dropped` most common first."""
     feasible = [c for c in ranked if c.feasible]
     shown = feasible[:limit]
-    width = max([56] + [len(_short(c.plan)) for c in shown])
+    width = max([56] + [len(short_name(c.plan)) for c in shown])
     rows = [f"rank  {'plan':<{width}}  memory/GPU       step      tokens/s     MFU"]
     for i, c in enumerate(shown, 1):
         p = c.prediction
+        assert p is not None
         tokens = f"{p.tokens_per_s:12,.0f}" if p.tokens_per_s is not None else f"{p.samples_per_s:9,.1f} sa/s"
-        rows.append(f"{i:>4}  {_short(c.plan):<{width}}  {p.memory_bytes / GiB:7.1f} GiB  {_ms(p.step_s)}"
+        rows.append(f"{i:>4}  {short_name(c.plan):<{width}}  {p.memory_bytes / GiB:7.1f} GiB  {_ms(p.step_s)}"
                     f"  {tokens}  {p.mfu:6.1%}")
     if len(feasible) > limit:
         rows.append(f"      ... and {len(feasible) - limit} more that fit")
@@ -224,29 +214,26 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:8.1f} ms" if seconds < 10 else f"{seconds:9.2f} s"
 
 
-_MEMORY_REASON = re.compile(r"needs ([0-9.]+) GiB per GPU, more than ([0-9.]+) GiB")
+#: How `dropped_reasons` names the group of dominated plans.
+DOMINATED_GROUP = ("dominated: the same plan with less recomputation (checkpointing) or without resharding "
+                   "after forward also fits, and is no slower")
 
 
 def dropped_reasons(ranked: Sequence[Candidate]) -> list[tuple[int, str]]:
     """Why the candidates that are not feasible were dropped, grouped: (how many, why), the largest group
     first. Plans that do not fit in memory form one group (per budget), with the smallest need among
-    them; dominated plans (autopar.search.DOMINATED) one group; other reasons one group each."""
-    from .search import DOMINATED
-
-    memory: dict[str, list[float]] = {}
+    them; dominated plans one group; other reasons one group each."""
+    memory: dict[str, list[float]] = {}  # the budget, as printed -> the needs of the plans over it, GiB
     other: dict[str, int] = {}
     for c in ranked:
         if c.feasible:
             continue
-        reason = c.reason or "not feasible"
-        m = _MEMORY_REASON.fullmatch(reason)
-        if m:
-            need = (c.plan.prediction or {}).get("memory_bytes")
-            memory.setdefault(m.group(2), []).append(need / GiB if need is not None else float(m.group(1)))
+        drop = c.drop
+        if drop is not None and drop.kind is DropKind.MEMORY:
+            assert drop.needed_bytes is not None and drop.limit_bytes is not None
+            memory.setdefault(f"{drop.limit_bytes / GiB:.1f}", []).append(drop.needed_bytes / GiB)
             continue
-        if reason.startswith(DOMINATED):
-            reason = ("dominated: the same plan with less recomputation (checkpointing) or without resharding "
-                      "after forward also fits, and is no slower")
+        reason = DOMINATED_GROUP if drop is not None and drop.kind is DropKind.DOMINATED else (c.reason or "not feasible")
         other[reason] = other.get(reason, 0) + 1
     groups = [(len(needs), f"need more memory than {budget} GiB per GPU (the smallest needs {min(needs):.2f} GiB)")
               for budget, needs in memory.items()]
@@ -254,8 +241,9 @@ def dropped_reasons(ranked: Sequence[Candidate]) -> list[tuple[int, str]]:
     return sorted(groups, key=lambda g: -g[0])
 
 
-def _short(plan: Plan) -> str:
-    """One line: the mesh and the options that differ from the defaults."""
+def short_name(plan: Plan) -> str:
+    """A plan in one line, as the tables print it: the mesh (e.g. "pp2xfsdp4", "1gpu"), the micro-batch,
+    then the options that differ from the defaults ("acc4 1f1b ac:selective bf16 compile sp no-reshard")."""
     mesh = "x".join(f"{k}{v}" for k, v in (("pp", plan.pp), ("rep", plan.dp_replicate), ("fsdp", plan.dp_shard),
                                           ("tp", plan.tp)) if v > 1) or "1gpu"
     parts = [mesh, f"mb{plan.micro_batch_size}"]
@@ -275,3 +263,6 @@ def _short(plan: Plan) -> str:
     if plan.cpu_offload:
         parts.append("offload")
     return " ".join(parts)
+
+
+_short = short_name  # the former private name, until tune/report.py and tune/study.py use short_name

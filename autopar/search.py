@@ -6,6 +6,7 @@ number of blocks, micro-batch sizes, checkpointing, precision, compile, sequence
 resharding; CPU offload only where nothing else fits. It predicts each plan's memory (autopar.cost),
 drops those that do not fit with a headroom, predicts the time of the rest and ranks them by predicted
 step time. `autopar.candidates` returns the ranking; `wrap` and `autopar.plan` apply its first plan.
+A dropped candidate says why as a `Drop` (a `DropKind` and its numbers; `describe()` gives the text).
 
 Pruned as dominated, never predicted for time:
 - fp32 where bf16 exists (slower and larger), eager where compile is available (unless `eager=True`:
@@ -28,33 +29,99 @@ installed.
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Iterator, Mapping, Protocol
 
-from .cost import Calibration, predict_profile
-from .cost.memory import predict_memory
+from .cost import Calibration, Prediction, predict_profile
+from .cost.memory import MemoryPrediction, predict_memory
 from .errors import PlanError
 from .layout import check_pipeline
 from .plans import Plan
 from .profile import ModelProfile
 from .topology import Topology
 
+GiB = 2**30
+#: The start of the reason a dominated plan was dropped (the dominating variant follows).
+DOMINATED = "dominated: fits, but so does the same plan with no more recomputation or resharding,"
+
+
 # ---------------------------------------------------------------------------------------------------
-# The search
+# Candidates and why they were dropped
 # ---------------------------------------------------------------------------------------------------
+class DropKind(enum.Enum):
+    """Why a candidate was dropped."""
+
+    MEMORY = "memory"  # the predicted peak exceeds the budget (headroom x a GPU's memory)
+    EXACT_MEMORY = "exact memory"  # the exact check's traced peak, plus the overhead, exceeds the budget
+    DOMINATED = "dominated"  # a plan with no more recomputation or resharding also fits (never slower)
+    UNRUNNABLE = "unrunnable"  # the model cannot run the plan (e.g. a pipeline stage without a block)
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Why a candidate was dropped: its kind and the numbers that say so. Make one with `memory`,
+    `dominated` or `unrunnable`; `describe()` is the text `Candidate.reason` shows."""
+
+    kind: DropKind
+    needed_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the predicted (or traced + overhead) peak per GPU
+    limit_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the budget per GPU
+    checkpointing: str | None = None  # DOMINATED: the dominating plan's checkpointing
+    reshard_after_forward: bool | None = None  # DOMINATED: the dominating plan's resharding
+    detail: str | None = None  # UNRUNNABLE: what the model cannot do
+
+    @classmethod
+    def memory(cls, needed_bytes: float, limit_bytes: float, *, exact: bool = False) -> Drop:
+        return cls(DropKind.EXACT_MEMORY if exact else DropKind.MEMORY, needed_bytes=float(needed_bytes),
+                   limit_bytes=float(limit_bytes))
+
+    @classmethod
+    def dominated(cls, by: Plan) -> Drop:
+        return cls(DropKind.DOMINATED, checkpointing=by.checkpointing, reshard_after_forward=by.reshard_after_forward)
+
+    @classmethod
+    def unrunnable(cls, detail: str) -> Drop:
+        return cls(DropKind.UNRUNNABLE, detail=detail)
+
+    def describe(self) -> str:
+        if self.kind in (DropKind.MEMORY, DropKind.EXACT_MEMORY):
+            assert self.needed_bytes is not None and self.limit_bytes is not None
+            text = f"needs {self.needed_bytes / GiB:.1f} GiB per GPU, more than {self.limit_bytes / GiB:.1f} GiB"
+            return f"exact check: {text}" if self.kind is DropKind.EXACT_MEMORY else text
+        if self.kind is DropKind.DOMINATED:
+            return (f"{DOMINATED} checkpointing={self.checkpointing}, "
+                    f"reshard_after_forward={self.reshard_after_forward}")
+        return self.detail or "not runnable"
+
+
+class ExactCheck(Protocol):
+    """What a candidate keeps of the exact memory check (autopar.exact.ExactMemory, a layer above)."""
+
+    peak_bytes: float  # the traced allocated peak of one rank; bytes
+    trace_s: float  # seconds the check took
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """A plan with its prediction. A dropped one (`feasible` False) says why in `reason`; its `prediction`
-    is None, and its plan's `prediction` holds the memory where that was predicted."""
+    """A plan with its prediction. A dropped one (`feasible` False) says why in `drop` (text: `reason`);
+    its `prediction` is None, and its plan's `prediction` holds the memory where that was predicted."""
 
     plan: Plan
-    prediction: Any  # autopar.cost.Prediction
+    prediction: Prediction | None
     feasible: bool
-    reason: str | None = None
-    exact: Any = None  # autopar.exact.ExactMemory, when the exact check verified this candidate
+    drop: Drop | None = None
+    exact: ExactCheck | None = None  # autopar.exact.ExactMemory, when the exact check verified this candidate
+
+    @property
+    def reason(self) -> str | None:
+        """Why it was dropped, in words (None for a feasible candidate)."""
+        return self.drop.describe() if self.drop is not None else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plans considered
+# ---------------------------------------------------------------------------------------------------
 
 
 def _divisors(n: int) -> list[int]:
@@ -158,7 +225,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
 
 
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
-           variants: Mapping[str, ModelProfile] | None = None, calibration: Any = None,
+           variants: Mapping[str, ModelProfile] | None = None, calibration: Calibration | None = None,
            allow_train_step: bool = False, headroom: float = 0.95, eager: bool = False) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
@@ -167,7 +234,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
 
     A plan is predicted for memory first; only a feasible one is predicted for time too. A dropped one
     has no `Candidate.prediction` (None); its plan's `prediction` holds the memory (`memory_bytes`,
-    `allocated_bytes`) where it was predicted, and `reason` says why it was dropped.
+    `allocated_bytes`) where it was predicted, and `drop` says why it was dropped.
 
     `eager`: also rank eager plans where compiled ones are enumerated (enumerate_plans; the tuner's space).
 
@@ -185,7 +252,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                                     allow_train_step=allow_train_step, offload=offload,
                                     compile_available=compile_available, eager=eager):
             groups.setdefault(_group_key(plan), []).append(plan)
-        memories: dict[int, Any] = {}  # id(plan that fits) -> its MemoryPrediction, computed once
+        memories: dict[int, MemoryPrediction] = {}  # id(plan that fits) -> its memory, computed once
         for plans in groups.values():
             fits: list[Plan] = []
             for plan in plans:
@@ -193,37 +260,33 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                     try:
                         check_pipeline(plan, profile)
                     except PlanError as exc:
-                        out.append(Candidate(plan, None, False, str(exc).split(":")[0]))
+                        out.append(Candidate(plan, None, False, Drop.unrunnable(str(exc).split(":")[0])))
                         continue
                 memory = predict_memory(profile, plan, cal, variants=variants)
                 need = plan.replace(prediction={"memory_bytes": float(memory.peak_bytes),
                                                 "allocated_bytes": float(memory.allocated_bytes)})
                 if memory.peak_bytes > budget:
-                    out.append(Candidate(need, None, False, f"needs {memory.peak_bytes / 2**30:.1f} GiB per GPU, "
-                                                            f"more than {budget / 2**30:.1f} GiB"))
+                    out.append(Candidate(need, None, False, Drop.memory(memory.peak_bytes, budget)))
                 else:
                     fits.append(need)
                     memories[id(need)] = memory
             for plan in fits:
                 better = next((q for q in fits if q is not plan and _no_more_work(q, plan)), None)
                 if better is not None:
-                    out.append(Candidate(plan, None, False, f"{DOMINATED} checkpointing={better.checkpointing}, "
-                                                            f"reshard_after_forward={better.reshard_after_forward}"))
+                    out.append(Candidate(plan, None, False, Drop.dominated(by=better)))
                     continue
                 pred = predict_profile(profile, plan, topology, cal, variants=variants, memory=memories[id(plan)])
                 out.append(Candidate(plan.replace(prediction=pred.summary()), pred, True))
         if any(c.feasible for c in out):
             break
-    out.sort(key=_rank_key)
+    out.sort(key=rank_key)
     return out
 
 
-#: The start of the reason a dominated plan was dropped (the dominating variant follows).
-DOMINATED = "dominated: fits, but so does the same plan with no more recomputation or resharding,"
 _CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
-def _group_key(plan: Plan) -> tuple:
+def _group_key(plan: Plan) -> tuple[object, ...]:
     """Everything but checkpointing and resharding: plans with one key differ only in work they redo."""
     return tuple(v for k, v in plan.strategy().items() if k not in ("checkpointing", "reshard_after_forward"))
 
@@ -235,12 +298,13 @@ def _no_more_work(q: Plan, plan: Plan) -> bool:
             and (q.checkpointing, q.reshard_after_forward) != (plan.checkpointing, plan.reshard_after_forward))
 
 
-def _rank_key(c: Candidate) -> tuple[bool, int, float]:
-    """Feasible first, by step time; then those that do not fit, by memory needed; then the dominated; then
-    those the model cannot run."""
+def rank_key(c: Candidate) -> tuple[bool, int, float]:
+    """The order of `search`'s list: feasible first, by step time; then those that do not fit, by memory
+    needed; then the dominated; then those the model cannot run."""
     if c.feasible:
+        assert c.prediction is not None
         return (False, 0, c.prediction.step_s)
-    if c.reason and c.reason.startswith(DOMINATED):
+    if c.drop is not None and c.drop.kind is DropKind.DOMINATED:
         return (True, 1, 0.0)
     need = (c.plan.prediction or {}).get("memory_bytes")
     return (True, 0, float(need)) if need is not None else (True, 2, 0.0)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
+from autopar.planning import dropped_reasons
 from autopar.plans import Plan
 from autopar.profile import profile_model
-from autopar.search import (DOMINATED, _divisors, data_parallel_degrees, enumerate_plans, search,
+from autopar.search import (DOMINATED, Drop, DropKind, _divisors, data_parallel_degrees, enumerate_plans, search,
                             tensor_parallel_degrees)
 from autopar.topology import Topology
 
@@ -157,6 +158,30 @@ def test_dominated_plans_are_dropped_for_one_that_redoes_less(eight):
         better = c.plan.replace(checkpointing="none", reshard_after_forward=False if c.plan.dp_shard > 1 else True,
                                 prediction=None)
         assert predict_profile(eight, better, topo).step_s <= predict_profile(eight, c.plan, topo).step_s
+
+
+def test_a_dropped_candidate_says_why_in_typed_fields(eight):
+    """Planning groups the dropped plans by the fields of their Drop, never by parsing its text."""
+    topo = Topology.from_spec("8xH100-SXM")
+    needs = sorted(c.plan.prediction["memory_bytes"] for c in search(eight, topo, global_batch_size=16))
+    memory = int(needs[len(needs) // 2] / 0.95)  # about half the plans fit
+    tight = dataclasses.replace(topo, device=dataclasses.replace(topo.device, memory_bytes=memory))
+    ranked = search(eight, tight, global_batch_size=16)
+    over = [c for c in ranked if c.drop is not None and c.drop.kind is DropKind.MEMORY]
+    assert over and any(c.feasible for c in ranked)
+    for c in over[:20]:
+        assert c.drop.needed_bytes > c.drop.limit_bytes == 0.95 * tight.device.memory_bytes
+        assert c.drop.needed_bytes == c.plan.prediction["memory_bytes"]
+        assert c.reason == c.drop.describe() and c.reason.startswith("needs ")
+    smallest = min(c.drop.needed_bytes for c in over) / 2**30
+    budget = 0.95 * memory / 2**30
+    assert (len(over), f"need more memory than {budget:.1f} GiB per GPU (the smallest needs {smallest:.2f} GiB)") in \
+        dropped_reasons(ranked)
+    dominated = [c for c in ranked if c.drop is not None and c.drop.kind is DropKind.DOMINATED]
+    assert all(c.drop.checkpointing is not None and c.reason.startswith(DOMINATED) for c in dominated)
+    assert Drop.memory(3 * 2**30, 2 * 2**30, exact=True).describe() == \
+        "exact check: needs 3.0 GiB per GPU, more than 2.0 GiB"
+    assert pickle.loads(pickle.dumps(over[0])) == over[0]
 
 
 def _offload_topology(profile, global_batch: int) -> Topology | None:

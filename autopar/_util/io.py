@@ -1,19 +1,175 @@
-"""Writing files atomically: a reader (or a crash) never sees half a file."""
+"""Files autopar writes and the cache folder it reads from: one atomic write, one privacy check.
+
+`atomic_write_text` writes a file so that a reader, or a crash, never sees half of it: a temporary file
+in the same folder (`tempfile.mkstemp`), written, flushed and fsynced, then `os.replace`d over the target,
+and the folder fsynced (POSIX). `cache_dir()` is the root of autopar's caches (the plan cache, the
+calibration cache). A cache file is data autopar acts on, so it is read only when nobody else could have
+changed it: `check_private` refuses a symlink, something of another user, or (on POSIX) a mode that the
+group or others can write; `cache_subdir` and `read_private_bytes` apply it to a cache's folder and files.
+Every refusal is a `CacheError` that names the path and says what to do.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import stat
+import tempfile
 from pathlib import Path
 
+from ..errors import CacheError
 
-def atomic_write_text(path: Path, text: str, *, mode: int | None = None) -> None:
-    """Write `text` to a temporary file beside `path` (chmod `mode` if given), then `os.replace` it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+#: POSIX permission bits are checked; Windows reports no meaningful group/other bits.
+_CHECK_MODES = os.name != "nt"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int | None = None) -> None:
+    """Write `text` (UTF-8) to `path` atomically. `mode`: the file's permission bits (default: what a
+    plain `open` would give, 0o666 less the umask)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
     try:
-        tmp.write_text(text)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where /proc says it (Linux), else set and restored."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (POSIX; Windows cannot open a folder to fsync it)."""
+    if os.name == "nt":
+        return
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as exc:  # some file systems cannot fsync a folder; the rename itself is still atomic
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The cache folder and its privacy check
+# ---------------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar (created private: 0700)."""
+    base = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autopar")
+    path = Path(base)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
+def check_private(path: Path, st: os.stat_result, *, want_dir: bool) -> None:
+    """Raise CacheError unless `st` (of `path`) is a regular file (or, with `want_dir`, a folder) that is
+    not a symlink, belongs to this user and (on POSIX) cannot be written by the group or others."""
+    what = "folder" if want_dir else "file"
+    if stat.S_ISLNK(st.st_mode):
+        raise CacheError(
+            f"{path} is a symlink: autopar only reads its cache through real files and folders. Delete the "
+            f"link (rm {path}); autopar writes the {what} again."
+        )
+    if want_dir and not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"{path} should be autopar's cache folder but is not a folder: remove it.")
+    if not want_dir and not stat.S_ISREG(st.st_mode):
+        raise CacheError(f"{path} is not a regular file: remove it (autopar tunes again and rewrites it).")
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise CacheError(
+            f"{path} belongs to another user (uid {st.st_uid}): autopar only uses its own cache {what}s. "
+            f"Delete it, or point AUTOPAR_CACHE_DIR at a folder of your own."
+        )
+    if _CHECK_MODES and st.st_mode & 0o022:
+        who = "others" if st.st_mode & 0o002 else "the group"
+        fix = (f"Make it private: chmod 700 {path}" if want_dir else
+               f"Delete it (autopar tunes again and rewrites it), or make it private: chmod 600 {path}")
+        raise CacheError(
+            f"{path} can be written by {who} (mode {stat.S_IMODE(st.st_mode):o}): anyone who can change a "
+            f"cached plan or calibration changes what your job runs, so autopar refuses it. {fix}."
+        )
+
+
+def _check_dir(path: Path, *, follow: bool) -> None:
+    try:
+        st = path.stat() if follow else path.lstat()
+    except OSError as exc:
+        raise CacheError(f"cannot inspect the cache folder {path} ({exc.strerror}).") from None
+    check_private(path, st, want_dir=True)
+
+
+def cache_subdir(name: str, *, directory: str | os.PathLike[str] | None = None, create: bool) -> Path | None:
+    """`<root>/<name>`, checked private, where `<root>` is `directory` or else `cache_dir()` (the root is
+    followed if a symlink, since users relocate caches; `<name>` must not be one). Folders made here are
+    0700. None when a folder does not exist and `create` is False."""
+    if directory is None:
+        root = cache_dir()
+    else:
+        root = Path(directory)
+        if not root.exists():
+            if not create:
+                return None
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(root, 0o700)
+    _check_dir(root, follow=True)
+    sub = root / name
+    if not os.path.lexists(sub):
+        if not create:
+            return None
+        try:
+            sub.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        else:
+            os.chmod(sub, 0o700)
+    _check_dir(sub, follow=False)
+    return sub
+
+
+def read_private_bytes(path: Path, *, max_bytes: int, what: str) -> bytes | None:
+    """The bytes of the cache file `path` (`what` names it in messages, e.g. "plan cache file"), or None if
+    it does not exist. Opened without following a symlink and checked (`check_private`) on the open
+    descriptor, so nothing can swap the file between the check and the read; larger than `max_bytes`: refused."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):
+        check_private(path, path.lstat(), want_dir=False)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or os.path.islink(path):
+            check_private(path, path.lstat(), want_dir=False)
+        raise CacheError(f"cannot read the {what} {path} ({exc.strerror}): delete it.") from None
+    try:
+        st = os.fstat(fd)
+        check_private(path, st, want_dir=False)
+        if st.st_size > max_bytes:
+            raise CacheError(f"{path} is {st.st_size} bytes, too large for a {what}: delete it.")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read(max_bytes + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)

@@ -4,29 +4,26 @@
 its unit, and where its default comes from. `measure(topology)` replaces the hardware factors with
 micro-benchmarks (a few GEMM shapes, the HBM bandwidth, an all-reduce and an all-gather per mesh axis)
 on the GPUs here; `fit(calibration, runs)` refits the efficiency factors from measured steps (what the
-tuner does after every trial). Both are cached per topology fingerprint as plain YAML, read with
-yaml.safe_load.
+tuner does after every trial). No file I/O here: autopar.calibration_cache keeps both per topology.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import yaml
+import torch
+import torch.distributed as dist
 
-from .._util.io import atomic_write_text
 from ..errors import AutoparError
 
+if TYPE_CHECKING:  # annotations only (time.py imports this module)
+    from ..topology import DeviceSpec, Topology
+    from .time import TimeTerms
+
 GiB = 2**30
-# The cost model's terms that a cached calibration's factors belong to; files of another version are ignored.
-# 2: the H200 kernel-profile defaults of 2026-11-29 (reserve following the largest tensor, misaligned GEMMs).
-CALIBRATION_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -194,68 +191,15 @@ MATMUL_ARCH: dict[tuple[int, int], MatmulArch] = {
 }
 
 
-def matmul_arch(device: Any) -> MatmulArch:
+def matmul_arch(device: DeviceSpec | None) -> MatmulArch:
     """The GEMM factors of a DeviceSpec's architecture (Hopper's for CPUs and unlisted GPUs)."""
     return MATMUL_ARCH.get(getattr(device, "compute_capability", None) or (0, 0), _HOPPER)
 
 
 # ---------------------------------------------------------------------------------------------------
-# The cache: one YAML file per topology fingerprint, in a directory private to the user
-# ---------------------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar (created private: 0700)."""
-    base = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autopar")
-    path = Path(base)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return path
-
-
-def _check_private(path: Path) -> None:
-    st = path.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise AutoparError(f"{path} belongs to another user: autopar only reads its own cache files; remove it.")
-    if st.st_mode & 0o022:
-        raise AutoparError(f"{path} can be written by others: autopar refuses it; remove it or chmod go-w.")
-
-
-def save_calibration(cal: Calibration, fingerprint: str) -> Path:
-    path = cache_dir() / "calibration" / f"{fingerprint}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    data = {"version": CALIBRATION_VERSION, **cal.replace(topology_fingerprint=fingerprint).to_dict()}
-    atomic_write_text(path, yaml.safe_dump(data, sort_keys=False), mode=0o600)
-    return path
-
-
-def load_calibration(fingerprint: str) -> Calibration | None:
-    """The cached calibration of this topology, or None. A file that is not ours or not plain YAML is refused.
-    One written for another version of the cost model (CALIBRATION_VERSION) is ignored, with a warning: its
-    factors belong to terms that have changed (it stays on disk; the next tuning study overwrites it)."""
-    path = cache_dir() / "calibration" / f"{fingerprint}.yaml"
-    if not path.is_file():
-        return None
-    _check_private(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        raise AutoparError(f"{path} is not plain YAML: remove it (autopar will measure again).") from None
-    if isinstance(data, Mapping) and data.get("version") != CALIBRATION_VERSION:
-        warnings.warn(f"{path} was written for another version of autopar's cost model (version "
-                      f"{data.get('version')!r}, this one is {CALIBRATION_VERSION}): ignored, the defaults stand. "
-                      "Run autopar tune again to refit, or remove the file.", stacklevel=2)
-        return None
-    cal = Calibration.from_dict({k: v for k, v in data.items() if k != "version"} if isinstance(data, Mapping) else data)
-    if cal.topology_fingerprint not in (None, fingerprint):
-        raise AutoparError(f"{path} holds the calibration of topology {cal.topology_fingerprint}: remove it.")
-    return cal
-
-
-# ---------------------------------------------------------------------------------------------------
 # Micro-benchmarks on the GPUs here
 # ---------------------------------------------------------------------------------------------------
-def _time_cuda(fn: Any, reps: int) -> float:
-    import torch
-
+def _time_cuda(fn: Callable[[], Any], reps: int) -> float:
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
@@ -266,13 +210,11 @@ def _time_cuda(fn: Any, reps: int) -> float:
     return (time.perf_counter() - start) / reps
 
 
-def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[int] = (1024, 2048, 4096, 8192)
+def measure(topology: Topology, base: Calibration | None = None, *, shapes: Sequence[int] = (1024, 2048, 4096, 8192)
             ) -> Calibration:
     """Micro-benchmarks on this GPU: bf16 GEMMs of several sizes (fits matmul_efficiency and
     matmul_half_width), a device-to-device copy (memory_efficiency), and, in a process group of several
     ranks, an all-reduce (comm_efficiency inside a node, network_efficiency across nodes). Needs a CUDA GPU."""
-    import torch
-
     if not torch.cuda.is_available():
         raise AutoparError("calibration micro-benchmarks need a CUDA GPU; plan with the defaults instead.")
     base = base or Calibration()
@@ -305,8 +247,6 @@ def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[
     extra["copy_bytes_per_s"] = 2 * x.numel() * 4 / dt
     mem_eff = min(1.0, extra["copy_bytes_per_s"] / topology.device.hbm_bytes_per_s)
     changes: dict[str, Any] = dict(matmul_efficiency=min(e_max, 1.0), matmul_half_width=half, memory_efficiency=mem_eff)
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.empty(64 * 2**20, device="cuda", dtype=torch.bfloat16)
         w = dist.get_world_size()
@@ -322,15 +262,13 @@ def measure(topology: Any, base: Calibration | None = None, *, shapes: Sequence[
 # ---------------------------------------------------------------------------------------------------
 # Refitting the time model from measured steps
 # ---------------------------------------------------------------------------------------------------
-def fit(cal: Calibration, runs: Sequence[tuple[Any, float]], *, min_runs: int = 2) -> Calibration:
+def fit(cal: Calibration, runs: Sequence[tuple[TimeTerms, float]], *, min_runs: int = 2) -> Calibration:
     """Refit the time model's efficiencies to measured steps: `runs` is [(TimeTerms, measured step_s)],
     the terms `autopar.cost.time.time_terms` returns for each run's plan. A non-negative least-squares
     fit of the step time to those terms (one coefficient each, starting from the current calibration)
     gives the new inverse efficiencies; fewer than `min_runs` runs change nothing."""
     if len(runs) < min_runs:
         return cal
-    import torch
-
     names = ("matmul", "memory", "launch")
     rows, target = [], []
     for terms, measured in runs:
@@ -351,10 +289,8 @@ def fit(cal: Calibration, runs: Sequence[tuple[Any, float]], *, min_runs: int = 
                        **changes)
 
 
-def _nnls(a: Any, b: Any, iters: int = 200) -> list[float]:
+def _nnls(a: torch.Tensor, b: torch.Tensor, iters: int = 200) -> list[float]:
     """Non-negative least squares by projected gradient (a handful of unknowns)."""
-    import torch
-
     x = torch.linalg.lstsq(a, b).solution.clamp(min=0)
     lip = float(torch.linalg.matrix_norm(a.T @ a, ord=2)) or 1.0
     for _ in range(iters):

@@ -22,6 +22,6 @@ from .markdown import _markdown_names as _markdown_names
 from .markdown import _markdown_table as _markdown_table
 from .microbench import _measure_device as _measure_device
 from .spec import lookup_device
-from .topology import Topology
+from .topology import Topology, resolve_topology
 
-__all__ = ["DeviceSpec", "Topology", "lookup_device"]
+__all__ = ["DeviceSpec", "Topology", "lookup_device", "resolve_topology"]

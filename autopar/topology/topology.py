@@ -325,3 +325,15 @@ def _rounded(value: Any) -> Any:
     if isinstance(value, list):
         return [_rounded(v) for v in value]
     return value
+
+
+def resolve_topology(topology: Topology | str | None) -> Topology:
+    """The topology as given, parsed from a spec string, or (None) detected here."""
+    if topology is None:
+        return Topology.detect()
+    if isinstance(topology, str):
+        return Topology.from_spec(topology)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, a spec string like '2x8xH100-SXM', or None; "
+                        f"got {type(topology).__name__}.")
+    return topology
