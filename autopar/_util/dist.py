@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..errors import AutoparError, EnvironmentVariableError
+from .env import LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, RANK, WORLD_SIZE, env_int, env_is_set
 
 
 @dataclass(frozen=True)
@@ -17,22 +19,14 @@ class World:
     local_size: int  # processes on this node
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    try:
-        return int(value) if value is not None else default
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer (torchrun sets it).") from None
-
-
 def world() -> World:
     """The current world: the process group if one is initialised, else torchrun's environment, else one process."""
     if dist.is_available() and dist.is_initialized():
         size, rank = dist.get_world_size(), dist.get_rank()
     else:
-        size, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
-    return World(size=size, rank=rank, local_rank=_env_int("LOCAL_RANK", rank),
-                 local_size=_env_int("LOCAL_WORLD_SIZE", size))
+        size, rank = env_int(WORLD_SIZE, 1), env_int(RANK, 0)
+    return World(size=size, rank=rank, local_rank=env_int(LOCAL_RANK, rank),
+                 local_size=env_int(LOCAL_WORLD_SIZE, size))
 
 
 def device_type() -> str:
@@ -46,8 +40,8 @@ def ensure_process_group() -> World:
     if torch.cuda.is_available():
         torch.cuda.set_device(w.local_rank % max(torch.cuda.device_count(), 1))
     if w.size > 1 and not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            raise ValueError(
+        if not env_is_set(MASTER_ADDR):
+            raise EnvironmentVariableError(
                 f"WORLD_SIZE={w.size} but no MASTER_ADDR: launch the job with torchrun, or call "
                 "torch.distributed.init_process_group yourself before autopar.wrap."
             )
@@ -98,6 +92,4 @@ def first_failure(error: BaseException | None) -> None:
     if error is not None:
         raise error
     if failed < dist.get_world_size():
-        from ..errors import AutoparError
-
         raise AutoparError(f"rank {failed} failed (its error is in its own output); every rank stops.")

@@ -5,7 +5,6 @@ the exact check read. It sits below them so none of them imports `wrap`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -16,6 +15,8 @@ from ..plans import Plan
 from ..profile import ModelProfile
 from ..topology import Topology
 from .mesh import DataShard
+from .pipeline import PipelineRuntime
+from .tensor_parallel import TPLayout
 
 #: the attribute of a wrapped model that holds its Applied record
 ATTR = "_autopar_applied"
@@ -34,8 +35,8 @@ class Applied:
     checkpointed: tuple[str, ...]
     compiled: tuple[str, ...]
     notes: tuple[str, ...] = ()  # what was changed besides the plan's techniques, for the log
-    pipeline: Any = None  # the PipelineRuntime of a pipeline-parallel plan
-    tensor_parallel: Any = None  # the TPLayout of a tensor-parallel plan
+    pipeline: PipelineRuntime | None = None  # the runtime of a pipeline-parallel plan
+    tensor_parallel: TPLayout | None = None  # what a tensor-parallel plan split
 
 
 def attach(model: nn.Module, state: Applied) -> None:
