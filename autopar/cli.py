@@ -29,7 +29,7 @@ from .plans import Plan
 from .profile import ModelProfile
 from .search import Candidate, data_parallel_degrees
 from .topology import Topology
-from .tune.report import _num, load_report, write_plots
+from .tune.report import charts_hint, load_report, rate_text, write_plots
 from .tune.study import tune
 
 
@@ -386,7 +386,7 @@ class _ProgressLine:
 
     def __call__(self, ev: Any) -> None:  # an autopar.tune.study.Progress
         unit = "tok/s" if ev.unit == "tokens/s" else "samples/s"
-        best = f"best {_num(ev.best)} {unit} ({ev.best_plan})" if ev.best is not None else "best -"
+        best = f"best {rate_text(ev.best)} {unit} ({ev.best_plan})" if ev.best is not None else "best -"
         budget = ev.budget
         if ev.event == "trial":
             done = ev.measured
@@ -397,7 +397,7 @@ class _ProgressLine:
                 bar = f"trial {done + 1}"
             self._line(f"{bar} running {ev.plan} | {best} | {ev.elapsed_s:.0f} s", keep=False)
         elif ev.event == "result":
-            what = f"{_num(ev.throughput)} {unit}" if ev.status == "ok" else (ev.message or "").splitlines()[0][:100]
+            what = f"{rate_text(ev.throughput)} {unit}" if ev.status == "ok" else (ev.message or "").splitlines()[0][:100]
             self._line(f"trial {ev.number}: {ev.status:<7} {ev.plan}: {what}", keep=True)
         elif ev.event == "pruned":
             self._line(f"trial {ev.number}: pruned  {ev.plan}: not run, {ev.message.split(': ', 1)[-1]}", keep=True)
@@ -471,6 +471,10 @@ def _report(argv: list[str]) -> int:
     args = p.parse_args(argv)
     report = load_report(args.study)
     print(report.table())
+    hint = charts_hint()  # no matplotlib: the tables alone, and how to get the charts
+    if hint is not None:
+        print(f"\n{hint}")
+        return 0
     study = Path(args.study)
     paths = write_plots(report, args.out if args.out is not None else study.parent, prefix=study.stem)
     print()

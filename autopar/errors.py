@@ -54,6 +54,10 @@ class ProbeError(AutoparError):
         self.status, self.cause, self.returncode, self.log_tail = status, cause, returncode, log_tail
 
 
+class TuneError(AutoparError, ValueError):
+    """A tuning study asked for with options it cannot run (a count or a time budget out of range)."""
+
+
 class EnvironmentVariableError(AutoparError, ValueError):
     """An environment variable autopar reads (torchrun's WORLD_SIZE, RANK, MASTER_ADDR..., the tuner's) is
     missing or not a valid value; the message names it, its value and who sets it."""

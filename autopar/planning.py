@@ -265,4 +265,3 @@ def short_name(plan: Plan) -> str:
     return " ".join(parts)
 
 
-_short = short_name  # the former private name, until tune/report.py and tune/study.py use short_name

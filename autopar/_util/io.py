@@ -27,23 +27,27 @@ _CHECK_MODES = os.name != "nt"
 # ---------------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------------
-def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int | None = None) -> None:
+def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int | None = None,
+                      durable: bool = True) -> None:
     """Write `text` (UTF-8) to `path` atomically. `mode`: the file's permission bits (default: what a
-    plain `open` would give, 0o666 less the umask)."""
+    plain `open` would give, 0o666 less the umask). `durable=False` skips the fsyncs: still atomic for a
+    reader, but a power loss may lose it (for files rewritten often that only signal progress)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # created 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, mode if mode is not None else 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def _umask() -> int:

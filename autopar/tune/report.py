@@ -2,10 +2,11 @@
 
 `autopar tune` and `autopar.autotune` end by building this report from the study they ran, and
 `autopar report STUDY` builds the same one from the SQLite file later, so the three print the same table.
-Everything the report needs is stored in the study itself (autopar.tune.study writes it): the search
+Everything the report needs is stored in the study itself (autopar.tune.engine writes it): the search
 space with each plan's YAML and its prediction (study user attribute `autopar.space`), the calibration at
 the start (`autopar.calibration_before`) and the last fit with its predictions of the measured plans
-(`autopar.fit`), and, on each trial, the plan's key, the status, the cause and what was measured.
+(`autopar.fit`), and, on each trial, the plan's key, the status, the cause and what was measured. The
+charts (`write_plots`) need matplotlib, the optional extra autopar[report].
 
 Prediction error is on the step time: predicted / measured - 1 (+20% means the model predicted a step 20%
 slower than measured, i.e. a throughput 17% lower). "before" uses the calibration the study started from;
@@ -21,26 +22,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import AutoparError
+from ..planning import short_name
 from ..plans import Plan
+from .plots import charts_hint, measured_vs_predicted, optimisation_history
+from .schema import (FAILED, PARAM, STUDY_BEST, STUDY_CAL_BEFORE, STUDY_FIT, STUDY_META, STUDY_QUEUE, STUDY_SPACE,
+                     STUDY_WALL, trial_key)
 
 GiB = 2**30
 
-#: The study's user attributes (JSON) and trial user attributes that autopar writes.
-STUDY_META = "autopar"
-STUDY_SPACE = "autopar.space"
-STUDY_CAL_BEFORE = "autopar.calibration_before"
-STUDY_FIT = "autopar.fit"
-STUDY_WALL = "autopar.wall_s"
-STUDY_BEST = "autopar.best"
-STUDY_QUEUE = "autopar.queue"
-PARAM = "plan"  # the one Optuna parameter: the plan's key (Plan.key())
 
-#: Statuses of a row: a trial that ran ("ok", or how it failed: the trial runner's "oom", "crash", "exit",
-#: "timeout"), one pruned on its prediction before it ran, one whose tuner was killed while it ran
-#: ("stale": its plan is tried again), one still running (a report read while the tuner works).
-FAILED = ("oom", "crash", "exit", "timeout")
-
-
+# The statuses of a row: a trial that ran ("ok", or how it failed: FAILED, the trial runner's "oom", "crash",
+# "exit", "timeout"), one pruned on its prediction before it ran, one whose tuner was killed while it ran
+# ("stale": its plan is tried again), one still running (a report read while the tuner works). The study's
+# attribute names (STUDY_*, PARAM, FAILED) are autopar.tune.schema's, importable from here too.
 @dataclass(frozen=True)
 class TuneRow:
     """One trial of a study (repeats answered from earlier trials are not rows; see TuneReport.repeats)."""
@@ -78,9 +73,7 @@ class TuneRow:
 
     @property
     def short(self) -> str:
-        from ..planning import _short
-
-        return _short(self.plan)
+        return short_name(self.plan)
 
 
 def _ratio(predicted: float | None, measured: float | None) -> float | None:
@@ -138,16 +131,16 @@ class TuneReport:
         for r in self.rows:
             star = "*" if r.number == self.best_number else " "
             lines.append(
-                f"{r.number:>4}{star}  {r.status:<7}  {r.short:<{width}}  {_num(r.predicted_throughput):>11}  "
-                f"{_num(r.measured_throughput):>11}  {_size(r.predicted_allocated_bytes):>9}  "
+                f"{r.number:>4}{star}  {r.status:<7}  {r.short:<{width}}  {rate_text(r.predicted_throughput):>11}  "
+                f"{rate_text(r.measured_throughput):>11}  {_size(r.predicted_allocated_bytes):>9}  "
                 f"{_size(r.measured_allocated_bytes):>9}  {_pct(r.error_before):>10}  {_pct(r.error_after):>9}")
             if r.cause and not r.ok:
                 lines.append(f"{'':>7}  {'':<7}  {r.cause.splitlines()[0][:160]}")
         lines.append("")
         best = self.best_row
         if best is not None:
-            lines.append(f"best (*): trial {best.number}, {best.short}: {_num(best.measured_throughput)} {self.unit} "
-                         f"measured, {_ms(best.measured_step_s)} a step (predicted {_num(best.predicted_throughput)} "
+            lines.append(f"best (*): trial {best.number}, {best.short}: {rate_text(best.measured_throughput)} {self.unit} "
+                         f"measured, {_ms(best.measured_step_s)} a step (predicted {rate_text(best.predicted_throughput)} "
                          f"{self.unit} before the fit)")
         else:
             lines.append("best: no plan ran to the end")
@@ -193,7 +186,8 @@ def _changed_factors(before: Mapping[str, Any], after: Mapping[str, Any]) -> lis
     return out
 
 
-def _num(value: float | None) -> str:
+def rate_text(value: float | None) -> str:
+    """A throughput as the report and the progress lines print it ("-" when unknown)."""
     if value is None:
         return "-"
     if value >= 100:
@@ -230,16 +224,16 @@ def _plan_of(entry: Mapping[str, Any]) -> Plan:
 
 def report_from_study(study: Any, *, study_path: str | None = None, wall_s: float | None = None,
                       stopped: str | None = None) -> TuneReport:
-    """The report of an Optuna study autopar made (autopar.tune.study), from its stored attributes only."""
-    from optuna.trial import TrialState
-
-    from ..errors import AutoparError
+    """The report of an Optuna study autopar made (autopar.tune.engine), from its stored attributes only; it
+    reads every study format (autopar.tune.schema)."""
+    from optuna.trial import TrialState  # lazy: optuna loads when a study is read, not on `import autopar`
 
     attrs = study.user_attrs
     if STUDY_SPACE not in attrs:
         raise AutoparError(f"{study_path or 'this study'} is not an autopar study (no search space recorded in it).")
     meta = attrs.get(STUDY_META, {})
     space = {e["key"]: e for e in attrs[STUDY_SPACE]}
+    keys_by_name = {e["name"]: k for k, e in space.items() if e.get("name")}
     fit = attrs.get(STUDY_FIT) or {}
     fitted = fit.get("step_s", {}) if fit.get("runs", 0) >= 2 else {}
     rows: list[TuneRow] = []
@@ -251,7 +245,7 @@ def report_from_study(study: Any, *, study_path: str | None = None, wall_s: floa
         if ua.get("repeat_of") is not None:
             repeats += 1
             continue
-        key = ua.get("key") or t.params.get(PARAM)
+        key = trial_key(t.params, ua, keys_by_name)
         if key not in space:
             continue
         entry = space[key]
@@ -311,9 +305,7 @@ def _measurement_of(row: TuneRow, meta: Mapping[str, Any]) -> dict[str, Any]:
 
 def open_study(path: str | Path) -> Any:
     """An autopar study's SQLite file, opened for reading (it must exist: nothing is created)."""
-    import optuna
-
-    from ..errors import AutoparError
+    import optuna  # lazy: optuna loads when a study is read, not on `import autopar`
 
     path = Path(path)
     if not path.is_file():
@@ -339,36 +331,31 @@ def load_report(path: str | Path) -> TuneReport:
 # Plots
 # ---------------------------------------------------------------------------------------------------
 def write_plots(report: TuneReport, out_dir: str | Path, *, prefix: str = "autopar") -> list[Path]:
-    """Two PNGs (autopar.tune.plots, no matplotlib): `<prefix>-throughput.png`, measured vs predicted
-    throughput per measured trial (blue: the calibration at the start, orange: after the fit; the grey
-    line is y = x), and `<prefix>-history.png`, the optimisation history (blue dots: each trial's measured
-    throughput, in trial order; the green line: the best so far; red marks on the x axis: failed trials).
-    Returns their paths."""
-    from .plots import line_and_points, scatter_with_diagonal
-
+    """Two PNGs (autopar.tune.plots, with matplotlib: the extra autopar[report]): `<prefix>-throughput.png`,
+    measured vs predicted throughput per measured trial (blue: the calibration at the start, orange: after
+    the fit; the grey line is y = x), and `<prefix>-history.png`, Optuna's optimization history (each
+    trial's measured throughput, in trial order, and the best so far; red crosses on the x axis: failed
+    trials). Returns their paths. Without matplotlib it raises AutoparError with the line `charts_hint()`
+    returns (pip install "autopar[report]"), having written nothing."""
+    hint = charts_hint()
+    if hint is not None:
+        raise AutoparError(hint)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    unit = report.unit
     before = [(r.predicted_throughput, r.measured_throughput) for r in report.measured
               if r.predicted_throughput and r.measured_throughput]
-    after = []
-    for r in report.measured:
-        if r.fitted_step_s and r.measured_throughput and r.measured_step_s:
-            after.append((r.measured_throughput * r.measured_step_s / r.fitted_step_s, r.measured_throughput))
-    f1 = scatter_with_diagonal(
-        [("before fit", before, (31, 119, 180)), ("after fit", after, (255, 127, 14))],
-        out / f"{prefix}-throughput.png", title=f"MEASURED VS PREDICTED {unit.upper()}",
-        xlabel=f"PREDICTED {unit.upper()}", ylabel=f"MEASURED {unit.upper()}")
-    points, best, failed = [], [], []
-    top = None
-    for r in report.rows:
-        if r.ok and r.measured_throughput is not None:
-            points.append((float(r.number), r.measured_throughput))
-            top = r.measured_throughput if top is None else max(top, r.measured_throughput)
-        elif r.status in FAILED:
-            failed.append(float(r.number))
-        if top is not None and (r.ok or r.status in FAILED):
-            best.append((float(r.number), top))
-    f2 = line_and_points(points, best, out / f"{prefix}-history.png", marks=failed,
-                         title="OPTIMISATION HISTORY", xlabel="TRIAL", ylabel=f"MEASURED {unit.upper()}")
-    return [f1.path, f2.path]
+    after = [(r.measured_throughput * r.measured_step_s / r.fitted_step_s, r.measured_throughput)
+             for r in report.measured if r.fitted_step_s and r.measured_throughput and r.measured_step_s]
+    throughput = measured_vs_predicted([("before fit", before, "tab:blue"), ("after fit", after, "tab:orange")],
+                                       out / f"{prefix}-throughput.png", unit=report.unit)
+    measured = {r.number: r.measured_throughput for r in report.rows if r.ok and r.measured_throughput is not None}
+    failed = [r.number for r in report.rows if r.status in FAILED]
+    last = max((r.number for r in report.rows), default=-1)
+    history = optimisation_history(measured, failed, out / f"{prefix}-history.png", unit=report.unit,
+                                   trials=last + 1)
+    return [throughput.path, history.path]
+
+
+__all__ = ["FAILED", "PARAM", "STUDY_BEST", "STUDY_CAL_BEFORE", "STUDY_FIT", "STUDY_META", "STUDY_QUEUE",
+           "STUDY_SPACE", "STUDY_WALL", "TuneReport", "TuneRow", "charts_hint", "load_report", "open_study",
+           "report_from_study", "write_plots"]

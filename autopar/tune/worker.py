@@ -104,8 +104,8 @@ class RunDir:
         self.ended = False  # set once the run wrote its result: errors after that do not count
         self._progress_at = 0.0
 
-    def write_json(self, name: str, data: Mapping[str, Any]) -> None:
-        atomic_write_text(self.path / name, json.dumps(data))
+    def write_json(self, name: str, data: Mapping[str, Any], *, durable: bool = True) -> None:
+        atomic_write_text(self.path / name, json.dumps(data), durable=durable)
 
     def progress(self, phase: str, step: int = 0, *, force: bool = True) -> None:
         """Rewrite this rank's progress file: the tuner's sign of life, and the pid it must end on failure."""
@@ -118,7 +118,8 @@ class RunDir:
         try:
             self.write_json(f"progress.rank{rank}.json", {
                 "rank": rank, "pid": os.getpid(), "phase": phase, "step": step, "time": time.time(),
-                "peak_allocated_bytes": alloc, "peak_reserved_bytes": reserved})
+                "peak_allocated_bytes": alloc, "peak_reserved_bytes": reserved},
+                durable=False)  # rewritten during the timed steps: no fsync there
         except OSError:  # the tuner removed the directory: it has given up on this run
             pass
 

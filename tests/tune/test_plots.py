@@ -1,116 +1,127 @@
-"""The dependency-free PNG charts (autopar/tune/plots.py): valid files, and points where they belong."""
+"""The report's charts (autopar/tune/plots.py, matplotlib): valid PNGs, points where they belong, and a line that
+says how to get matplotlib where it is missing."""
 
 from __future__ import annotations
 
-import struct
-import zlib
+import sys
 
 import pytest
 
+from autopar.errors import AutoparError
+from autopar.plans import Plan
 from autopar.tune import plots
-from autopar.tune.plots import (BLUE, GREEN, GREY, ORANGE, RED, WHITE, Canvas, compact, encode_png, line_and_points,
-                                  nice_step, read_png, scatter_with_diagonal)
+from autopar.tune.plots import CHARTS_HINT, charts_hint, measured_vs_predicted, optimisation_history
+from autopar.tune.report import TuneReport, TuneRow, write_plots
+
+matplotlib = pytest.importorskip("matplotlib")  # the autopar[report] extra (and the test extra)
+image = pytest.importorskip("matplotlib.image")
+PIL_Image = pytest.importorskip("PIL.Image")  # installed with matplotlib
+
+BLUE, ORANGE, RED = (31, 119, 180), (255, 127, 14), (214, 39, 40)  # tab:blue, tab:orange, tab:red
+GREY = (128, 128, 128)
 
 
-def _chunks(data: bytes) -> list[tuple[bytes, bytes]]:
-    """Every chunk of a PNG, read independently of plots.read_png."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    out, pos = [], 8
-    while pos < len(data):
-        (n,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + n]
-        (crc,) = struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])
-        assert zlib.crc32(kind + body) & 0xFFFFFFFF == crc
-        out.append((kind, body))
-        pos += 12 + n
-    return out
+def _pixels(path):
+    """The PNG's pixels as rows of (r, g, b) in 0..255, read back by matplotlib."""
+    data = image.imread(str(path))
+    assert data.ndim == 3 and data.shape[2] in (3, 4)
+    return [[tuple(int(round(float(c) * 255)) for c in px[:3]) for px in row] for row in data]
 
 
-def test_png_is_valid():
-    c = Canvas(7, 5)
-    c.set(2, 3, (10, 20, 30))
-    data = c.to_png({"autopar-axes": "x=0..1 y=0..1"})
-    chunks = _chunks(data)
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    width, height, depth, color, comp, filt, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (width, height, depth, color, comp, filt, interlace) == (7, 5, 8, 2, 0, 0, 0)
-    raw = zlib.decompress(b"".join(b for k, b in chunks if k == b"IDAT"))
-    assert len(raw) == height * (1 + 3 * width)  # a filter byte and RGB per row
-    assert all(raw[y * (1 + 3 * width)] == 0 for y in range(height))
-    row = raw[3 * (1 + 3 * width):4 * (1 + 3 * width)]
-    assert row[1 + 3 * 2:4 + 3 * 2] == bytes((10, 20, 30)) and row[1:4] == bytes(WHITE)
-    assert (b"tEXt", b"autopar-axes\x00x=0..1 y=0..1") in chunks
-    w, h, pixels, text = read_png(data)
-    assert (w, h) == (7, 5) and pixels[3][2] == (10, 20, 30) and text["autopar-axes"] == "x=0..1 y=0..1"
+def _close(a, b, tol=3) -> bool:
+    return all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
-def test_read_png_refuses_damage():
-    data = bytearray(Canvas(4, 4).to_png())
-    with pytest.raises(ValueError, match="signature"):
-        read_png(b"GIF89a" + bytes(data[6:]))
-    data[-20] ^= 0xFF  # inside the IDAT chunk
-    with pytest.raises(ValueError, match="CRC"):
-        read_png(bytes(data))
-    with pytest.raises(ValueError, match="bytes"):
-        encode_png(2, 2, b"\x00" * 11)
+def _near(pixels, col, row, color, radius=1, tol=40) -> bool:
+    """Whether a pixel within `radius` of (col, row) is about `color` (lines are antialiased)."""
+    return any(_close(pixels[row + dy][col + dx], color, tol)
+               for dy in range(-radius, radius + 1) for dx in range(-radius, radius + 1))
 
 
-def test_lines_discs_and_text_land_on_their_pixels():
-    c = Canvas(40, 30)
-    c.line(0, 0, 39, 29, RED)
-    assert c.get(0, 0) == RED and c.get(39, 29) == RED
-    c.line(5, 20, 30, 20, BLUE, width=3)
-    assert c.get(5, 19) == BLUE and c.get(30, 21) == BLUE and c.get(17, 20) == BLUE
-    c.disc(10, 10, 2, GREEN)
-    assert c.get(10, 10) == GREEN and c.get(12, 10) == GREEN and c.get(13, 10) != GREEN
-    c.line(-10, 5, 100, 5, GREY)  # clipped, no error
-    blank = Canvas(20, 10)
-    blank.text(1, 1, "1")  # the glyph of 1: its stem is column 2, rows 0-6
-    assert blank.get(3, 1) == (0, 0, 0) and blank.get(3, 7) == (0, 0, 0) and blank.get(1, 1) == WHITE
+def _report() -> TuneReport:
+    def row(number, status, *, pred=None, meas=None, step=None, fitted=None):
+        return TuneRow(number=number, key=f"k{number}", plan=Plan(micro_batch_size=number + 1), status=status,
+                       predicted_throughput=pred, measured_throughput=meas, measured_step_s=step, fitted_step_s=fitted)
+
+    rows = (row(0, "ok", pred=1000.0, meas=1500.0, step=0.2, fitted=0.21), row(1, "oom"),
+            row(2, "ok", pred=4000.0, meas=3000.0, step=0.1, fitted=0.095), row(3, "pruned"),
+            row(4, "ok", pred=2500.0, meas=2000.0, step=0.15, fitted=0.16))
+    return TuneReport(rows=rows, best=None, best_number=2, study_path=None, wall_s=1.0, trials_run=4)
+
+
+def test_write_plots_writes_two_valid_pngs_with_their_axes(tmp_path):
+    paths = write_plots(_report(), tmp_path / "charts", prefix="s")
+    assert [p.name for p in paths] == ["s-throughput.png", "s-history.png"]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (len(_pixels(path)), len(_pixels(path)[0])) == (480, 640)
+        with PIL_Image.open(path) as png:
+            assert png.size == (640, 480) and png.text["autopar-axes"].startswith("x=")
+    with PIL_Image.open(paths[0]) as png:  # measured vs predicted: the same range on both axes, from 0
+        assert png.text["autopar-axes"].startswith("x=0..") and "y=0.." in png.text["autopar-axes"]
+        lo_hi = png.text["autopar-axes"].split()
+        assert lo_hi[0][2:] == lo_hi[1][2:]
 
 
 def test_scatter_points_land_where_expected(tmp_path):
     before = [(100.0, 150.0), (400.0, 300.0)]
     after = [(160.0, 150.0), (290.0, 300.0)]
-    fig = scatter_with_diagonal([("before", before, BLUE), ("after", after, ORANGE)], tmp_path / "t.png",
-                                title="MEASURED VS PREDICTED", xlabel="PREDICTED", ylabel="MEASURED")
-    width, height, pixels, text = read_png(fig.path.read_bytes())
-    assert (width, height) == (640, 480)
-    ax = fig.axes
-    assert ax.xmin == ax.ymin == 0 and ax.xmax == ax.ymax >= 400  # the same range on both axes, from 0
+    chart = measured_vs_predicted([("before", before, "tab:blue"), ("after", after, "tab:orange")],
+                                  tmp_path / "t.png", unit="tokens/s")
+    pixels = _pixels(chart.path)
+    ax = chart.axes
+    assert ax.get_xlim() == ax.get_ylim() and ax.get_xlim()[0] == 0 and ax.get_xlim()[1] >= 400
     for pts, color in ((before, BLUE), (after, ORANGE)):
         for x, y in pts:
-            px, py = ax.to_pixel(x, y)
-            assert pixels[py][px] == color
-            assert ax.left < px < ax.right and ax.top < py < ax.bottom
-    # the y = x line goes through the data rectangle's corners
-    for v in (0.0, ax.xmax * 0.5):
-        px, py = ax.to_pixel(v, v)
-        assert pixels[py][px] in (GREY, (0, 0, 0))
+            col, row = chart.to_pixel(x, y)
+            assert _close(pixels[row][col], color)
+    # the y = x line, in grey, away from the points and the grid
+    top = ax.get_xlim()[1]
+    for v in (0.37 * top, 0.83 * top):
+        assert _near(pixels, *chart.to_pixel(v, v), GREY)
     # larger values to the right and up
-    assert ax.to_pixel(400, 300)[0] > ax.to_pixel(100, 150)[0] and ax.to_pixel(400, 300)[1] < ax.to_pixel(100, 150)[1]
-    assert text["autopar-axes"] == ax.describe() and text["autopar-axes"].startswith("x=0..")
+    assert chart.to_pixel(400, 300)[0] > chart.to_pixel(100, 150)[0]
+    assert chart.to_pixel(400, 300)[1] < chart.to_pixel(100, 150)[1]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["y = x", "before", "after"]
+    assert ax.get_xlabel() == "predicted tokens/s" and ax.get_ylabel() == "measured tokens/s"
 
 
-def test_history_chart(tmp_path):
-    points = [(0.0, 1000.0), (1.0, 800.0), (3.0, 1500.0), (4.0, 1200.0)]
-    best = [(0.0, 1000.0), (1.0, 1000.0), (2.0, 1000.0), (3.0, 1500.0), (4.0, 1500.0)]
-    fig = line_and_points(points, best, tmp_path / "h.png", marks=[2.0], title="HISTORY", xlabel="TRIAL",
-                          ylabel="TOKENS/S")
-    _, _, pixels, _ = read_png(fig.path.read_bytes())
-    ax = fig.axes
-    for x, y in points:
-        px, py = ax.to_pixel(x, y)
-        assert pixels[py][px] == BLUE
-    px, py = ax.to_pixel(1.5, 1000.0)  # the best-so-far step, between two points
-    assert pixels[py][px] == GREEN
-    px, py = ax.to_pixel(2.0, ax.ymin)  # the failed trial's cross on the x axis
-    assert pixels[py - 3][px - 3] == RED
+def test_history_chart_is_optunas_with_the_failed_trials_marked(tmp_path):
+    measured = {0: 1000.0, 1: 800.0, 3: 1500.0, 4: 1200.0}
+    chart = optimisation_history(measured, [2], tmp_path / "h.png", unit="tokens/s", trials=6)
+    pixels = _pixels(chart.path)
+    ax = chart.axes
+    assert ax.get_title() == "Optimization History Plot"  # Optuna's chart
+    for x in (1, 4):  # the points below the best-so-far line (Optuna draws it over the others)
+        col, row = chart.to_pixel(x, measured[x])
+        assert _close(pixels[row][col], BLUE)
+    points = [sorted(map(tuple, c.get_offsets().tolist())) for c in ax.collections]
+    assert sorted(measured.items()) in points and [(2.0, 0.0)] in points
+    best = next(line for line in ax.lines if line.get_label() == "Best Value")  # Optuna's best-so-far line
+    assert list(best.get_ydata())[:5] == [1000.0, 1000.0, 1000.0, 1500.0, 1500.0]
+    assert _near(pixels, *chart.to_pixel(2.0, 0.0), RED, radius=2, tol=10)  # the failed trial's cross
+    assert ax.get_ylim()[0] == 0 and ax.get_xlim()[0] < 0 < 5 < ax.get_xlim()[1]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["measured tokens/s", "Best Value", "failed"]
 
 
-def test_ticks_and_labels():
-    assert nice_step(10) == 5 and nice_step(1) == 0.5 and nice_step(2400) == 1000
-    assert compact(0) == "0" and compact(1500) == "1.5K" and compact(2_000_000) == "2M" and compact(0.25) == "0.25"
-    assert plots.value_range([]) == (0.0, 1.0) and plots.value_range([5.0])[0] < 5 < plots.value_range([5.0])[1]
-    assert set(plots.GLYPHS) >= set("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-+/%:=() ")
-    assert all(len(g) == 7 and all(len(r) == 5 for r in g) for g in plots.GLYPHS.values())
+def test_charts_leave_matplotlibs_settings_as_they_were(tmp_path):
+    before = dict(matplotlib.rcParams)
+    optimisation_history({0: 1.0}, [], tmp_path / "h.png", unit="samples/s")  # Optuna sets the ggplot style
+    measured_vs_predicted([("before", [(1.0, 1.0)], "tab:blue")], tmp_path / "t.png", unit="samples/s")
+    assert dict(matplotlib.rcParams) == before
+    import matplotlib.pyplot as plt
+
+    assert plt.get_fignums() == []  # every figure closed
+
+
+def test_without_matplotlib_there_are_no_charts_and_a_line_says_how_to_get_them(tmp_path, monkeypatch):
+    assert charts_hint() is None
+    for name in ["matplotlib"] + [m for m in sys.modules if m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # as where the autopar[report] extra is not installed
+    assert charts_hint() == CHARTS_HINT and 'pip install "autopar[report]"' in CHARTS_HINT
+    with pytest.raises(AutoparError, match=r'pip install "autopar\[report\]"'):
+        write_plots(_report(), tmp_path / "charts")
+    assert not (tmp_path / "charts").exists()
+    with pytest.raises(ImportError):
+        plots.measured_vs_predicted([], tmp_path / "t.png", unit="tokens/s")

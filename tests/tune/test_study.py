@@ -13,6 +13,7 @@ import functools
 import io
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,19 +27,19 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from autopar.calibration_cache import load_calibration
 from autopar.cost import predict_profile
-from autopar.cost.calibration import load_calibration
 from autopar.errors import AutoparError
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
-from autopar.planning import calibration_for, profile_variants
+from autopar.planning import calibration_for, profile_variants, short_name
 from autopar.plans import Plan
 from autopar.search import search
 from autopar.topology import Topology
 from autopar import plan_cache as cache
+from autopar.tune.space import Space
 from autopar.tune.study import STALE_CAUSE, Progress, autotune, measure_in_process, tune
-from autopar.tune.plots import read_png
-from autopar.tune.report import PARAM, STUDY_SPACE, load_report
-from autopar.tune.trial import TrialResult
+from autopar.tune.report import STUDY_SPACE, load_report, report_from_study
+from autopar.tune import TrialResult
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=4, hidden_dim=64, num_heads=4)
@@ -149,7 +150,7 @@ def test_failed_trials_are_recorded_and_the_study_goes_on(probe_result, tmp_path
     assert failed, "the fake fails every pipeline plan; the first ones are predicted among the best"
     for t in failed:
         assert t.user_attrs["status"] == "oom" and "out of memory" in t.user_attrs["cause"]
-        assert report.best.key() != t.params[PARAM]
+        assert report.best.key() != t.user_attrs["key"]
     assert report.best is not None and report.best.pp == 1
     rows = {r.number: r for r in report.rows}
     assert all(rows[t.number].status == "oom" for t in failed)
@@ -236,15 +237,15 @@ def test_resume_after_a_killed_tuner_loses_and_repeats_nothing(probe_result, tmp
     first = _tune(probe_result, runner, study_path, trials=3, prune_factor=NO_PRUNING)
     assert first.trials_run == 3
     # A tuner killed while a trial ran leaves that trial RUNNING in the database.
-    # This is what the tuner does with the head of its queue before it runs it (optuna.py, _next_trial).
+    # This is what the tuner does with the head of its queue before it runs it (engine.py, _next_trial).
     study = optuna.load_study(study_name="autopar", storage=f"sqlite:///{study_path}")
-    keys = tuple(e["key"] for e in study.user_attrs[STUDY_SPACE])
+    space = Space.from_attrs(study.user_attrs)
     queue = study.user_attrs["autopar.queue"]
-    study.enqueue_trial({PARAM: queue[0]["key"]}, user_attrs={"source": queue[0]["source"]})
-    killed = study.ask({PARAM: CategoricalDistribution(keys)})  # now RUNNING, and its tuner is gone
+    study.enqueue_trial(space.params_of(queue[0]["key"]), user_attrs={"key": queue[0]["key"],
+                                                                      "source": queue[0]["source"]})
+    killed = study.ask(dict(space.distributions))  # now RUNNING, and its tuner is gone
     study.set_user_attr("autopar.queue", queue[1:])
-    killed.set_user_attr("key", killed.params[PARAM])
-    stale_key, stale_number = killed.params[PARAM], killed.number
+    stale_key, stale_number = killed.user_attrs["key"], killed.number
     assert stale_key not in runner.ran
     del study
 
@@ -254,9 +255,9 @@ def test_resume_after_a_killed_tuner_loses_and_repeats_nothing(probe_result, tmp
     assert stale.state == TrialState.FAIL and stale.user_attrs["status"] == "stale"
     assert stale.user_attrs["cause"] == STALE_CAUSE
     completed = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("repeat_of") is None]
-    assert len(completed) == 6 == len({t.params[PARAM] for t in completed}) == second.trials_run
-    assert stale_key in {t.params[PARAM] for t in completed}  # the stale trial's plan was tried again
-    retry = next(t for t in completed if t.params[PARAM] == stale_key)
+    assert len(completed) == 6 == len({t.user_attrs["key"] for t in completed}) == second.trials_run
+    assert stale_key in {t.user_attrs["key"] for t in completed}  # the stale trial's plan was tried again
+    retry = next(t for t in completed if t.user_attrs["key"] == stale_key)
     assert retry.user_attrs["source"] == f"retry of stale trial {stale_number}"
     assert len(runner.ran) == 6 == len(set(runner.ran))  # no plan ran twice across the two tuners
     assert [r.status for r in second.rows].count("stale") == 1
@@ -265,7 +266,7 @@ def test_resume_after_a_killed_tuner_loses_and_repeats_nothing(probe_result, tmp
     for t in trials:
         if t.user_attrs.get("repeat_of") is not None:
             decided = by_number[t.user_attrs["repeat_of"]]
-            assert decided.params[PARAM] == t.params[PARAM] and decided.user_attrs.get("repeat_of") is None
+            assert decided.user_attrs["key"] == t.user_attrs["key"] and decided.user_attrs.get("repeat_of") is None
 
 
 def test_a_study_of_another_job_or_a_second_tuner_is_refused(probe_result, tmp_path):
@@ -290,6 +291,7 @@ def test_report_reads_the_same_table_from_the_database(probe_result, tmp_path, c
     assert again.rows == report.rows and again.best == report.best and again.trials_run == report.trials_run
     assert again.cached_path == report.cached_path
 
+    image = pytest.importorskip("PIL.Image")  # installed with matplotlib (the autopar[report] extra)
     code = main(["report", str(tmp_path / "s.db"), "--out", str(tmp_path / "charts")])
     out = capsys.readouterr().out
     assert code == 0
@@ -297,21 +299,28 @@ def test_report_reads_the_same_table_from_the_database(probe_result, tmp_path, c
     for name in ("s-throughput.png", "s-history.png"):
         path = tmp_path / "charts" / name
         assert f"wrote {path}" in out
-        width, height, rows, text = read_png(path.read_bytes())
+        with image.open(path) as png:
+            (width, height), text = png.size, dict(png.text)
         assert (width, height) == (640, 480) and "autopar-axes" in text
+
+
+def _fake_trials(monkeypatch, runner, probe_result) -> None:
+    """`autopar tune` with the fake runner and probe, and no pruning on prediction (tested above)."""
+    import autopar.cli
+    from autopar.tune import launcher, study
+
+    monkeypatch.setattr(launcher, "run_trial", runner)
+    monkeypatch.setattr(launcher, "probe", lambda argv, **_: probe_result)
+    unpruned = functools.partial(study.tune, prune_factor=NO_PRUNING)
+    monkeypatch.setattr(study, "tune", unpruned)
+    monkeypatch.setattr(autopar.cli, "tune", unpruned, raising=False)  # where the CLI imported it
 
 
 def test_tune_command_shows_progress_and_ends_with_the_table(probe_result, tmp_path, capsys, monkeypatch):
     from autopar.cli import main
-    from autopar.tune import trial
-
-    from autopar.tune import study as tuners_optuna
 
     runner = FakeRunner(probe_result, fail=lambda plan: plan.pp > 1)
-    monkeypatch.setattr(trial, "run_trial", runner)
-    monkeypatch.setattr(trial, "probe", lambda argv, **_: probe_result)
-    # the four best predicted plans run (none pruned on prediction: that is tested above)
-    monkeypatch.setattr(tuners_optuna, "tune", functools.partial(tuners_optuna.tune, prune_factor=NO_PRUNING))
+    _fake_trials(monkeypatch, runner, probe_result)
     code = main(["tune", "--study", str(tmp_path / "s.db"), "--trials", "4", "--steps", "3", "--warmup", "1",
                  "--plan-out", str(tmp_path / "best.yaml"), "--", "python", "train.py"])
     captured = capsys.readouterr()
@@ -327,6 +336,84 @@ def test_tune_command_shows_progress_and_ends_with_the_table(probe_result, tmp_p
     with pytest.raises(SystemExit) as exit_:  # no command after --
         main(["tune", "--study", str(tmp_path / "s.db")])
     assert exit_.value.code == 2 and "give your launch command after --" in capsys.readouterr().err
+
+
+def _without_matplotlib(monkeypatch) -> None:
+    """matplotlib made unimportable (as where the autopar[report] extra is not installed)."""
+    for name in ["matplotlib"] + [m for m in sys.modules if m.startswith("matplotlib.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_report_without_matplotlib_prints_the_table_and_how_to_get_the_charts(probe_result, tmp_path, capsys,
+                                                                              monkeypatch):
+    from autopar.cli import main
+
+    report = _tune(probe_result, FakeRunner(probe_result), tmp_path / "s.db", trials=2, prune_factor=NO_PRUNING)
+    _without_matplotlib(monkeypatch)
+    main(["report", str(tmp_path / "s.db"), "--out", str(tmp_path / "charts")])
+    captured = capsys.readouterr()
+    assert report.table().splitlines()[:len(report.rows) + 2] == captured.out.splitlines()[:len(report.rows) + 2]
+    hints = [line for line in (captured.out + captured.err).splitlines() if 'pip install "autopar[report]"' in line]
+    assert len(hints) == 1 and "matplotlib" in hints[0]
+    assert not (tmp_path / "charts").exists()  # no chart written, none half-written
+
+
+def test_a_study_written_by_autopar_tune_reads_well_in_optuna(probe_result, tmp_path, capsys, monkeypatch):
+    """What optuna-dashboard shows of a study: its trials' parameters are the plan's name and fields (not a
+    hash), and their user attributes hold the prediction and the measurement."""
+    from autopar.cli import main
+
+    runner = FakeRunner(probe_result, fail=lambda plan: plan.pp > 1)
+    _fake_trials(monkeypatch, runner, probe_result)
+    code = main(["tune", "--study", str(tmp_path / "s.db"), "--trials", "4", "--steps", "3", "--warmup", "1", "--",
+                 "python", "train.py"])
+    assert code == 0
+    capsys.readouterr()
+    study = optuna.load_study(study_name="autopar", storage=f"sqlite:///{tmp_path / 's.db'}")
+    space = {e["key"]: Plan.from_yaml(e["plan"]) for e in study.user_attrs[STUDY_SPACE]}
+    ran = _ran(study.trials)
+    assert len(ran) == 4 and {t.user_attrs["status"] for t in ran} == {"ok", "oom"}
+    fields = ("pp", "dp_replicate", "dp_shard", "tp", "micro_batch_size", "grad_accum", "checkpointing", "precision",
+              "compile", "cpu_offload")
+    for t in ran:
+        plan = space[t.user_attrs["key"]]
+        assert t.params["plan"] == short_name(plan)  # e.g. "tp2 mb8 fp32 sp"
+        assert {name: t.params[name] for name in fields} == {name: getattr(plan, name) for name in fields}
+        assert not any(isinstance(v, str) and re.fullmatch("[0-9a-f]{16}", v) for v in t.params.values())
+        for name in fields:  # categorical over the values in the space
+            assert isinstance(t.distributions[name], CategoricalDistribution)
+            assert set(t.distributions[name].choices) == {getattr(p, name) for p in space.values()}
+        predicted, measured = t.user_attrs["predicted"], t.user_attrs["measured"]
+        assert predicted["step_s"] > 0 and predicted["memory_bytes"] > 0 and predicted["tokens_per_s"] > 0
+        assert measured["wall_s"] > 0
+        if t.user_attrs["status"] == "ok":
+            assert t.state == TrialState.COMPLETE and measured["tokens_per_s"] == pytest.approx(t.value)
+            assert measured["step_s"] == pytest.approx(runner.true_step(plan))
+            assert measured["peak_allocated_bytes"] == 2 << 20 and measured["peak_reserved_bytes"] == 3 << 20
+        else:
+            assert plan.pp > 1 and t.state == TrialState.FAIL and "out of memory" in t.user_attrs["cause"]
+
+
+def test_a_study_of_the_older_format_is_refused_and_its_report_still_reads(probe_result, tmp_path):
+    """Format 1 had one parameter, the plan's key: resuming such a study is refused with a sentence; the report
+    reads it."""
+    path = tmp_path / "s.db"
+    report = _tune(probe_result, FakeRunner(probe_result), path, trials=2, prune_factor=NO_PRUNING)
+    study = optuna.load_study(study_name="autopar", storage=f"sqlite:///{path}")
+    old = optuna.create_study(study_name="autopar", direction="maximize")  # the same study, as format 1 wrote it
+    space = [{k: v for k, v in e.items() if k != "name"} for e in study.user_attrs[STUDY_SPACE]]
+    for name, value in study.user_attrs.items():
+        old.set_user_attr(name, space if name == STUDY_SPACE else value)
+    old.set_user_attr("autopar", {**study.user_attrs["autopar"], "format": 1})
+    keys = CategoricalDistribution([e["key"] for e in space])
+    for t in study.trials:
+        ua = {k: v for k, v in t.user_attrs.items() if k not in ("key", "predicted")}
+        old.add_trial(optuna.trial.create_trial(state=t.state, value=t.value, params={"plan": t.user_attrs["key"]},
+                                                distributions={"plan": keys}, user_attrs=ua))
+    assert report_from_study(old).rows == report.rows
+    study.set_user_attr("autopar", {**study.user_attrs["autopar"], "format": 1})
+    with pytest.raises(AutoparError, match=r"study format 1, this one writes 2\): use a new --study file"):
+        _tune(probe_result, FakeRunner(probe_result), path, trials=3)
 
 
 def test_progress_line_rewrites_one_line_on_a_terminal():
@@ -470,7 +557,7 @@ def test_real_study_of_six_trials_survives_a_killed_tuner_and_caches_the_best(tm
         if tuner.poll() is None:
             tuner.kill()
             tuner.wait()
-    before = {t.params[PARAM]: t.number for t in _completed(study_path)}
+    before = {t.user_attrs["key"]: t.number for t in _completed(study_path)}
     assert len(before) == 2
     running = [t for t in _trials(study_path) if t.state == TrialState.RUNNING]
     assert len(running) == 1  # the trial in flight when the tuner died
@@ -479,19 +566,19 @@ def test_real_study_of_six_trials_survives_a_killed_tuner_and_caches_the_best(tm
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     trials = _trials(study_path)
     completed = _completed(study_path)
-    keys = [t.params[PARAM] for t in completed]
+    keys = [t.user_attrs["key"] for t in completed]
     assert len(keys) == 6 == len(set(keys))  # the total asked, none run twice
     assert all(before[k] == n for k, n in before.items() if k in keys) and set(before) <= set(keys)
     stale = next(t for t in trials if t.number == running[0].number)
     assert stale.state == TrialState.FAIL and stale.user_attrs["status"] == "stale"
-    assert running[0].params[PARAM] in keys  # its plan was tried again
+    assert running[0].user_attrs["key"] in keys  # its plan was tried again
     assert "trial budget reached (6 of 6 measured)" in again.stderr and "best (*)" in again.stdout
     assert "stale" in again.stdout
     # The best measured plan is in the plan cache, with its measurement.
     best = max(completed, key=lambda t: t.value)
     (key, path), = cache.entries(directory=tmp_path / "cache")
     cached = cache.lookup(key, directory=tmp_path / "cache")
-    assert cached.key() == best.params[PARAM]
+    assert cached.key() == best.user_attrs["key"]
     assert cached.measurement["tokens_per_s"] == pytest.approx(best.value)
 
 
