@@ -35,7 +35,7 @@ import torch.nn as nn
 from ._util.batch import map_tensors
 from .errors import ExactCheckUnavailable, PlanError
 from .plans import Plan
-from .profile import _flash_like_sdpa, profile_model
+from .profile import flash_like_attention, profile_model
 from .step import train_step
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
@@ -153,7 +153,7 @@ def exact_memory(
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
     flash = contextlib.ExitStack()
     if dev.type != "cuda":
-        flash.enter_context(_patched_sdpa(_flash_like_sdpa))
+        flash.enter_context(_patched_sdpa(flash_like_attention))
     if plan.pp > 1:
         flash.enter_context(_static_pipeline_warmup())
     try:

@@ -17,7 +17,7 @@ import autopar
 from autopar.errors import PlanError
 from autopar.models.gpt import lm_loss
 from autopar.plans import Plan
-from autopar.profile import call_model
+from autopar._util.batch import call_model
 from autopar.step import clip_grad_norm, split_batch
 from tests._training import TORCHRUN_VARS, batch, loss_of, make_model, sample_of
 

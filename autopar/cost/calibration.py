@@ -56,7 +56,7 @@ class Calibration:
     compile_activation_factor: float = 0.58  # compiled/eager saved activations; ratio; anchor fit
     compile_transient_factor: float = 0.61  # compiled loss fuses logits and their gradient; ratio; anchor fit
     autocast_activation_factor: float = 1.0  # saved bytes of a GPU autocast run / the bf16 trace's; ratio; 1: the
-    # trace applies CUDA autocast's float32 casts (autopar.profile._CudaAutocastPolicy); H200 runs within -0.4 to
+    # trace applies CUDA autocast's float32 casts (autopar.profile.cuda_autocast.CudaAutocastPolicy); H200 runs within -0.4 to
     # +4.2% of the trace's prediction
     gradient_peak_fraction: float = 0.0004  # gradients alive at a single step's peak (backward start); ratio; anchor fit
     # --- time -----------------------------------------------------------------------------------------

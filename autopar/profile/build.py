@@ -1,0 +1,172 @@
+"""profile_model: a model's ModelProfile for one sample, from its structure (blocks, parameters, tied weights,
+shape facts; blocks.py) and one traced step on fake tensors (trace.py)."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .._util.batch import first_tensor, sample_batch_size
+from ..errors import ProfileError
+from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
+from .model_profile import BlockProfile, ModelProfile, model_fingerprint
+from .trace import StepTrace, Trace, Units
+
+
+def profile_model(
+    model: nn.Module,
+    sample: Any,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    blocks: BlocksSpec = None,
+    precision: str = "fp32",
+    warn: bool = True,
+    trace: bool = True,
+) -> ModelProfile:
+    """Profile `model` on `sample` (one rank's batch as the user's loop feeds it) without real memory.
+
+    `sample` is passed as `model(sample)`, `model(*sample)` or `model(**sample)`; meta tensors are fine.
+    `loss_fn(output, sample) -> scalar` drives backward (it gets fake tensors: it must not capture real
+    ones); without it, `output.loss` (Hugging Face with labels) or the sum of the output is used (the
+    loss's own FLOPs are then slightly off; the model's are exact).
+    `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them);
+    `precision="bf16-pure"` with bf16 weights and inputs and no autocast (as FSDP2's mixed precision runs).
+    `trace=False` reads only the structure (blocks, parameters); FLOPs and bytes are then zero.
+    """
+    if precision not in ("fp32", "bf16", "bf16-pure"):
+        raise ProfileError(f"precision must be 'fp32', 'bf16' or 'bf16-pure', got {precision!r}.")
+    if not list(model.parameters()):
+        raise ProfileError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelise.")
+    batch = sample_batch_size(sample)
+    blocks_path, units, repeated = find_blocks(model, blocks)
+    notes: list[str] = []
+    if not repeated:
+        notes.append(_no_blocks_note(units))
+        if warn:
+            warnings.warn("autopar: " + notes[-1], stacklevel=2)
+    params = _Params.of(model, units)
+    if trace:
+        t = StepTrace(model, sample, units, loss_fn=loss_fn, precision=precision).run()
+    else:
+        t = Trace.untraced(len(units))
+        notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
+    first = first_tensor(sample)
+    tokens = int(first.shape[1]) if first is not None and first.dim() == 2 and not first.is_floating_point() else None
+    block_classes = {type(m).__name__ for _, m in units}
+    return ModelProfile(
+        model_class=type(model).__name__,
+        fingerprint=model_fingerprint(model),
+        blocks_path=blocks_path,
+        block_class=block_classes.pop() if len(block_classes) == 1 else None,
+        repeated=repeated,
+        blocks=_block_profiles(units, params, t),
+        num_params=params.num_params,
+        num_trainable_params=params.num_trainable,
+        num_params_outside_blocks=params.num_params - sum(c for c, _ in params.per_block),
+        num_lookup_params=params.num_lookup,
+        param_bytes=params.nbytes,
+        param_dtype=params.dtype,
+        tied_params=params.tied,
+        forward_flops=t.forward_flops,
+        flops=t.flops,
+        saved_bytes_outside_blocks=t.saved_outside_bytes,
+        largest_transient_bytes=t.largest_bytes,
+        largest_transient_op=t.largest_op,
+        sample_batch_size=batch,
+        tokens_per_sample=tokens,
+        profile_precision=precision,
+        traced=trace,
+        root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
+        num_ops=t.num_ops,
+        traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes,
+        matmul_calls=t.matmul_calls,
+        block_input=t.block_input,
+        block_input_shape=t.block_input_shape,
+        block_num_args=t.block_num_args,
+        block_input_bytes=t.block_input_bytes,
+        block_output_arity=t.block_output_arity,
+        modules_before_blocks=t.before,
+        modules_after_blocks=t.after,
+        notes=tuple(notes),
+        **shape_facts(model, units if repeated else []),
+    )
+
+
+def _no_blocks_note(units: Units) -> str:
+    names = ", ".join(n for n, _ in units) or "(none)"
+    return (
+        f"no repeated blocks (a ModuleList/Sequential of same-structure layers) found; the top-level "
+        f"children ({names}) are the units instead. Sharding and checkpointing then work at that "
+        "coarser grain: a whole unit's parameters are gathered at once (higher peak memory, less overlap) "
+        "and pipeline stages can only split between those children. Pass blocks='path.to.layers' to name them."
+    )
+
+
+@dataclass(frozen=True)
+class _Params:
+    """The model's parameters, counted from its real structure."""
+
+    num_params: int  # unique parameters
+    num_trainable: int
+    nbytes: int  # unique parameter bytes in their dtype
+    dtype: str  # the most common dtype
+    num_lookup: int  # parameters of embeddings not tied to a matmul
+    tied: tuple[tuple[str, ...], ...]  # groups of names that share one Parameter
+    per_block: tuple[tuple[int, int], ...]  # (parameters, bytes) per unit, tied ones counted where first seen
+    matmul_per_block: tuple[int, ...]  # parameters of each unit's Linear-like layers
+
+    @classmethod
+    def of(cls, model: nn.Module, units: Units) -> "_Params":
+        by_id: dict[int, list[str]] = collections.defaultdict(list)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id[id(p)].append(name)
+        unique = {id(p): p for p in model.parameters()}
+        embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        matmul_weights = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
+                          for p in m.parameters(recurse=False)}
+        dtypes = collections.Counter(str(p.dtype).replace("torch.", "") for p in unique.values())
+        return cls(
+            num_params=sum(p.numel() for p in unique.values()),
+            num_trainable=sum(p.numel() for p in unique.values() if p.requires_grad),
+            nbytes=sum(p.numel() * p.element_size() for p in unique.values()),
+            dtype=dtypes.most_common(1)[0][0],
+            num_lookup=sum(unique[i].numel() for i in embedding_weights - matmul_weights if i in unique),
+            tied=tuple(tuple(names) for names in by_id.values() if len(names) > 1),
+            per_block=_params_per_block(units),
+            matmul_per_block=tuple(sum(p.numel() for m in module.modules() if is_matmul_layer(m)
+                                       for p in m.parameters(recurse=False)) for _, module in units),
+        )
+
+
+def _params_per_block(units: Units) -> tuple[tuple[int, int], ...]:
+    """(parameters, bytes) of each unit; a parameter shared by two units counts in the first."""
+    seen: set[int] = set()
+    out = []
+    for _, module in units:
+        count = nbytes = 0
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                count += p.numel()
+                nbytes += p.numel() * p.element_size()
+        out.append((count, nbytes))
+    return tuple(out)
+
+
+def _block_profiles(units: Units, params: _Params, t: Trace) -> tuple[BlockProfile, ...]:
+    """One BlockProfile per unit. The counter's per-module FLOPs include backward, so a block's forward FLOPs
+    are its total times the step's forward share (the same for every matmul-dominated block to within the
+    loss's FLOPs)."""
+    fwd_share = t.forward_flops / t.flops if t.flops else 1 / 3
+    return tuple(
+        BlockProfile(name=name, num_params=params.per_block[i][0], param_bytes=params.per_block[i][1],
+                     forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved_bytes[i],
+                     matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
+                     selective_saved_bytes=t.selective_bytes[i])
+        for i, (name, _) in enumerate(units)
+    )

@@ -1,0 +1,118 @@
+"""Attention as the trace counts it: FLOP formulas for every scaled-dot-product-attention kernel, the op
+packets whose time is FLOPs (matmul_ops), and the flash-like stand-in for SDPA (flash_like_attention) that a
+trace on a CPU runs instead of torch's own, as a GPU would run it (flash_like_sdpa(), a TorchFunctionMode)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# The builtin F.scaled_dot_product_attention is, as a TorchFunctionMode receives it (taken from torch._C, so
+# that F's attribute replaced elsewhere does not change what is routed).
+_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def _sdpa_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
+    """Forward FLOPs of attention with q (b, hq, sq, d), k (b, hk, sk, d), v (b, hv, sk, dv): two matmuls per
+    query head. Grouped-query attention (hk < hq) does as many FLOPs as full attention: every query head
+    attends to all keys (torch's own formula refuses hk != hq before torch 2.13)."""
+    b, hq, sq, d = q[-4:] if len(q) == 4 else (1, *q[-3:])
+    sk, dv = k[-2], v[-1]
+    return 2 * b * hq * sq * sk * d + 2 * b * hq * sq * sk * dv
+
+
+def _sdpa_backward_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
+    """Backward FLOPs of attention as torch 2.13's sdpa_backward_flop_count counts them: the scores again,
+    the gradient of the scores, and the gradients of v, q and k (five matmuls per query head)."""
+    b, hq, sq, d = q[-4:] if len(q) == 4 else (1, *q[-3:])
+    sk, dv = k[-2], v[-1]
+    return 2 * b * hq * sq * sk * (3 * d + 2 * dv)
+
+
+def _forward_formula(q: Sequence[int], k: Sequence[int], v: Sequence[int], *args: Any, out_shape: Any = None,
+                     **kwargs: Any) -> int:
+    return _sdpa_flops(q, k, v)
+
+
+def _backward_formula(grad: Sequence[int], q: Sequence[int], k: Sequence[int], v: Sequence[int], *args: Any,
+                      out_shape: Any = None, **kwargs: Any) -> int:
+    return _sdpa_backward_flops(q, k, v)
+
+
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas that replace or add to FlopCounterMode's: every scaled-dot-product-attention kernel
+    (CPU flash attention has none in torch; grouped-query attention fails torch's before 2.13)."""
+    aten = torch.ops.aten
+    out: dict[Any, Callable[..., int]] = {}
+    forward = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    for name in forward:
+        if hasattr(aten, name):
+            out[getattr(aten, name)] = _forward_formula
+        if hasattr(aten, name + "_backward"):
+            out[getattr(aten, name + "_backward")] = _backward_formula
+    return out
+
+
+def matmul_ops() -> set[Any]:
+    """Op packets whose time is FLOPs (matmuls, attention); everything else is memory-bound."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
+             "convolution")
+    return {getattr(aten, n) for n in names if hasattr(aten, n)}
+
+
+def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                         enable_gqa: bool = False) -> torch.Tensor:
+    """scaled_dot_product_attention as a GPU runs it, for the trace: a fused (flash) kernel in the autocast
+    dtype that saves q, k, v, the output and the softmax statistics for backward, never the (seq x seq)
+    attention matrix. On CPU tensors torch may pick the unfused math kernel, which saves that matrix in
+    fp32 and would overstate a GPU's activation memory many times over."""
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+        if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(dtype)
+    gqa = key.size(-3) != query.size(-3)
+    if gqa:  # grouped-query attention: every query head reads its key/value head
+        groups = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    if gqa and query.dtype == torch.float32:
+        # CUDA's fused kernels take grouped-query attention only in 16-bit (flash); in fp32 SDPA falls back to
+        # the math kernel, which saves the attention matrix (seen on an H200: a Llama-1B shape in fp32 OOMs).
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
+    with torch.autocast(query.device.type, enabled=False):
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
+
+
+class _FlashLikeSdpa(TorchFunctionMode):
+    """Routes every call of F.scaled_dot_product_attention (however the model reached it) to the stand-in;
+    every other torch function runs as it would."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _SDPA:
+            return flash_like_attention(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def flash_like_sdpa() -> TorchFunctionMode:
+    """A context manager under which F.scaled_dot_product_attention runs flash_like_attention:
+    `with flash_like_sdpa(): ...`. It is a TorchFunctionMode, so it sees the call before autograd, autocast
+    and any TorchDispatchMode (FakeTensorMode, FlopCounterMode), whichever order those were entered in. A
+    TorchFunctionMode entered after it (the trace's CudaAutocastPolicy) sees the call first and passes it
+    on unchanged; the stand-in runs with both off (torch pops a mode while its handler runs), which changes
+    nothing, as the policy casts none of the stand-in's ops.
+
+    It covers the forward only. `Tensor.backward` is itself a torch function, so the mode is off while
+    backward runs: a forward recomputed in backward (activation checkpointing) would call torch's own SDPA.
+    The profile's trace recomputes nothing; the exact check, whose plans checkpoint, replaces the function
+    F.scaled_dot_product_attention itself (autopar.exact)."""
+    return _FlashLikeSdpa()

@@ -1,0 +1,226 @@
+"""The profile's records: ModelProfile (what the planner knows about a model for one sample), BlockProfile,
+MatmulCall, their dict/JSON round trip, and model_fingerprint. No measuring here (build.py and trace.py measure)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+from ..errors import ProfileError
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One unit of the model (a transformer layer, or a top-level child where nothing repeats)."""
+
+    name: str  # fully qualified module name, e.g. "transformer.h.3"
+    num_params: int  # parameters in the block (tied ones counted where first seen)
+    param_bytes: int  # bytes of those parameters in the model's dtype
+    forward_flops: float  # FLOPs of the block's forward on the sample
+    flops: float  # forward + backward FLOPs of the block on the sample
+    saved_bytes: int  # activation bytes the block saves for backward on the sample (no checkpointing)
+    matmul_params: int = 0  # parameters of the block's Linear-like layers (what tensor parallelism splits)
+    saved_hidden_bytes: int = 0  # of saved_bytes, tensors shaped like the hidden states (batch, seq, hidden)
+    selective_saved_bytes: int = 0  # outputs of matmuls and attention in the forward (what selective AC keeps)
+
+
+@dataclass(frozen=True)
+class MatmulCall:
+    """One call of a Linear-like layer during the traced step: what tensor parallelism splits."""
+
+    name: str  # fully qualified module name
+    kind: str  # "linear" (nn.Linear, weight out x in) or "conv1d" (Hugging Face Conv1D, weight in x out)
+    input_id: int  # calls with one input_id read the same tensor (e.g. q, k and v projections)
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the planner knows about a model, for the sample it was profiled with.
+
+    FLOPs and saved bytes are for one forward and backward of the sample (`sample_batch_size` samples);
+    `*_per_sample` helpers scale them, since both are linear in the batch.
+    """
+
+    model_class: str
+    fingerprint: str  # hash of parameter names and shapes: identifies the architecture, not the weights
+    blocks_path: str | None  # container of the blocks ("transformer.h"), None if given as paths/classes
+    block_class: str | None
+    repeated: bool  # False: no repeated blocks, top-level children are the units
+    blocks: tuple[BlockProfile, ...]
+    num_params: int  # unique parameters
+    num_trainable_params: int
+    num_params_outside_blocks: int
+    num_lookup_params: int  # parameters of embeddings not tied to a matmul: looked up, no FLOPs
+    param_bytes: int  # unique parameter bytes in the model's dtype
+    param_dtype: str
+    tied_params: tuple[tuple[str, ...], ...]  # groups of names that share one Parameter
+    forward_flops: float
+    flops: float  # forward + backward FLOPs of one step on the sample
+    saved_bytes_outside_blocks: int  # activations saved for backward outside the blocks (embeddings, head, loss)
+    largest_transient_bytes: int  # the largest single tensor created by the step
+    largest_transient_op: str
+    sample_batch_size: int
+    tokens_per_sample: int | None  # sequence length for token inputs, else None
+    profile_precision: str  # "fp32", "bf16" (autocast) or "bf16-pure" (bf16 weights, as FSDP's mixed precision)
+    traced: bool = True  # False: structure only (trace=False), FLOPs and bytes unknown (zero)
+    matmul_calls: tuple[MatmulCall, ...] = ()  # Linear-like calls in order (empty when not traced)
+    block_input: str | None = None  # how a block receives the hidden states: "arg0" or "kwarg:NAME"
+    block_input_shape: tuple[int, ...] | None = None  # shape of those hidden states for the sample (batch first)
+    block_num_args: int = 1  # positional arguments a block is called with
+    block_input_bytes: int = 0  # bytes of those hidden states (what full checkpointing keeps per block)
+    block_output_arity: int = 0  # 0: a block returns a tensor; n: a tuple of n items, hidden states first
+    modules_before_blocks: tuple[str, ...] = ()  # modules with parameters called before the first block
+    modules_after_blocks: tuple[str, ...] = ()  # ... after the last block (final norm, head)
+    root_param_names: tuple[str, ...] = ()  # parameters held by the model itself, not by a submodule
+    num_ops: int = 0  # ops that allocate an output in one step (eager kernel launches)
+    traffic_bytes: int = 0  # bytes read and written by the non-matmul ops of one step (memory-bound work)
+    weight_traffic_bytes: int = 0  # the part of traffic_bytes on weight-shaped tensors (gradient casts and
+    #                                accumulation): paid once per micro-batch, not per sample
+    hidden_dim: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    num_layers: int | None = None
+    vocab_size: int | None = None
+    ffn_dim: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
+
+    def __hash__(self) -> int:
+        """Computed once per object: the cost model caches by profile (pipeline stage splits, TP pairs), and
+        hashing every block each time was half of an 80-block model's search."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in dataclass_fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)  # string hashes differ between processes
+        return state
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_params_in_blocks(self) -> int:
+        return sum(b.num_params for b in self.blocks)
+
+    @property
+    def saved_bytes(self) -> int:
+        """All activation bytes saved for backward by one step on the sample."""
+        return sum(b.saved_bytes for b in self.blocks) + self.saved_bytes_outside_blocks
+
+    @property
+    def flops_per_sample(self) -> float:
+        return self.flops / self.sample_batch_size
+
+    @property
+    def saved_bytes_per_sample(self) -> float:
+        return self.saved_bytes / self.sample_batch_size
+
+    @property
+    def tokens_per_step(self) -> int | None:
+        return None if self.tokens_per_sample is None else self.tokens_per_sample * self.sample_batch_size
+
+    def formula_flops(self) -> float | None:
+        """6 N + 12 L h s FLOPs per token times the sample's tokens (Kaplan 2020 / PaLM appendix B), or None.
+
+        N counts the parameters that take part in matmuls: lookup-only embeddings are left out (Kaplan's
+        non-embedding count, with a tied output head kept since it is a matmul).
+        """
+        if None in (self.tokens_per_sample, self.hidden_dim, self.num_layers):
+            return None
+        s = self.tokens_per_sample
+        per_token = 6 * (self.num_params - self.num_lookup_params) + 12 * self.num_layers * self.hidden_dim * s
+        return per_token * s * self.sample_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["blocks"] = [asdict(b) for b in self.blocks]
+        d["tied_params"] = [list(g) for g in self.tied_params]
+        d["notes"] = list(self.notes)
+        d["matmul_calls"] = [asdict(c) for c in self.matmul_calls]
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
+        """The profile `to_dict` wrote, also after a JSON round trip (lists become the tuples they were):
+        `ModelProfile.from_dict(json.loads(json.dumps(p.to_dict()))) == p`."""
+        if not isinstance(data, Mapping):
+            raise ProfileError(f"a profile must be a mapping of field names to values, got {type(data).__name__}.")
+        names = {f.name for f in dataclass_fields(cls)}
+        unknown = sorted(set(map(str, data)) - names)
+        if unknown:
+            raise ProfileError(f"unknown profile field(s) {', '.join(unknown)}; ModelProfile.to_dict writes: "
+                               f"{', '.join(sorted(names))}.")
+        values = dict(data)
+        values["blocks"] = tuple(b if isinstance(b, BlockProfile) else BlockProfile(**b)
+                                 for b in values.get("blocks", ()))
+        values["matmul_calls"] = tuple(c if isinstance(c, MatmulCall) else MatmulCall(**c)
+                                       for c in values.get("matmul_calls", ()))
+        values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
+        for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names"):
+            if name in values:
+                values[name] = tuple(values[name])
+        if values.get("block_input_shape") is not None:
+            values["block_input_shape"] = tuple(values["block_input_shape"])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise ProfileError(f"not a profile written by ModelProfile.to_dict: {exc}") from None
+
+    def describe(self) -> str:
+        """A few lines for people: the blocks, parameters, shape facts, sample and per-step costs."""
+        n = _si
+        blocks = (f"{self.num_blocks} x {self.block_class} at {self.blocks_path or '(listed paths)'}"
+                  if self.repeated else f"{self.num_blocks} top-level units (no repeated blocks found)")
+        lines = [
+            f"model {self.model_class} ({self.fingerprint})",
+            f"  parameters    {n(self.num_params)} ({n(self.num_params_in_blocks)} in blocks, "
+            f"{n(self.num_params_outside_blocks)} outside), {self.param_dtype}, {self.param_bytes / 2**20:.1f} MiB",
+            f"  blocks        {blocks}",
+        ]
+        if self.tied_params:
+            lines.append("  tied          " + "; ".join(" = ".join(g) for g in self.tied_params))
+        shape = [f"{k}={v}" for k, v in (("hidden", self.hidden_dim), ("heads", self.num_heads),
+                                          ("kv_heads", self.num_kv_heads), ("layers", self.num_layers),
+                                          ("ffn", self.ffn_dim), ("vocab", self.vocab_size)) if v is not None]
+        if shape:
+            lines.append("  shape         " + ", ".join(shape))
+        tokens = f", {self.tokens_per_sample} tokens each" if self.tokens_per_sample else ""
+        lines += [
+            f"  sample        {self.sample_batch_size} samples{tokens}",
+            f"  per step      {n(self.flops)}FLOP (forward {n(self.forward_flops)}FLOP), "
+            f"{self.saved_bytes / 2**20:.1f} MiB saved for backward ({self.profile_precision}), "
+            f"largest tensor {self.largest_transient_bytes / 2**20:.1f} MiB ({self.largest_transient_op})",
+        ]
+        for note in self.notes:
+            lines.append(f"  note          {note}")
+        return "\n".join(lines)
+
+
+def _si(x: float) -> str:
+    """`x` with a T/G/M/k suffix and two decimals (plain integer below a thousand)."""
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f}{unit}"
+    return f"{x:.0f}"
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short hash of the model class and its parameter names and shapes (not values, not dtype)."""
+    items = [type(model).__qualname__] + [
+        f"{name}:{tuple(p.shape)}" for name, p in model.named_parameters(remove_duplicate=False)
+    ]
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]

@@ -1,0 +1,93 @@
+"""Attention in the trace: flash_like_sdpa() routes F.scaled_dot_product_attention to the flash-like stand-in
+(also under FakeTensorMode, bf16 autocast and the CUDA autocast policy, as the trace runs it), and leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar.profile.flops as flops
+from autopar.models.gpt import lm_loss, synthetic_tokens
+from autopar.profile import flash_like_sdpa, profile_model
+from tests.profile._helpers import SMALL, _gpt
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every aten op that runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _qkv(heads: int = 4, kv_heads: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, heads, 8, 16, generator=g), torch.randn(2, kv_heads, 8, 16, generator=g),
+            torch.randn(2, kv_heads, 8, 16, generator=g))
+
+
+def test_flash_like_sdpa_runs_the_fused_kernel_and_gives_sdpa_result():
+    q, k, v = _qkv()
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with flash_like_sdpa(), _Ops() as ops:
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops.names
+    torch.testing.assert_close(got, expected)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention  # nothing was replaced
+
+
+def test_grouped_query_attention_in_fp32_takes_the_math_kernel_as_cuda_does():
+    q, k, v = _qkv(heads=4, kv_heads=2)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with flash_like_sdpa(), _Ops() as ops:
+        got = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in ops.names
+    assert "bmm" in ops.names  # the math kernel (composite: its parts run) materialises the attention matrix
+    torch.testing.assert_close(got, expected)
+
+
+def test_the_trace_routes_every_blocks_attention_to_the_stand_in_at_every_precision(monkeypatch):
+    """Under FakeTensorMode, FlopCounterMode, bf16 autocast and the CUDA autocast policy (itself a
+    TorchFunctionMode above this one), each block's F.scaled_dot_product_attention reaches the stand-in."""
+    calls: list[torch.dtype] = []
+    stand_in = flops.flash_like_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.dtype)
+        return stand_in(query, *args, **kwargs)
+
+    monkeypatch.setattr(flops, "flash_like_attention", spy)
+    model, x = _gpt(), synthetic_tokens(2, SMALL)
+    for precision in ("fp32", "bf16", "bf16-pure"):
+        calls.clear()
+        profile_model(model, x, loss_fn=lm_loss, precision=precision)
+        assert len(calls) == SMALL.num_layers, precision
+    assert torch._C._len_torch_function_stack() == 0  # every mode the trace entered is gone
+
+
+def test_flash_like_sdpa_covers_the_forward_only():
+    """Tensor.backward is a torch function: torch pops the mode while it runs, so a forward recomputed in
+    backward (checkpointing) would meet torch's own SDPA. Why the exact check replaces F's function instead."""
+    modes_in_backward: list[int] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            modes_in_backward.append(torch._C._len_torch_function_stack())
+            return grad * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with flash_like_sdpa():
+        assert torch._C._len_torch_function_stack() == 1
+        Probe.apply(x).sum().backward()
+    assert modes_in_backward == [0]
