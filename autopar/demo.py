@@ -13,6 +13,12 @@ import subprocess
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
 #: Model sizes: a tiny one for CPUs (the demo finishes in well under 2 minutes on 2 cores) and a
 #: GPT-2-small shape for GPUs.
 SIZES = {
@@ -35,8 +41,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _launch(args: argparse.Namespace) -> int:
     """Start the demo under torchrun with the right number of processes; returns its exit code."""
-    import torch
-
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     if nproc < 1:
         raise SystemExit("autopar demo: --nproc must be at least 1.")
@@ -52,12 +56,6 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    import autopar
-    from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
-
     on_gpu = torch.cuda.is_available()
     size = args.size or ("gpt2-small" if on_gpu else "tiny")
     cfg = GPTConfig(**SIZES[size])
@@ -126,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # one rank under torchrun
         _rank_main(args)
         return 0
-    import torch
 
     if (args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)) == 1:
         _rank_main(args)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.profile import call_model
+from autopar._util.batch import call_model
 from tests._training import GLOBAL_BATCH, STEPS, batch, local_rows, loss_of, make_model, make_optimizer, sample_of
 
 
