@@ -1,0 +1,537 @@
+"""Issue 10's GPU must-show: every zoo family trained on one GPU by hand and under autopar.wrap, measured.
+
+For each family of bench/zoo.py at its realistic size and batch, the model built on the GPU (seeded random init):
+  hand          bf16 autocast (forward and loss) + fused AdamW, eager
+  hand_compile  the same, the model under torch.compile (skipped on a CPU, with the reason recorded)
+  wrap          autopar.wrap(model, sample=..., loss_fn=...) (its own choice), then the user's plain loop with
+                AdamW (fused where the plan allows)
+each timed over `--steps` steps after `--warmup` (the median of per-step CUDA-event times), with the steady
+state's torch.cuda.max_memory_allocated / max_memory_reserved and the CUDA context (device memory in use
+that the caching allocator does not hold, torch.cuda.mem_get_info). A wrap record holds its plan and the
+prediction wrap made for it; a hand record, autopar's prediction for the same recipe as a plan (bf16,
+micro-batch = the batch, eager or compiled), traced on the meta device.
+
+One JSON line per (family, mode), appended as it finishes to `--out` (default $OUT/zoo_h200.jsonl). Each
+family runs in its own process (a clean CUDA context and allocator, killed at `--family-timeout-s`);
+no family starts when `--time-budget-s` is spent. Records already in `--out` or in a `--resume` file are
+not measured again (but those of status `cut`, `unavailable`: `--redo`).
+
+    python -m bench.zoo_h200 --families gpt2,vit --time-budget-s 480 [--resume bench/results/zoo_h200_DATE.jsonl]
+    python -m bench.zoo_h200 --device cpu --size tiny --families gpt2,vit,resnet --steps 2   # the CPU smoke test
+    python -m bench.zoo_h200 --report bench/results/zoo_h200_DATE.jsonl                    # the must-show table
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import itertools
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import autopar
+from autopar.planning import calibration_for, profile_variants, short_name
+from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
+from bench.zoo_h200_report import read_records, report
+
+MODES = ("hand", "hand_compile", "wrap")
+STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
+GiB = 2**30
+
+@dataclass(frozen=True)
+class Options:
+    """What every measurement of one call shares."""
+
+    device: str  # "cuda" or "cpu"
+    size: str  # "realistic" or "tiny"
+    batch: int | None  # None: the family's batch at that size
+    warmup: int
+    steps: int
+    lr: float
+    hand_predictions: bool
+    compile_on_cpu: bool
+    out: Path
+    command: str
+
+
+# ---- what a record says about where it was made -------------------------------------------------------
+def environment(opts: Options, device_name: str | None = None) -> dict[str, Any]:
+    """Where a record was made. The parent gives `device_name` (a child's): it never touches the GPU, so
+    that the children's context figures (device memory in use) hold no parent's CUDA context."""
+    import transformers  # optional: the zoo's Hugging Face families need it; recorded for the results
+
+    if device_name is None:
+        device_name = torch.cuda.get_device_name() if opts.device == "cuda" else "cpu"
+    return {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "command": opts.command}
+
+
+def batch_of(family: Family, opts: Options) -> int:
+    if opts.batch is not None:
+        return opts.batch
+    return family.realistic_batch if opts.size == "realistic" else family.tiny_batch
+
+
+def to_device(sample: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample.items()}
+
+
+def real_sample(family: Family, opts: Options) -> dict[str, Any]:
+    """One batch of real tensors on the device (the zoo makes them on the CPU, seeded)."""
+    sample = family.sample(opts.size, batch_of(family, opts), torch.device("cpu"), torch.Generator().manual_seed(0))
+    return to_device(sample, torch.device(opts.device))
+
+
+def tokens_per_sample(sample: dict[str, Any]) -> int | None:
+    ids = sample.get("input_ids")
+    return int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
+def build_on_device(family: Family, opts: Options) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.device(opts.device):
+        model = family.build(opts.size)
+    return model.train()
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+
+
+# ---- one training step, and timing it ------------------------------------------------------------------
+class Step:
+    """The user's loop body: forward (under autocast where asked), the family's loss, backward, AdamW."""
+
+    def __init__(self, model: nn.Module, family: Family, sample: dict[str, Any], opt: torch.optim.Optimizer, *,
+                 autocast_device: str | None) -> None:
+        self.model, self.family, self.sample, self.opt = model, family, sample, opt
+        self.autocast_device = autocast_device
+        self.loss: torch.Tensor | None = None
+
+    def __call__(self) -> None:
+        if self.autocast_device is not None:
+            with torch.autocast(self.autocast_device, dtype=torch.bfloat16):
+                loss = self.family.loss_fn(self.model(**self.sample), self.sample)
+        else:
+            loss = self.family.loss_fn(self.model(**self.sample), self.sample)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = loss.detach()
+
+
+def adamw(model: nn.Module, lr: float, *, fused: bool) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW over the trainable parameters, fused where asked and torch accepts it; and what it is."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if fused:
+        try:
+            return torch.optim.AdamW(params, lr=lr, fused=True), "AdamW(fused=True)"
+        except Exception as exc:  # e.g. parameters torch's fused kernel does not take
+            return torch.optim.AdamW(params, lr=lr), f"AdamW (fused refused: {first_line(exc)})"
+    return torch.optim.AdamW(params, lr=lr), "AdamW"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Step, opts: Options) -> dict[str, Any]:
+    """Warm up, reset the peak statistics, then time `opts.steps` steps: per-step CUDA events on a GPU (the
+    steps stay queued back to back, as in training), the wall clock around each step on a CPU."""
+    t0 = time.perf_counter()
+    for _ in range(opts.warmup):
+        step()
+    sync(opts.device)
+    warmup_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"warmup_s": round(warmup_s, 3)}
+    if opts.device == "cuda":
+        out["peak_allocated_warmup_bytes"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(opts.steps + 1)]
+        t0 = time.perf_counter()
+        events[0].record()
+        for event in events[1:]:
+            step()
+            event.record()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        times = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(events)]
+    else:
+        times = []
+        t0 = time.perf_counter()
+        for _ in range(opts.steps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        wall = time.perf_counter() - t0
+    out.update(step_s=statistics.median(times), step_s_mean=wall / opts.steps,
+               step_s_all=[round(t, 6) for t in times], loss=float(step.loss) if step.loss is not None else None)
+    return out
+
+
+def memory(opts: Options) -> dict[str, Any]:
+    """The steady state's peaks and the CUDA context now (device memory in use beyond what torch reserves)."""
+    if opts.device != "cuda":
+        return {"peak_allocated_bytes": None, "peak_reserved_bytes": None, "context_bytes": None}
+    free, total = torch.cuda.mem_get_info()
+    return {"peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "context_bytes": total - free - torch.cuda.memory_reserved(), "device_total_bytes": total}
+
+
+def throughput(rec: dict[str, Any], batch: int, tokens: int | None) -> None:
+    rec["samples_per_s"] = batch / rec["step_s"]
+    rec["tokens_per_s"] = batch * tokens / rec["step_s"] if tokens else None
+
+
+def clean(device: str) -> None:
+    """Free what the last measurement left: its graphs, its cached blocks, its peak statistics."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+# ---- what autopar predicts -----------------------------------------------------------------------------
+def hand_plan(batch: int, *, compiled: bool) -> autopar.Plan:
+    """The hand recipe as an autopar plan: one GPU, bf16 autocast with fp32 master weights, no checkpointing."""
+    return autopar.Plan(micro_batch_size=batch, precision="bf16", compile=compiled)
+
+
+def prediction_fields(summary: dict[str, Any] | None, context_bytes: float) -> dict[str, Any]:
+    """A plan's prediction (Prediction.summary(), as Plan.prediction holds it) in the record's names: the
+    predicted peak is reserved + context, the calibration's context taken out for the reserved part."""
+    if not summary:
+        return {"predicted_step_s": None, "predicted_allocated_bytes": None, "predicted_reserved_bytes": None,
+                "predicted_peak_bytes": None}
+    peak = summary.get("memory_bytes")
+    return {"predicted_step_s": summary.get("step_s"), "predicted_allocated_bytes": summary.get("allocated_bytes"),
+            "predicted_reserved_bytes": None if peak is None else peak - context_bytes,
+            "predicted_peak_bytes": peak, "predicted_context_bytes": context_bytes,
+            "predicted_samples_per_s": summary.get("samples_per_s"),
+            "predicted_tokens_per_s": summary.get("tokens_per_s"), "predicted_mfu": summary.get("mfu")}
+
+
+class Predictor:
+    """autopar's predictions for plans of one family, from one trace of the model on the meta device (at
+    "tiny", on the CPU) in fp32 and bf16 (autopar.planning.profile_variants), made on first use."""
+
+    def __init__(self, family: Family, opts: Options) -> None:
+        self.family, self.opts = family, opts
+        self.topology = autopar.Topology.detect()
+        self.context_bytes = calibration_for(self.topology).context_bytes
+        self._traced: tuple[Any, Any] | None = None
+        self._error: str | None = None
+
+    def _trace(self) -> tuple[Any, Any] | None:
+        if self._traced is None and self._error is None:
+            try:
+                model = build_model(self.family, self.opts.size)
+                sample = make_sample(self.family, self.opts.size, batch_of(self.family, self.opts))
+                self._traced = profile_variants(model, sample, self.topology, loss_fn=self.family.loss_fn, warn=False)
+            except Exception as exc:  # recorded with the measurement, which still happens
+                self._error = first_line(exc)
+        return self._traced
+
+    def fields(self, plan: autopar.Plan) -> dict[str, Any]:
+        traced = self._trace()
+        if traced is None:
+            return {**prediction_fields(None, self.context_bytes), "predicted_error": self._error}
+        profile, variants = traced
+        try:
+            prediction = autopar.predict(profile, plan, topology=self.topology, variants=variants)
+        except Exception as exc:
+            return {**prediction_fields(None, self.context_bytes), "predicted_error": first_line(exc)}
+        return prediction_fields(prediction.summary(), self.context_bytes)
+
+
+# ---- the three modes -----------------------------------------------------------------------------------
+class Measurement:
+    """One (family, mode) measured in this process: builds the model, runs the mode, returns the record."""
+
+    def __init__(self, family: Family, opts: Options, predictor: Predictor) -> None:
+        self.family, self.opts, self.predictor = family, opts, predictor
+
+    def run(self, mode: str) -> dict[str, Any]:
+        batch = batch_of(self.family, self.opts)
+        rec: dict[str, Any] = {"family": self.family.name, "kind": self.family.kind, "mode": mode,
+                               "size": self.opts.size, "batch": batch, "warmup": self.opts.warmup,
+                               "steps": self.opts.steps, **environment(self.opts)}
+        skip = self._skip_reason(mode)
+        if skip is not None:
+            rec.update(status="skipped", error=skip)
+            return rec
+        clean(self.opts.device)
+        t0 = time.perf_counter()
+        try:
+            sample = real_sample(self.family, self.opts)
+            model = build_on_device(self.family, self.opts)
+            rec["parameters"] = sum(p.numel() for p in model.parameters())
+            step = self._wrap(model, sample, rec) if mode == "wrap" else self._hand(model, sample, rec, mode)
+            rec.update(time_steps(step, self.opts))
+            rec.update(memory(self.opts))
+            throughput(rec, batch, tokens_per_sample(sample))
+            rec["status"] = "ok"
+        except torch.cuda.OutOfMemoryError as exc:
+            rec.update(status="oom", error=first_line(exc), **memory(self.opts))
+        except Exception as exc:  # recorded; the next mode still runs
+            rec.update(status="error", error=first_line(exc))
+        finally:
+            step = model = sample = None  # dropped before the next mode is built
+            clean(self.opts.device)
+        rec["wall_s"] = round(time.perf_counter() - t0, 2)  # build, wrap or compile, warm-up and timed steps
+        return rec
+
+    def _skip_reason(self, mode: str) -> str | None:
+        if mode == "hand_compile" and self.opts.device == "cpu" and not self.opts.compile_on_cpu:
+            return "torch.compile is measured on the GPU only (on a CPU it needs a C++ toolchain and minutes)"
+        return None
+
+    def _hand(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
+        compiled = mode == "hand_compile"
+        if self.opts.hand_predictions:
+            rec.update(self.predictor.fields(hand_plan(rec["batch"], compiled=compiled)))
+        rec["plan_short"] = short_name(hand_plan(rec["batch"], compiled=compiled))
+        opt, rec["optimizer"] = adamw(model, self.opts.lr, fused=True)
+        runnable = torch.compile(model) if compiled else model
+        return Step(runnable, self.family, sample, opt, autocast_device=self.opts.device)
+
+    def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any]) -> Step:
+        t0 = time.perf_counter()
+        autopar.wrap(model, sample=sample, loss_fn=self.family.loss_fn, verbose=False)
+        rec["wrap_s"] = round(time.perf_counter() - t0, 3)
+        plan = autopar.plan_of(model)
+        rec.update(plan=plan.strategy(), plan_short=short_name(plan), plan_text=plan.describe())
+        if plan.prediction:
+            rec.update(prediction_fields(dict(plan.prediction), self.predictor.context_bytes),
+                       predicted_source="the plan wrap chose (Plan.prediction)")
+        else:
+            rec.update(self.predictor.fields(plan), predicted_source="autopar.predict on the meta trace")
+        if self.opts.hand_predictions:  # the same plan predicted from the meta trace: does the trace agree?
+            meta = self.predictor.fields(plan)
+            rec["predicted_meta"] = {k: meta.get(k) for k in ("predicted_step_s", "predicted_allocated_bytes",
+                                                              "predicted_peak_bytes", "predicted_error")}
+        fused = not plan.cpu_offload and all(p.device.type == self.opts.device for p in model.parameters())
+        opt, rec["optimizer"] = adamw(model, self.opts.lr, fused=fused)
+        return Step(model, self.family, sample, opt, autocast_device=None)
+
+
+def append(path: Path, rec: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+        f.flush()
+
+
+def brief(rec: dict[str, Any]) -> str:
+    """One line of progress for the log."""
+    parts = [f"{rec['family']:<20} {rec['mode']:<13} {rec['status']:<8}"]
+    if rec.get("step_s"):
+        parts.append(f"step {rec['step_s'] * 1e3:9.2f} ms")
+    if rec.get("predicted_step_s"):
+        parts.append(f"pred {rec['predicted_step_s'] * 1e3:9.2f} ms")
+    if rec.get("peak_allocated_bytes"):
+        parts.append(f"alloc {rec['peak_allocated_bytes'] / GiB:6.2f} GiB")
+    if rec.get("plan_short"):
+        parts.append(rec["plan_short"])
+    if rec.get("error"):
+        parts.append(str(rec["error"])[:160])
+    return "  ".join(parts)
+
+
+def run_family(name: str, modes: Iterable[str], opts: Options) -> None:
+    """The child's job: the family's modes, one after another in this process, each appended as it ends."""
+    family = FAMILIES[name]
+    predictor = Predictor(family, opts)
+    measurement = Measurement(family, opts, predictor)
+    for mode in modes:
+        rec = measurement.run(mode)
+        append(opts.out, rec)
+        print(brief(rec), flush=True)
+
+
+# ---- the parent: families, time limits, resuming -------------------------------------------------------
+def record_key(rec: dict[str, Any]) -> tuple[Any, ...]:
+    return rec["family"], rec["mode"], rec.get("size"), rec.get("batch")
+
+
+@dataclass(frozen=True)
+class Child:
+    """What happened to one family's process."""
+
+    returncode: int | None  # None: killed at its time limit
+    limit_s: float
+    wall_s: float
+
+
+class Runner:
+    """Runs the chosen families, each in its own process, under the call's time budget; records what a
+    killed or crashed process did not."""
+
+    def __init__(self, args: argparse.Namespace, opts: Options) -> None:
+        self.args, self.opts = args, opts
+        self.start = time.perf_counter()
+        self.redo = set(args.redo.split(",")) if args.redo else set()
+        previous = read_records([opts.out, *map(Path, args.resume or [])])
+        self.done = {record_key(r) for r in previous if r.get("status") not in self.redo}
+        self.device_name = opts.device  # a child's name for it, once one has run
+
+    def remaining_s(self) -> float:
+        return self.args.time_budget_s - (time.perf_counter() - self.start)
+
+    def todo(self, family: Family) -> list[str]:
+        batch = batch_of(family, self.opts)
+        return [m for m in self.args.modes.split(",") if (family.name, m, self.opts.size, batch) not in self.done]
+
+    def run(self, families: list[Family]) -> dict[str, list[str]]:
+        summary: dict[str, list[str]] = {"measured": [], "family_wall_s": [], "already_done": [], "not_reached": [],
+                                         "unavailable": []}
+        for family in families:
+            modes = self.todo(family)
+            if not modes:
+                summary["already_done"].append(family.name)
+                continue
+            why = family.unavailable()
+            if why is not None:
+                self._fill(family, modes, status="unavailable", error=why)
+                summary["unavailable"].append(family.name)
+                continue
+            if self.remaining_s() < self.args.min_family_s:
+                summary["not_reached"].append(family.name)
+                continue
+            child = self._spawn(family, modes)
+            self._after(family, modes, child)
+            summary["measured"].append(family.name)
+            summary["family_wall_s"].append(f"{family.name}={child.wall_s:.0f}")
+        return summary
+
+    def _spawn(self, family: Family, modes: list[str]) -> Child:
+        limit = max(1.0, min(self.args.family_timeout_s, self.remaining_s()))
+        options = json.dumps({**asdict(self.opts), "out": str(self.opts.out)})
+        argv = [sys.executable, "-m", "bench.zoo_h200", "--child", family.name, "--modes", ",".join(modes),
+                "--child-options", options]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        try:
+            rc: int | None = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self._kill(proc)
+            rc = None
+        child = Child(returncode=rc, limit_s=limit, wall_s=time.perf_counter() - t0)
+        self.device_name = next((r["device"] for r in reversed(read_records([self.opts.out])) if "parameters" in r),
+                                self.device_name)
+        return child
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        """The child and what it started (inductor's compile workers): its own process group, by its id."""
+        for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+            except ProcessLookupError:
+                return
+
+    def _after(self, family: Family, modes: list[str], child: Child) -> None:
+        batch = batch_of(family, self.opts)
+        written = {record_key(r) for r in read_records([self.opts.out])}
+        missing = [m for m in modes if (family.name, m, self.opts.size, batch) not in written]
+        if not missing:
+            return
+        if child.returncode is None:
+            cut = child.limit_s < self.args.family_timeout_s
+            status = "cut" if cut else "timeout"
+            error = (f"the call's time budget ended {child.wall_s:.0f} s into this family" if cut else
+                     f"the family's process ran past --family-timeout-s {self.args.family_timeout_s:.0f}")
+        else:
+            status, error = "error", f"the family's process exited with {child.returncode} before recording this mode"
+        self._fill(family, missing, status=status, error=error, wall_s=round(child.wall_s, 1))
+
+    def _fill(self, family: Family, modes: list[str], **fields: Any) -> None:
+        for mode in modes:
+            rec = {"family": family.name, "kind": family.kind, "mode": mode, "size": self.opts.size,
+                   "batch": batch_of(family, self.opts), **environment(self.opts, self.device_name), **fields}
+            append(self.opts.out, rec)
+            print(brief(rec), flush=True)
+
+
+def choose_families(spec: str) -> list[Family]:
+    if spec == "all":
+        return list(ZOO)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"no zoo family {', '.join(unknown)}; the zoo has {', '.join(FAMILIES)}")
+    return [FAMILIES[n] for n in names]
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.zoo_h200", description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default="all", help="comma-separated zoo families, or 'all' (python -m bench.zoo --list)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--size", choices=("realistic", "tiny"), default="realistic")
+    ap.add_argument("--batch", type=int, default=None, help="samples per step (default: the family's at that size)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--time-budget-s", type=float, default=480.0, help="no family starts after this (s)")
+    ap.add_argument("--family-timeout-s", type=float, default=300.0, help="a family's process is killed after this")
+    ap.add_argument("--min-family-s", type=float, default=90.0, help="no family starts with less time left than this")
+    ap.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/zoo_h200.jsonl)")
+    ap.add_argument("--resume", action="append", help="a JSON-lines file of earlier records: not measured again")
+    ap.add_argument("--redo", default="cut,unavailable", help="statuses measured again when resuming")
+    ap.add_argument("--no-hand-predictions", action="store_true", help="no meta trace for the hand plans' predictions")
+    ap.add_argument("--compile-on-cpu", action="store_true", help="measure hand_compile on a CPU too")
+    ap.add_argument("--report", nargs="+", default=None, help="print the must-show table of these files and exit")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one family, in this process
+    ap.add_argument("--child-options", default=None, help=argparse.SUPPRESS)  # the parent's Options, as JSON
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.report:
+        print(report(read_records(map(Path, args.report))))
+        return 0
+    if args.child:
+        given = json.loads(args.child_options)
+        run_family(args.child, args.modes.split(","), Options(**{**given, "out": Path(given["out"])}))
+        return 0
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "zoo_h200.jsonl"
+    command = " ".join(["python -m bench.zoo_h200", *(sys.argv[1:] if argv is None else argv)])
+    opts = Options(device=args.device, size=args.size, batch=args.batch, warmup=args.warmup, steps=args.steps,
+                   lr=args.lr, hand_predictions=not args.no_hand_predictions, compile_on_cpu=args.compile_on_cpu,
+                   out=out, command=command)
+    bad = [m for m in args.modes.split(",") if m not in MODES]
+    if bad:
+        raise SystemExit(f"unknown mode {', '.join(bad)}; the modes are {', '.join(MODES)}")
+    runner = Runner(args, opts)
+    summary = runner.run(choose_families(args.families))
+    print(json.dumps({"summary": summary, "out": str(out),
+                      "wall_s": round(time.perf_counter() - runner.start, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""The report of bench/zoo_h200.py's records (issue 10's GPU must-show): per zoo family, wrap's measured
+step time, allocated and reserved + context memory against autopar's prediction for its plan (error =
+predicted / measured - 1), wrap's speed against bf16 autocast + fused AdamW by hand, eager and compiled,
+the median and worst errors over the families, and every miss of the must-show's bounds.
+
+    python -m bench.zoo_h200 --report bench/results/zoo_h200_DATE.jsonl [more.jsonl ...]
+
+A later record of a (family, mode) supersedes an earlier one (resumed and repeated calls append).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+
+# The must-show's bounds (issue 10).
+STEP_MEDIAN, STEP_WORST = 0.10, 0.25
+ALLOC_BOUND = 0.10
+RESERVED_BOUND, RESERVED_UNDER = 0.10, 0.05
+WRAP_VS_BEST = 0.95
+
+
+
+def read_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    out = []
+    for path in paths:
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short when a process was killed
+                continue
+            if isinstance(rec, dict) and "family" in rec and "mode" in rec:
+                out.append(rec)
+    return out
+
+
+
+def _err(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured - 1 if predicted is not None and measured else None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.1%}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f}"
+
+
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / GiB:.2f}"
+
+
+@dataclass(frozen=True)
+class FamilyResult:
+    """One family's wrap record against its prediction and its hand records."""
+
+    family: str
+    wrap: dict[str, Any] | None
+    hand: dict[str, Any] | None
+    hand_compile: dict[str, Any] | None
+
+    def ok(self, rec: dict[str, Any] | None) -> bool:
+        return rec is not None and rec.get("status") == "ok"
+
+    @property
+    def step_err(self) -> float | None:
+        return _err(self.wrap.get("predicted_step_s"), self.wrap.get("step_s")) if self.ok(self.wrap) else None
+
+    @property
+    def alloc_err(self) -> float | None:
+        w = self.wrap
+        return _err(w.get("predicted_allocated_bytes"), w.get("peak_allocated_bytes")) if self.ok(w) else None
+
+    @property
+    def measured_peak(self) -> float | None:
+        w = self.wrap
+        if not self.ok(w) or w.get("peak_reserved_bytes") is None or w.get("context_bytes") is None:
+            return None
+        return w["peak_reserved_bytes"] + w["context_bytes"]
+
+    @property
+    def peak_err(self) -> float | None:
+        return _err(self.wrap.get("predicted_peak_bytes"), self.measured_peak) if self.measured_peak else None
+
+    def speedup(self, mode: str) -> float | None:
+        """The hand mode's step over wrap's (above 1: wrap is faster)."""
+        other = self.hand if mode == "hand" else self.hand_compile
+        return other["step_s"] / self.wrap["step_s"] if self.ok(other) and self.ok(self.wrap) else None
+
+    @property
+    def vs_best(self) -> float | None:
+        ratios = [r for r in (self.speedup("hand"), self.speedup("hand_compile")) if r is not None]
+        return min(ratios) if ratios else None
+
+    def misses(self) -> list[str]:
+        if not self.ok(self.wrap):
+            return [f"wrap {self.wrap.get('status') if self.wrap else 'not measured'}: "
+                    f"{(self.wrap or {}).get('error', '')}".rstrip(": ")]
+        out = []
+        checks = ((self.step_err, STEP_WORST, "step time"), (self.alloc_err, ALLOC_BOUND, "allocated memory"),
+                  (self.peak_err, RESERVED_BOUND, "reserved + context"))
+        for err, bound, what in checks:
+            if err is None:
+                out.append(f"{what}: no prediction or no measurement")
+            elif abs(err) > bound:
+                out.append(f"{what} predicted {_pct(err)} (bound ±{bound:.0%})")
+        if self.peak_err is not None and self.peak_err < -RESERVED_UNDER:
+            out.append(f"reserved + context under-predicted by {-self.peak_err:.1%} (at most {RESERVED_UNDER:.0%})")
+        hand = self.speedup("hand")
+        if hand is not None and hand < 1.0:
+            out.append(f"wrap slower than bf16 eager by hand ({hand:.3f}x)")
+        if self.vs_best is not None and self.vs_best < WRAP_VS_BEST:
+            out.append(f"wrap at {self.vs_best:.3f}x the best hand figure (at least {WRAP_VS_BEST}x)")
+        for mode in ("hand", "hand_compile"):
+            rec = getattr(self, mode)
+            if rec is not None and rec.get("status") not in ("ok", "skipped"):
+                out.append(f"{mode} {rec.get('status')}: {rec.get('error', '')} (the ratio lacks it)")
+        return out
+
+
+def results(records: list[dict[str, Any]]) -> list[FamilyResult]:
+    latest: dict[tuple[str, str], dict[str, Any]] = {}
+    for rec in records:  # a later record of a (family, mode) supersedes an earlier one
+        latest[(rec["family"], rec["mode"])] = rec
+    names = list(dict.fromkeys(rec["family"] for rec in records))
+    return [FamilyResult(n, latest.get((n, "wrap")), latest.get((n, "hand")), latest.get((n, "hand_compile")))
+            for n in names]
+
+
+def _summary_line(what: str, errors: list[float], bound: str) -> str:
+    if not errors:
+        return f"- {what}: no family measured"
+    worst = max(errors, key=abs)
+    return (f"- {what}: median |error| {statistics.median(abs(e) for e in errors):.1%}, worst {_pct(worst)} "
+            f"over {len(errors)} families ({bound})")
+
+
+def report(records: list[dict[str, Any]]) -> str:
+    rows = results(records)
+    first = next((r for r in records if r.get("status") == "ok"), records[0] if records else {})
+    dates = ", ".join(sorted({str(r.get("date", "?")) for r in records}))
+    lines = [f"# Zoo on {first.get('device', '?')}: wrap measured vs predicted (issue 10's must-show)", "",
+             (f"torch {first.get('torch', '?')}, transformers {first.get('transformers', '?')}, {dates}; size "
+              f"{first.get('size', '?')}. Errors are predicted / measured - 1; reserved + context is "
+              "max_memory_reserved + the CUDA context against the predicted peak; the ratios are the hand step "
+              "over wrap's (above 1: wrap is faster)."), "",
+             ("| family | batch | wrap plan | step ms meas | pred | err | alloc GiB meas | pred | err "
+              "| reserved+ctx GiB meas | pred | err | hand ms | compile ms | wrap/hand | wrap/best |"),
+             "| --- | ---: | --- |" + " ---: |" * 13]
+    for r in rows:
+        w = r.wrap or {}
+        hand, comp = r.hand or {}, r.hand_compile or {}
+        ratio = r.speedup("hand")
+        lines.append(
+            f"| {r.family} | {w.get('batch', '-')} | {w.get('plan_short', w.get('status', '-'))} | "
+            f"{_ms(w.get('step_s'))} | {_ms(w.get('predicted_step_s'))} | {_pct(r.step_err)} | "
+            f"{_gib(w.get('peak_allocated_bytes'))} | {_gib(w.get('predicted_allocated_bytes'))} | "
+            f"{_pct(r.alloc_err)} | {_gib(r.measured_peak)} | {_gib(w.get('predicted_peak_bytes'))} | "
+            f"{_pct(r.peak_err)} | {_ms(hand.get('step_s')) if r.ok(r.hand) else hand.get('status', '-')} | "
+            f"{_ms(comp.get('step_s')) if r.ok(r.hand_compile) else comp.get('status', '-')} | "
+            f"{'-' if ratio is None else f'{ratio:.3f}'} | {'-' if r.vs_best is None else f'{r.vs_best:.3f}'} |")
+    steps = [r.step_err for r in rows if r.step_err is not None]
+    allocs = [r.alloc_err for r in rows if r.alloc_err is not None]
+    peaks = [r.peak_err for r in rows if r.peak_err is not None]
+    lines += ["", "## Summary", "",
+              _summary_line("step time", steps, f"want median <= {STEP_MEDIAN:.0%}, worst <= {STEP_WORST:.0%}"),
+              _summary_line("allocated memory", allocs, f"want every one within {ALLOC_BOUND:.0%}"),
+              _summary_line("reserved + context", peaks,
+                            f"want within {RESERVED_BOUND:.0%}, never under by more than {RESERVED_UNDER:.0%}")]
+    if steps and statistics.median(abs(e) for e in steps) > STEP_MEDIAN:
+        lines.append(f"- MISS: the median step-time error is over {STEP_MEDIAN:.0%}")
+    lines += ["", "## Misses", ""]
+    missed = [(r.family, m) for r in rows for m in r.misses()]
+    lines += [f"- {name}: {m}" for name, m in missed] or ["- none"]
+    lines += ["", "## The hand recipes as autopar plans (predicted vs measured step)", "",
+              "| family | hand ms | pred | err | compile ms | pred | err |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        cells = []
+        for rec in (r.hand, r.hand_compile):
+            rec = rec if r.ok(rec) else {}
+            cells += [_ms(rec.get("step_s")), _ms(rec.get("predicted_step_s")),
+                      _pct(_err(rec.get("predicted_step_s"), rec.get("step_s")))]
+        lines.append(f"| {r.family} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

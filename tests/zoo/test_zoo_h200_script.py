@@ -1,0 +1,79 @@
+"""bench/zoo_h200.py (issue 10's GPU must-show) runs on a CPU on one tiny family: it writes one record per
+mode with the measurement and autopar's prediction, skips what its output already holds, and its report
+compares wrap with its prediction and with the hand recipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.zoo_h200_report import report
+from tests._training import TORCHRUN_VARS
+
+pytestmark = pytest.mark.zoo
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORD_FIELDS = ("family", "mode", "batch", "step_s", "samples_per_s", "tokens_per_s", "peak_allocated_bytes",
+                 "peak_reserved_bytes", "context_bytes", "predicted_step_s", "predicted_allocated_bytes",
+                 "predicted_reserved_bytes", "device", "torch", "date", "command", "status")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    return subprocess.run([sys.executable, "-m", "bench.zoo_h200", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_script_measures_a_tiny_family_on_cpu_and_resumes(tmp_path):
+    out = tmp_path / "zoo.jsonl"
+    args = ("--device", "cpu", "--size", "tiny", "--families", "mlp", "--steps", "2", "--warmup", "1",
+            "--out", str(out))
+    proc = _run(*args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = _records(out)
+    assert [(r["mode"], r["status"]) for r in recs] == [("hand", "ok"), ("hand_compile", "skipped"), ("wrap", "ok")]
+    hand, compiled, wrap = recs
+    for rec in (hand, wrap):
+        assert all(k in rec for k in RECORD_FIELDS), sorted(set(RECORD_FIELDS) - set(rec))
+        assert rec["step_s"] > 0 and rec["samples_per_s"] > 0 and rec["predicted_step_s"] > 0
+        assert rec["device"] == "cpu" and rec["family"] == "mlp" and rec["batch"] == 4
+    assert "torch.compile" in compiled["error"]  # the reason it was skipped
+    assert wrap["plan"]["micro_batch_size"] == 4 and "autopar plan" in wrap["plan_text"]
+    assert hand["plan_short"] == "1gpu mb4 bf16" and hand["optimizer"] == "AdamW(fused=True)"
+
+    again = _run(*args)  # resumed: nothing measured again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(_records(out)) == 3 and '"already_done": ["mlp"]' in again.stdout
+
+    table = _run("--report", str(out))
+    assert table.returncode == 0, table.stderr[-3000:]
+    assert "| mlp | 4 | 1gpu mb4 fp32 |" in table.stdout and "## Misses" in table.stdout
+
+
+def _rec(mode: str, step_s: float, **extra) -> dict:
+    return {"family": "f", "mode": mode, "batch": 8, "size": "realistic", "status": "ok", "step_s": step_s,
+            "device": "NVIDIA H200", **extra}
+
+
+def test_the_report_names_each_miss():
+    gib = 2**30
+    wrap = _rec("wrap", 0.100, plan_short="1gpu mb8 bf16 compile", predicted_step_s=0.140,
+                peak_allocated_bytes=10 * gib, predicted_allocated_bytes=10.5 * gib, peak_reserved_bytes=11 * gib,
+                context_bytes=1 * gib, predicted_peak_bytes=11 * gib)
+    text = report([_rec("hand", 0.098), _rec("hand_compile", 0.090), wrap])
+
+    assert "+40.0%" in text and "+5.0%" in text and "-8.3%" in text  # step, allocated, reserved + context
+    assert "step time predicted +40.0% (bound ±25%)" in text
+    assert "wrap slower than bf16 eager by hand (0.980x)" in text
+    assert "wrap at 0.900x the best hand figure" in text
+    assert "allocated memory predicted" not in text  # +5%: within 10%
+    assert "under-predicted by 8.3%" in text  # reserved + context: -8.3%, more than 5% under
