@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -16,7 +17,7 @@ from ._util.log import get_logger
 from .errors import InfeasiblePlanError, PlanError, TraceError
 from .hooks import Profiled, wrap_hook
 from .plan_cache import cached_plan_for
-from .planning import bf16_variants, calibration_for, profile_variants, resolve_topology
+from .planning import bf16_variants, calibration_for, check_traced_for, profile_variants, resolve_topology
 from .plans import Plan
 from .profile import ModelProfile, profile_model
 from .search import search
@@ -66,15 +67,51 @@ def plan(
     hardware that is not here, and then `world_size` defaults to its GPU count. `uses_train_step=True`
     lets autopar choose plans that only autopar.train_step and autopar.dataloader can drive
     (accumulation, pipelines, tensor parallelism); by default every process reads its own batch.
-    The plan is the search's first (autopar.candidates ranks them all).
+    The plan is the search's first (autopar.candidates ranks them all). A model that cannot be traced on
+    fake tensors gets a safe plan from its structure instead, with a warning saying why (as `wrap` applies).
     """
     topo = resolve_topology(topology)
     if world_size is None:
         world_size = topo.world_size if topology is not None else _dist.world().size
-    profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
-    return _choose(profile, topo, world_size=world_size, global_batch_size=_global_batch(sample, global_batch_size,
-                                                                                         world_size),
+    global_batch = _global_batch(sample, global_batch_size, world_size)
+    try:
+        profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+    except TraceError as exc:
+        structure = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
+        safe = _safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)
+        warnings.warn("autopar: " + _untraced_message(structure, safe, exc), stacklevel=2)
+        return safe
+    return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
                    variants=variants, uses_train_step=uses_train_step)
+
+
+def _safe_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
+    """The plan for a model the cost model cannot plan (not traced): pure data parallelism (FSDP2 over every
+    process when there are several), no checkpointing, no compile, bf16 where the GPUs have it, else fp32."""
+    if global_batch_size % world_size:
+        raise PlanError(f"the global batch of {global_batch_size} samples does not split over {world_size} "
+                        f"data-parallel ranks: use a global batch divisible by {world_size}.")
+    bf16 = topology.is_gpu and topology.device.supports("bf16")
+    return Plan(dp_shard=world_size, micro_batch_size=global_batch_size // world_size,
+                precision="bf16" if bf16 else "fp32", compile=False, model_fingerprint=profile.fingerprint,
+                topology_fingerprint=topology.fingerprint())
+
+
+def _untraced_message(profile: ModelProfile, safe: Plan, exc: TraceError) -> str:
+    """Why a model got a safe plan, what the plan is and what that costs: said once, on rank 0."""
+    cause = exc.__cause__
+    why = str(exc) if cause is None else f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    parallel = f"FSDP2 over {safe.dp_shard} processes" if safe.dp_shard > 1 else "one process"
+    precision = "fp32" if safe.precision != "bf16" else (
+        "bf16 (FSDP2's mixed precision)" if safe.uses_fsdp else "bf16 autocast")
+    return (f"one training step of {profile.model_class} could not be traced on fake tensors "
+            f"({why}), so the cost model could not choose a plan. Applying a safe "
+            f"plan from the model's structure instead: {parallel}, micro-batch {safe.micro_batch_size}, "
+            f"{precision}, no checkpointing, no compile. It has no prediction (memory and speed were not "
+            "estimated): it may run slower than a chosen plan, or out of memory where a chosen one would "
+            "checkpoint or shard further. To have a plan chosen, make the step traceable (a forward that reads "
+            "tensor values, such as `if labels.max() >= vocab`, cannot be traced), or pass wrap a plan "
+            "(autopar.Plan or a YAML file).")
 
 
 def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
@@ -155,9 +192,9 @@ def wrap(
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
     # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
-    topo, profile, global_batch = _profile_everywhere(model, sample, topology=topology, plan=plan, loss_fn=loss_fn,
-                                                      blocks=blocks, global_batch_size=global_batch_size,
-                                                      world=world, say=say)
+    topo, profile, global_batch, untraced = _profile_everywhere(
+        model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
+        global_batch_size=global_batch_size, world=world, say=say)
     hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
                            global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks,
                            uses_train_step=uses_train_step))
@@ -165,12 +202,14 @@ def wrap(
     #    sent as YAML text (nothing is unpickled).
     decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
                        world_size=world.size, global_batch_size=global_batch,
-                       uses_train_step=uses_train_step) if world.rank == 0 else None
+                       uses_train_step=uses_train_step, untraced=untraced) if world.rank == 0 else None
     chosen = _broadcast(decision)
     # 3. Checks before anything is changed: processes, batch, model, hardware.
     if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
         global_batch = _global_batch(sample, None, chosen.dp_size)
     _check(chosen, profile, topo, model=model, world_size=world.size, global_batch_size=global_batch, force=force)
+    if decision is not None and decision.warning:  # rank 0, also when not verbose
+        get_logger().warning("%s", decision.warning)
     if say:
         _log_choice(chosen, profile, topo, decision)
     # 4. Apply, and keep what was applied on the model.
@@ -186,23 +225,25 @@ def wrap(
 
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,
                         loss_fn: Callable | None, blocks: Any, global_batch_size: int | None, world: _dist.World,
-                        say: bool) -> tuple[Topology, ModelProfile, int]:
-    """(topology, profile, global batch) on every rank; if one rank fails here, every rank raises."""
+                        say: bool) -> tuple[Topology, ModelProfile, int, TraceError | None]:
+    """(topology, profile, global batch, why the step could not be traced or None) on every rank; if one rank
+    fails here, every rank raises. A model that cannot be traced gets a profile of its structure alone (its
+    blocks): enough to apply a given plan, or the safe plan `_decide` makes."""
     error: BaseException | None = None
-    result: tuple[Topology, ModelProfile, int] | None = None
+    result: tuple[Topology, ModelProfile, int, TraceError | None] | None = None
     try:
         topo = resolve_topology(topology)
+        untraced = None
         try:
             profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
+            check_traced_for(profile, topo)
         except TraceError as exc:
-            if plan is None:
-                raise
-            # A given plan needs only the model's structure (its blocks).
+            untraced = exc
             profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
-            if say:
+            if say and plan is not None:
                 get_logger().warning("the model could not be traced on fake tensors (%s); applying the given plan "
                                      "from the model's structure alone.", exc.__cause__)
-        result = topo, profile, _global_batch(sample, global_batch_size, world.size)
+        result = topo, profile, _global_batch(sample, global_batch_size, world.size), untraced
     except Exception as exc:
         error = exc
     _dist.first_failure(error)
@@ -215,25 +256,34 @@ class _Decision:
     """Rank 0's decision: the plan and where it came from, or the error every rank must raise."""
 
     plan: Plan | None
-    source: str  # "given", "from the plan cache" or "chosen by the cost model"
+    source: str  # "given", "from the plan cache", "chosen by the cost model" or SAFE_SOURCE
     cache_note: str | None = None  # what the plan cache said (a hit, or why a stored plan was not used)
     error: BaseException | None = None
+    warning: str | None = None  # said once on rank 0 (why a safe plan, and what it costs)
+
+
+#: Where a plan came from when the model could not be traced (`_Decision.source`).
+SAFE_SOURCE = "a safe plan from the model's structure, not chosen by the cost model"
 
 
 def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology, *, plan: Any, force: bool,
             loss_fn: Callable | None, blocks: Any, world_size: int, global_batch_size: int,
-            uses_train_step: bool) -> _Decision:
+            uses_train_step: bool, untraced: TraceError | None = None) -> _Decision:
     """Rank 0: the given plan (loaded and checked against the model), else a plan tuned for this model,
-    hardware, batch and torch (autopar tune's cache), else the cost model's choice."""
+    hardware, batch and torch (autopar tune's cache), else the cost model's choice; for a model whose step
+    could not be traced (`untraced`), a safe plan from its structure, with the warning that says why."""
     try:
         if plan is not None:
             return _Decision(_load_plan(plan, profile, world_size, force), "given")
+        if untraced is not None:
+            safe = _safe_plan(profile, topo, world_size=world_size, global_batch_size=global_batch_size)
+            return _Decision(safe, SAFE_SOURCE, warning=_untraced_message(profile, safe, untraced))
         # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
         hit, note = cached_plan_for(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
                                     allow_train_step=uses_train_step)
         if hit is not None:
             return _Decision(hit, "from the plan cache", note)
-        variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+        variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile)
         chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
                          variants=variants, uses_train_step=uses_train_step)
         return _Decision(chosen, "chosen by the cost model", note)

@@ -21,7 +21,7 @@ import torch.nn as nn
 from ._util.batch import sample_batch_size
 from .calibration_cache import load_calibration
 from .cost import Calibration, Prediction, predict_profile
-from .errors import PlanError
+from .errors import PlanError, TraceError
 from .exact import exact_memory
 from .plans import Plan
 from .profile import ModelProfile, profile_model
@@ -34,19 +34,48 @@ GiB = 2**30
 def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
                      blocks: Any = None, warn: bool = True) -> tuple[ModelProfile, dict[str, ModelProfile]]:
     """The fp32 profile the planner reads, and the bf16 traces its bf16 plans need (none where the
-    hardware has no bf16)."""
+    hardware has no bf16).
+
+    A model whose fp32 step cannot be traced but whose bf16 step can (an op that runs only in bf16) gets its
+    bf16 trace as the profile (its `profile_precision` says which: not "fp32"); the search offers only bf16
+    plans there, and on hardware without bf16 this raises the TraceError (no plan can be predicted)."""
     profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
-    return profile, bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks)
+    check_traced_for(profile, topology)
+    return profile, bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks, profile=profile)
 
 
 def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
-                  blocks: Any = None) -> dict[str, ModelProfile]:
+                  blocks: Any = None, profile: ModelProfile | None = None) -> dict[str, ModelProfile]:
     """The model traced in bf16 under autocast ("bf16") and with bf16 weights ("bf16-pure"), which the cost
-    model reads for bf16 plans; empty where the hardware has no bf16."""
-    if not (topology.is_gpu and topology.device.supports("bf16")):
+    model reads for bf16 plans; empty where the hardware has no bf16. A precision whose step cannot be traced
+    is left out (the cost model then reads the profile: see cost.memory.activation_profile); `profile`, the
+    profile already made, is reused where it is itself one of these traces."""
+    if not _has_bf16(topology):
         return {}
-    return {precision: profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=precision)
-            for precision in ("bf16", "bf16-pure")}
+    out = {}
+    for precision in ("bf16", "bf16-pure"):
+        if profile is not None and profile.profile_precision == precision:
+            out[precision] = profile
+            continue
+        try:
+            out[precision] = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
+                                           precision=precision)
+        except TraceError:  # e.g. autocast keeps fp32 weights, and the model casts its input to them
+            continue
+    return out
+
+
+def check_traced_for(profile: ModelProfile, topology: Topology) -> None:
+    """A TraceError where the profile was traced only in bf16 (its fp32 step could not be) and the hardware
+    has no bf16: no plan can be predicted there."""
+    if profile.traced and profile.profile_precision != "fp32" and not _has_bf16(topology):
+        raise TraceError(f"only the {profile.profile_precision} step of {profile.model_class} can be traced on fake "
+                         f"tensors, not its fp32 one (the profile's notes say why), and {topology.device.name} has "
+                         "no bf16: no plan for it can be predicted here")
+
+
+def _has_bf16(topology: Topology) -> bool:
+    return topology.is_gpu and topology.device.supports("bf16")
 
 
 def calibration_for(topology: Topology) -> Calibration:

@@ -568,3 +568,80 @@ def test_wrap_refuses_a_tampered_plan_cache():
     os.chmod(path, 0o666)
     with pytest.raises(CacheError, match="can be written by others .* chmod 600"):
         autopar.wrap(make_model(), sample=x)
+
+
+# ---- a model that trains but cannot be traced (issue 10): a safe plan, said once -----------------------
+class _ChecksItsLabels(torch.nn.Module):
+    """Reads a tensor's value in forward (wav2vec2's CTC head: `if labels.max() >= vocab`): trains, but a
+    fake-tensor trace cannot run it (DataDependentOutputException)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if labels.max() >= 8:
+            raise ValueError("labels out of range")
+        return torch.nn.functional.cross_entropy(self.layers(x), labels)
+
+
+def _labelled(step: int = 0) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"x": torch.randn(4, 8, generator=g), "labels": torch.randint(0, 8, (4,), generator=g)}
+
+
+def _autopar_records(caplog, fn):
+    logger = get_logger()
+    logger.addHandler(caplog.handler)
+    try:
+        result = fn()
+    finally:
+        logger.removeHandler(caplog.handler)
+    return result, [r for r in caplog.records if r.name == "autopar"]
+
+
+@pytest.mark.parametrize("verbose", [True, False])
+def test_wrap_applies_a_safe_plan_to_a_model_it_cannot_trace_and_says_so_once(caplog, verbose):
+    model, reference_model = _ChecksItsLabels(), _ChecksItsLabels()
+    wrapped, records = _autopar_records(caplog, lambda: autopar.wrap(model, sample=_labelled(), verbose=verbose))
+    assert wrapped is model
+    warned = [r for r in records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, [r.getMessage() for r in records]
+    text = warned[0].getMessage()
+    assert "could not be traced on fake tensors (DataDependentOutputException" in text
+    assert "safe plan from the model's structure" in text and "no prediction" in text
+    assert "one process, micro-batch 4, fp32, no checkpointing, no compile" in text
+    p = autopar.plan_of(model)
+    assert (p.precision, p.compile, p.checkpointing, p.dp_shard, p.micro_batch_size) == ("fp32", False, "none", 1, 4)
+    assert p.prediction is None and p.model_fingerprint == model_fingerprint(reference_model)
+    if verbose:
+        assert any(api_mod.SAFE_SOURCE in r.getMessage() for r in records if r.levelno == logging.INFO)
+    # it trains as the unwrapped model does
+    for m in (model, reference_model):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for step in range(3):
+            m(**_labelled(step)).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(model.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_plan_gives_the_safe_plan_with_a_warning_and_predict_raises_the_trace_error():
+    model = _ChecksItsLabels()
+    with pytest.warns(UserWarning, match="could not be traced on fake tensors") as record:
+        p = autopar.plan(model, sample=_labelled(), topology="8xH100-SXM")
+    assert len(record) == 1 and "FSDP2 over 8 processes" in str(record[0].message)
+    assert (p.precision, p.compile, p.dp_shard, p.tp, p.pp, p.micro_batch_size) == ("bf16", False, 8, 1, 1, 4)
+    assert p.global_batch_size == 32 and p.prediction is None
+    with pytest.raises(autopar.errors.TraceError, match="could not run one step of _ChecksItsLabels"):
+        autopar.predict(model, p, sample=_labelled(), topology="8xH100-SXM")
+
+
+def test_wrap_applies_a_given_plan_to_a_model_it_cannot_trace_without_the_safe_plan_warning(caplog):
+    model = _ChecksItsLabels()
+    _, records = _autopar_records(caplog, lambda: autopar.wrap(model, sample=_labelled(), verbose=False,
+                                                               plan=Plan(micro_batch_size=4)))
+    assert not any("safe plan" in r.getMessage() for r in records)
+    assert autopar.plan_of(model).micro_batch_size == 4

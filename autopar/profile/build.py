@@ -10,12 +10,17 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._util.batch import first_tensor, sample_batch_size
-from ..errors import ProfileError
+from ..errors import ProfileError, TraceError
 from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
 from .model_profile import BlockProfile, ModelProfile, model_fingerprint
 from .trace import StepTrace, Trace, Units
+
+# Causes of a TraceError that no other precision can avoid: the step reads tensor values.
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
 
 
 def profile_model(
@@ -37,6 +42,12 @@ def profile_model(
     `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them);
     `precision="bf16-pure"` with bf16 weights and inputs and no autocast (as FSDP2's mixed precision runs).
     `trace=False` reads only the structure (blocks, parameters); FLOPs and bytes are then zero.
+
+    An fp32 step that cannot run on fake tensors is traced in bf16 instead (bf16 weights, then autocast):
+    some ops exist only in bf16 there (`torch._grouped_mm`, Hugging Face's MoE experts in transformers 5).
+    The profile then says so: its `profile_precision` is the one traced (not "fp32"), with a note (and a
+    warning); its FLOPs are the fp32 step's, its bytes a bf16 run's, and only bf16 plans can be predicted.
+    A TraceError where no precision runs (the first cause given is fp32's).
     """
     if precision not in ("fp32", "bf16", "bf16-pure"):
         raise ProfileError(f"precision must be 'fp32', 'bf16' or 'bf16-pure', got {precision!r}.")
@@ -51,7 +62,11 @@ def profile_model(
             warnings.warn("autopar: " + notes[-1], stacklevel=2)
     params = _Params.of(model, units)
     if trace:
-        t = StepTrace(model, sample, units, loss_fn=loss_fn, precision=precision).run()
+        t, precision, fallback = _traced_step(model, sample, units, loss_fn=loss_fn, precision=precision)
+        if fallback is not None:
+            notes.append(fallback)
+            if warn:
+                warnings.warn("autopar: " + fallback, stacklevel=2)
     else:
         t = Trace.untraced(len(units))
         notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
@@ -95,6 +110,34 @@ def profile_model(
         notes=tuple(notes),
         **shape_facts(model, units if repeated else []),
     )
+
+
+def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callable | None, precision: str
+                 ) -> tuple[Trace, str, str | None]:
+    """(the trace, the precision traced, a note when that is not the one asked for). An fp32 step that cannot
+    be traced is tried with bf16 weights, then under bf16 autocast; a data-dependent step (one that reads
+    tensor values) is not retried: no precision changes that."""
+    try:
+        return StepTrace(model, sample, units, loss_fn=loss_fn, precision=precision).run(), precision, None
+    except TraceError as exc:
+        if precision != "fp32" or isinstance(exc.__cause__, _DATA_DEPENDENT):
+            raise
+        for fallback in ("bf16-pure", "bf16"):
+            try:
+                t = StepTrace(model, sample, units, loss_fn=loss_fn, precision=fallback).run()
+            except TraceError:
+                continue
+            return t, fallback, _fp32_untraceable_note(exc, fallback)
+        raise
+
+
+def _fp32_untraceable_note(exc: TraceError, traced: str) -> str:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    first_line = str(cause).splitlines()[0] if str(cause) else ""
+    how = "with bf16 weights (as FSDP's mixed precision runs)" if traced == "bf16-pure" else "under bf16 autocast"
+    return (f"the fp32 step could not be traced on fake tensors ({type(cause).__name__}: {first_line}), so it was "
+            f"traced {how} instead: only bf16 plans can be predicted for this model (an op that runs only in "
+            "bf16 does this, e.g. torch._grouped_mm in Hugging Face MoE experts).")
 
 
 def _no_blocks_note(units: Units) -> str:

@@ -1,12 +1,14 @@
-"""Attention as the trace counts it: FLOP formulas for every scaled-dot-product-attention kernel, the op
-packets whose time is FLOPs (matmul_ops), and the flash-like stand-in for SDPA (flash_like_attention) that a
-trace on a CPU runs instead of torch's own, as a GPU would run it (flash_like_sdpa(), a TorchFunctionMode)."""
+"""Attention and grouped GEMMs as the trace counts them: FLOP formulas for every scaled-dot-product-attention
+kernel and for torch._grouped_mm (MoE experts), the op packets whose time is FLOPs (matmul_ops), and the
+flash-like stand-in for SDPA (flash_like_attention) that a trace on a CPU runs instead of torch's own, as a GPU
+would run it: flash, or the memory-efficient kernel where CUDA takes it (flash_like_sdpa(), a TorchFunctionMode)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 # The builtin F.scaled_dot_product_attention is, as a TorchFunctionMode receives it (taken from torch._C, so
@@ -41,11 +43,27 @@ def _backward_formula(grad: Sequence[int], q: Sequence[int], k: Sequence[int], v
     return _sdpa_backward_flops(q, k, v)
 
 
+def _grouped_mm_formula(a: Sequence[int], b: Sequence[int], *args: Any, out_shape: Sequence[int] = (),
+                        **kwargs: Any) -> int:
+    """FLOPs of torch._grouped_mm (MoE experts; torch's FlopCounterMode counts none): every output element is
+    one dot product of mat_a's last dim, except that two 2-d operands split that dim among the groups (the
+    weight gradient: out is (groups, m, n), each group contracting its own rows)."""
+    out = 1
+    for size in out_shape:
+        out *= size
+    if len(a) == 2 and len(b) == 2 and out_shape:
+        out //= max(out_shape[0], 1)
+    return 2 * out * a[-1]
+
+
 def flop_formulas() -> dict[Any, Callable[..., int]]:
     """FLOP formulas that replace or add to FlopCounterMode's: every scaled-dot-product-attention kernel
-    (CPU flash attention has none in torch; grouped-query attention fails torch's before 2.13)."""
+    (CPU flash attention has none in torch; grouped-query attention fails torch's before 2.13) and the grouped
+    GEMM of MoE experts (torch._grouped_mm, which torch's counter does not count)."""
     aten = torch.ops.aten
     out: dict[Any, Callable[..., int]] = {}
+    if hasattr(aten, "_grouped_mm"):
+        out[aten._grouped_mm] = _grouped_mm_formula
     forward = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     for name in forward:
@@ -62,7 +80,7 @@ def matmul_ops() -> set[Any]:
     names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
-             "convolution")
+             "convolution", "_grouped_mm")
     return {getattr(aten, n) for n in names if hasattr(aten, n)}
 
 
@@ -72,7 +90,8 @@ def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """scaled_dot_product_attention as a GPU runs it, for the trace: a fused (flash) kernel in the autocast
     dtype that saves q, k, v, the output and the softmax statistics for backward, never the (seq x seq)
     attention matrix. On CPU tensors torch may pick the unfused math kernel, which saves that matrix in
-    fp32 and would overstate a GPU's activation memory many times over."""
+    fp32 and would overstate a GPU's activation memory many times over. A learned bias (a mask that requires
+    grad) or a value head dim other than the query's takes the memory-efficient kernel, as on CUDA."""
     if torch.is_autocast_enabled(query.device.type):
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
@@ -86,10 +105,51 @@ def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         # CUDA's fused kernels take grouped-query attention only in 16-bit (flash); in fp32 SDPA falls back to
         # the math kernel, which saves the attention matrix (seen on an H200: a Llama-1B shape in fp32 OOMs).
         return torch.ops.aten._scaled_dot_product_attention_math(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale)[0]
+            query, key, value, _additive(attn_mask, query.dtype), dropout_p, is_causal, scale=scale)[0]
+    if _needs_efficient_kernel(query, value, attn_mask):
+        return _efficient_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
     with torch.autocast(query.device.type, enabled=False):
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
+
+
+def _needs_efficient_kernel(query: torch.Tensor, value: torch.Tensor, attn_mask: Any) -> bool:
+    """Whether CUDA runs this call on the memory-efficient kernel, not flash: a float mask that requires grad
+    (a learned bias: T5's and Swin's relative positions; flash takes no mask, the efficient kernel computes
+    its gradient), or a value head dim other than the query's (MLA: flash needs them equal)."""
+    grad_mask = isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad
+    return grad_mask or value.size(-1) != query.size(-1)
+
+
+def _additive(attn_mask: Any, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as SDPA adds it to the scores: a boolean one as 0 where kept and -inf where masked (as SDPA
+    converts it before its kernels), a float one in the attention's dtype."""
+    if not isinstance(attn_mask, torch.Tensor):
+        return None
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill(~attn_mask, float("-inf"))
+    return attn_mask.to(dtype)
+
+
+def _efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
+                         dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """SDPA on the memory-efficient kernel, as CUDA runs it: a boolean mask becomes an additive bias (0 where
+    kept, -inf where masked), the bias is broadcast to (batch, heads, q, k) (its gradient is that size, summed
+    back by autograd), and it saves q, k, v, the output and the log-sum-exp, never the attention matrix. Its
+    meta kernels compute every shape, also on CPU fake tensors; real CPU tensors (which it has no kernel for) and
+    inputs other than 4-d take the math kernel, which gives the same values."""
+    bias = _additive(attn_mask, query.dtype)
+    if query.dim() != 4 or not (is_fake(query) or query.is_meta):
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, bias, dropout_p, is_causal, scale=scale)[0]
+    if bias is not None:
+        bias = bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
+    needs_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (query, key, value, bias))
+    with torch.autocast(query.device.type, enabled=False):
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale)[0]
     return out
 
 

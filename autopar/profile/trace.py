@@ -5,6 +5,7 @@ tensor, Linear-like calls, how blocks are called and which modules run around th
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -127,7 +128,7 @@ class StepTrace:
     def run(self) -> Trace:
         """The step, and what it measured; TraceError where the model cannot run it on fake tensors."""
         try:
-            with self._hooked():
+            with self._hooked(), _quiet_fake_kernel_errors():
                 forward_flops = self._step()
         except ProfileError:
             raise
@@ -246,13 +247,32 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _DropErrors(logging.Filter):
+    """Drops the ERROR records (with a traceback) FakeTensorMode logs when a meta kernel refuses an op: the
+    exception itself reaches run(), which reports it as a TraceError (or profile_model tries another precision)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _quiet_fake_kernel_errors() -> Iterator[None]:
+    log, drop = logging.getLogger(FakeTensorMode.__module__), _DropErrors()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
 def _cannot_trace(model: nn.Module, exc: Exception) -> str:
     first_line = str(exc).splitlines()[0] if str(exc) else ""
     return (f"could not run one step of {type(model).__name__} on the sample without real memory "
             f"({type(exc).__name__}: {first_line}). Check that the sample is "
             "what the model takes (model(x), model(*tuple) or model(**dict)); a model whose forward reads tensor "
-            "values (data-dependent Python control flow) cannot be traced on fake tensors: pass wrap a plan "
-            "(then only the model's structure is read: profile_model(..., trace=False)).")
+            "values (data-dependent Python control flow, e.g. `if labels.max() >= vocab`) cannot be traced on fake "
+            "tensors, so no plan can be chosen by the cost model: wrap then applies a safe plan from the model's "
+            "structure (profile_model(..., trace=False)), or pass it a plan.")
 
 
 def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None
