@@ -95,10 +95,36 @@ def stage_ids(plan: Plan, pp_rank: int) -> tuple[int, ...]:
     return tuple(pp_rank + k * plan.pp for k in range(v))
 
 
+def pipeline_refusal(profile: ModelProfile) -> str | None:
+    """Why pipeline parallelism cannot split this model's blocks (one line), or None.
+
+    A pipeline stage hands the next one its last block's output, as the next block's input: the blocks must
+    be one run in one container, each block taking the previous one's output and nothing running between
+    them. Blocks in several containers (an encoder-decoder's two stacks, a vision model's stages, two towers)
+    are not, and neither are numbered blocks with a gap (a layer between them that is not a block)."""
+    containers = profile.block_containers
+    if len(containers) > 1:
+        shown = ", ".join(c or "<root>" for c in containers[:4]) + (", ..." if len(containers) > 4 else "")
+        return (f"pipeline parallelism splits one run of blocks, each taking the previous one's output, and "
+                f"{profile.model_class}'s blocks lie in {len(containers)} containers ({shown}): set pp=1")
+    indices = [b.name.rpartition(".")[2] for b in profile.blocks]
+    if all(i.isdigit() for i in indices):
+        gap = next((a for a, b in zip(indices, indices[1:]) if int(b) != int(a) + 1), None)
+        if gap is not None:
+            where = containers[0] + "." if containers and containers[0] else ""
+            return (f"pipeline parallelism splits one run of adjacent blocks, and {profile.model_class}'s block "
+                    f"{where}{gap} is not followed by block {where}{int(gap) + 1} (a layer between blocks would be "
+                    "skipped at a stage boundary): set pp=1, or name every layer of the run as a block")
+    return None
+
+
 def check_pipeline(plan: Plan, profile: ModelProfile) -> None:
     """Refuse, with what to change, a pipeline plan this model or schedule cannot run."""
     if plan.pp == 1:
         return
+    why = pipeline_refusal(profile)
+    if why is not None:
+        raise PlanError(why + ".")
     split_stages(profile, plan.pp * plan.pp_stages_per_rank)
     if plan.pp_schedule in ("1f1b", "interleaved_1f1b", "zero_bubble") and plan.grad_accum < plan.pp:
         raise PlanError(
@@ -127,6 +153,20 @@ def check_pipeline(plan: Plan, profile: ModelProfile) -> None:
         )
 
 
+def sequence_parallel_refusal(profile: ModelProfile) -> str | None:
+    """Why sequence parallelism cannot shard this model's blocks (one line), or None.
+
+    Sequence parallelism shards each block's hidden-states input along the sequence, by the way the profile
+    saw the first block called (its positional arguments); blocks in several containers are called in
+    several ways (a decoder layer takes the encoder's output too), so tensor parallelism runs without it."""
+    containers = profile.block_containers
+    if len(containers) > 1:
+        return (f"sequence parallelism shards the blocks' input as the first block is called, and "
+                f"{profile.model_class}'s blocks lie in {len(containers)} containers, called in their own ways: "
+                "set sequence_parallel=False (tensor parallelism runs without it)")
+    return None
+
+
 @dataclass(frozen=True)
 class TPPair:
     """Column-parallel layers reading one input, and the row-parallel layer that maps back to hidden."""
@@ -136,6 +176,9 @@ class TPPair:
     kinds: tuple[str, ...]  # "linear" / "conv1d" for each colwise layer, then the rowwise one
     chunks: int = 1  # >1: a single colwise layer computing `chunks` projections at once (fused q, k, v)
     attention: bool = False  # the pair is an attention (several or fused projections), not an MLP
+    replicated: tuple[str, ...] = ()  # colwise layers reading a tensor from outside the block (cross-attention's
+    #                                   keys and values of the encoder's output): whole on every rank, also
+    #                                   under sequence parallelism
 
     @property
     def parent(self) -> str:
@@ -149,22 +192,48 @@ class TPPair:
         return ".".join(common)
 
 
-def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str, str] | None) -> list[TPPair]:
-    """Pair column groups with their row layer in call order, within one block's calls."""
+def outside_inputs(profile: ModelProfile) -> frozenset[int]:
+    """Inputs (MatmulCall.input_id) that Linear-like layers of two or more blocks read: tensors from outside the
+    blocks, such as the encoder's output that every decoder layer's cross-attention reads."""
+    return _outside_inputs(profile)
+
+
+@functools.lru_cache(maxsize=64)
+def _outside_inputs(profile: ModelProfile) -> frozenset[int]:
+    readers: dict[int, str] = {}
+    shared = set()
+    blocks = [b.name + "." for b in profile.blocks]
+    for call in profile.matmul_calls:
+        block = next((b for b in blocks if call.name.startswith(b)), None)
+        if block is None:
+            continue
+        if readers.setdefault(call.input_id, block) != block:
+            shared.add(call.input_id)
+    return frozenset(shared)
+
+
+def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str, str] | None, *,
+                     outside: frozenset[int] = frozenset()) -> list[TPPair]:
+    """Pair column groups with their row layer in call order, within one block's calls.
+
+    A group is the column layers reading one input, joined by those reading a tensor from `outside` the block
+    (cross-attention: the query reads the block's hidden states, the keys and values the encoder's output);
+    a layer reading an outside tensor is never a row layer."""
     pairs: list[TPPair] = []
     i = 0
     while i < len(calls):
         first = calls[i]
         is_col = (lambda c: hf_plan.get(c.name, "").startswith("colwise")) if hf_plan is not None else \
             (lambda c: c.in_features == hidden)
-        is_row = (lambda c: hf_plan.get(c.name, "").startswith("rowwise")) if hf_plan is not None else \
-            (lambda c: c.out_features == hidden)
+        is_row = (lambda c: c.input_id not in outside and hf_plan.get(c.name, "").startswith("rowwise")) \
+            if hf_plan is not None else (lambda c: c.input_id not in outside and c.out_features == hidden)
         if not is_col(first):
             i += 1
             continue
         group = [first]
         j = i + 1
-        while j < len(calls) and calls[j].input_id == first.input_id and is_col(calls[j]):
+        while j < len(calls) and (calls[j].input_id == first.input_id or calls[j].input_id in outside) \
+                and is_col(calls[j]):
             group.append(calls[j])
             j += 1
         if j >= len(calls) or not is_row(calls[j]):
@@ -182,6 +251,7 @@ def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str
             continue
         pairs.append(TPPair(colwise=tuple(c.name for c in group), rowwise=row.name,
                             kinds=tuple(c.kind for c in group) + (row.kind,), chunks=chunks,
-                            attention=len(group) >= 3 or chunks >= 3))
+                            attention=len(group) >= 3 or chunks >= 3,
+                            replicated=tuple(c.name for c in group if c.input_id in outside)))
         i = j + 1
     return pairs

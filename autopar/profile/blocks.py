@@ -1,9 +1,14 @@
-"""The model's structure, read without running it: its repeated blocks (find_blocks, iter_block_modules),
-which layers are Linear-like (is_matmul_layer), and its shape facts (hidden size, heads, layers, vocab, FFN)."""
+"""The model's structure, read without running it: its blocks (find_blocks, iter_block_modules), which layers
+are Linear-like (is_matmul_layer), and its shape facts (hidden size, heads, layers, vocab, FFN).
+
+A block is the unit autopar shards (FSDP), checkpoints and compiles: a transformer layer, a vision stage's
+residual block, an MoE layer. A model's blocks may lie in several containers (an encoder-decoder's two
+stacks, a two-tower model's towers, a vision model's stages): see find_blocks and docs/profile.md#blocks."""
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch.nn as nn
@@ -12,19 +17,30 @@ from ..errors import ProfileError
 from .model_profile import ModelProfile
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+# A class of blocks is kept beside the largest one when its blocks hold at least this share of the largest
+# class's parameters (an encoder beside its decoder: kept; wav2vec2's small convolutional feature extractor
+# beside its transformer layers: left outside the blocks).
+_SIGNIFICANT_SHARE = 0.1
+# A stage's blocks: the container inside a stage that holds at least this share of the stage's parameters.
+_STAGE_SHARE = 0.5
 
 BlocksSpec = str | Sequence[str] | type | tuple[type, ...] | None
+Units = list[tuple[str, nn.Module]]
 
 
-def find_blocks(model: nn.Module, blocks: BlocksSpec = None) -> tuple[str | None, list[tuple[str, nn.Module]], bool]:
-    """Find the model's repeated blocks.
+def find_blocks(model: nn.Module, blocks: BlocksSpec = None) -> tuple[str | None, Units, bool]:
+    """Find the model's blocks.
 
-    Returns (container path or None, [(fully qualified name, module)], repeated). `blocks` names them
-    explicitly: the path of a container (`"model.layers"`), a list of module paths, or a module class
-    (every outermost module of that class). Without it, the container (ModuleList, Sequential or
-    ModuleDict, at any depth) whose longest run of same-structure children holds the most parameters
-    wins. Where no container repeats, the top-level children that hold parameters become the units and
-    `repeated` is False.
+    Returns (container path or None, [(fully qualified name, module)], repeated); found blocks come in the
+    model's module order (an encoder's before its decoder's), named ones in the order given.
+    The path is the one container that holds every block; None when they lie in several (an encoder-decoder),
+    were given as paths or a class, or nothing repeats.
+
+    `blocks` names them explicitly: the path of a container (`"model.layers"`: its children); a sequence of
+    paths, each a block, or a container standing for its children (a ModuleList or ModuleDict, or any path
+    written `"path.*"`), e.g. `("encoder.block", "decoder.block")`; a module class or tuple of classes (every
+    outermost module of them). Without it, see `_detected_blocks`. Where nothing repeats, the model's
+    top-level units hold the parameters and `repeated` is False.
     """
     if blocks is None:
         return _detected_blocks(model)
@@ -32,15 +48,10 @@ def find_blocks(model: nn.Module, blocks: BlocksSpec = None) -> tuple[str | None
         return _blocks_in_container(model, blocks)
     if isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
         return None, _blocks_of_class(model, blocks), True
-    named = dict(model.named_modules())
-    paths = list(blocks)
-    missing = [p for p in paths if p not in named]
-    if missing:
-        raise ProfileError(_no_such_blocks(model, missing[0]))
-    return None, [(p, named[p]) for p in paths], True
+    return _listed_blocks(model, list(blocks))
 
 
-def _blocks_in_container(model: nn.Module, path: str) -> tuple[str, list[tuple[str, nn.Module]], bool]:
+def _blocks_in_container(model: nn.Module, path: str) -> tuple[str, Units, bool]:
     """The children of the module at `path` (blocks="model.layers")."""
     named = dict(model.named_modules())
     if path not in named:
@@ -51,9 +62,43 @@ def _blocks_in_container(model: nn.Module, path: str) -> tuple[str, list[tuple[s
     return path, found, True
 
 
-def _blocks_of_class(model: nn.Module, classes: type | tuple[type, ...]) -> list[tuple[str, nn.Module]]:
+def _listed_blocks(model: nn.Module, paths: list[str]) -> tuple[str | None, Units, bool]:
+    """blocks=[...]: each path a block, or a container (a ModuleList / ModuleDict, or "path.*") for its children."""
+    named = dict(model.named_modules())
+    found: Units = []
+    containers: list[str] = []
+    for path in paths:
+        target = path[:-2] if path.endswith(".*") else path
+        if target not in named:
+            raise ProfileError(_no_such_blocks(model, target))
+        if path.endswith(".*") or isinstance(named[target], (nn.ModuleList, nn.ModuleDict)):
+            containers.append(target)
+            found += _blocks_in_container(model, target)[1]
+        else:
+            found.append((path, named[path]))
+    _check_distinct([n for n, _ in found])
+    path = containers[0] if len(paths) == 1 and containers else None
+    return path, found, True
+
+
+def _check_distinct(names: list[str]) -> None:
+    """Each listed block once, none inside another (FSDP and checkpointing wrap each block on its own)."""
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ProfileError(f"blocks: {name!r} is named twice; name each block once.")
+        seen.add(name)
+    for name in names:
+        parts = name.split(".")
+        outer = next((".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in seen), None)
+        if outer is not None:
+            raise ProfileError(f"blocks: {name!r} lies inside the block {outer!r}; name blocks none of which "
+                               "holds another.")
+
+
+def _blocks_of_class(model: nn.Module, classes: type | tuple[type, ...]) -> Units:
     """Every outermost module of `classes` (blocks=LlamaDecoderLayer)."""
-    found: list[tuple[str, nn.Module]] = []
+    found: Units = []
     for name, module in model.named_modules():
         if isinstance(module, classes) and not any(name.startswith(f + ".") for f, _ in found):
             found.append((name, module))
@@ -62,20 +107,130 @@ def _blocks_of_class(model: nn.Module, classes: type | tuple[type, ...]) -> list
     return found
 
 
-def _detected_blocks(model: nn.Module) -> tuple[str | None, list[tuple[str, nn.Module]], bool]:
-    """The container whose longest same-structure run holds the most parameters; else the top-level children."""
-    best_path, best_run, best_numel = None, [], 0
+# ---- finding the blocks --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Group:
+    """Blocks found in one container: its children of one class."""
+
+    container: str  # the container's path ("" for the model itself)
+    members: tuple[tuple[str, nn.Module], ...]  # (fully qualified name, module), in the container's order
+    cls: str  # the members' class
+    repeats: bool  # two consecutive members have the same structure
+
+    @property
+    def numel(self) -> int:
+        return sum(_numel(m) for _, m in self.members)
+
+
+def _detected_blocks(model: nn.Module) -> tuple[str | None, Units, bool]:
+    """The model's blocks, found from its structure alone:
+
+    1. Every container (ModuleList, Sequential, ModuleDict) whose children include blocks: a run of two or
+       more consecutive children of one structure (class, parameter names, shapes and dtypes). The blocks are
+       the run's class's children of that container, so a first layer that differs (T5's relative position
+       bias, DeepSeek's dense layers before the MoE ones, a ResNet stage's first bottleneck) is one too; of
+       leaf layers (plain nn.Linear), only the run. Two or more composite children of one class count too
+       where none repeat (tiny configs with one layer of each kind).
+    2. The outermost of those: a container inside another container's block is part of that block (an MoE
+       layer's experts, a bottleneck's convolutions).
+    3. Stages: where a container's blocks all differ and each holds one container of blocks with most of its
+       parameters (Swin's, ConvNeXt's and ResNet's stages), the stages' blocks are the blocks.
+    4. Every class of blocks holding at least a tenth of the largest class's parameters: both stacks of an
+       encoder-decoder, both towers of CLIP, every stage.
+    Where no container has blocks, the top-level units (see `_top_level_units`) stand in, not repeated.
+    """
+    groups = [g for group in _outermost(_candidate_groups(model)) for g in _stage_blocks(group)]
+    kept = _significant(groups)
+    if not kept:
+        return None, _top_level_units(model), False
+    order = {name: i for i, (name, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    found = sorted((m for g in kept for m in g.members), key=lambda m: order.get(m[0], len(order)))
+    containers = {g.container for g in kept}
+    return (containers.pop() if len(containers) == 1 else None), found, True
+
+
+def _candidate_groups(model: nn.Module) -> list[_Group]:
+    out = []
     for path, module in model.named_modules():
-        if not isinstance(module, _CONTAINERS):
-            continue
-        run = _repeated_run(module)
-        numel = sum(_numel(m) for _, m in run)
-        if numel > best_numel:
-            best_path, best_run, best_numel = path, run, numel
-    if best_run:
-        return best_path, [(_join(best_path, n), m) for n, m in best_run], True
-    units = [(n, m) for n, m in model.named_children() if _numel(m) > 0]
-    return None, units, False
+        if isinstance(module, _CONTAINERS):
+            group = _group_of(path, module, min_members=2)
+            if group is not None:
+                out.append(group)
+    return out
+
+
+def _group_of(path: str, container: nn.Module, *, min_members: int) -> _Group | None:
+    """The blocks among `container`'s children (step 1 of `_detected_blocks`), or None."""
+    children = [(n, c) for n, c in container.named_children() if _numel(c) > 0]
+    run = _repeated_run(container)
+    if run:
+        cls = type(run[0][1])
+        members = [(n, c) for n, c in children if type(c) is cls] if _composite(run[0][1]) else run
+        return _Group(path, tuple((_join(path, n), c) for n, c in members), cls.__qualname__, True)
+    by_class = collections.Counter(type(c) for _, c in children)
+    if not by_class:
+        return None
+    cls, count = max(by_class.items(), key=lambda kv: (kv[1], sum(_numel(c) for _, c in children if type(c) is kv[0])))
+    members = [(n, c) for n, c in children if type(c) is cls]
+    if count < min_members or not _composite(members[0][1]):
+        return None
+    return _Group(path, tuple((_join(path, n), c) for n, c in members), cls.__qualname__, False)
+
+
+def _outermost(groups: list[_Group]) -> list[_Group]:
+    """The groups that do not lie inside another group's block (step 2)."""
+    members = {name for g in groups for name, _ in g.members}
+
+    def inside(path: str) -> bool:
+        parts = path.split(".") if path else []
+        return any(".".join(parts[:i]) in members for i in range(1, len(parts) + 1))
+
+    return [g for g in groups if not inside(g.container)]
+
+
+def _stage_blocks(group: _Group) -> list[_Group]:
+    """The blocks inside each stage where `group`'s members are stages (step 3), else [group]."""
+    if group.repeats:
+        return [group]
+    inner = [_blocks_of_stage(name, module) for name, module in group.members]
+    if any(g is None for g in inner) or len({g.cls for g in inner}) != 1:
+        return [group]
+    return inner
+
+
+def _blocks_of_stage(name: str, stage: nn.Module) -> _Group | None:
+    """The container inside `stage` holding most of its parameters, whose children (one class, composite) are
+    its blocks; the shallowest such one."""
+    total = _numel(stage)
+    for path, module in stage.named_modules():
+        if path and isinstance(module, _CONTAINERS) and _numel(module) >= _STAGE_SHARE * total:
+            group = _group_of(_join(name, path), module, min_members=1)
+            if group is not None and len({type(m) for _, m in group.members}) == 1 and \
+                    group.numel == _numel(module):
+                return group
+    return None
+
+
+def _significant(groups: list[_Group]) -> list[_Group]:
+    """The groups of every block class holding at least _SIGNIFICANT_SHARE of the largest class's parameters."""
+    by_class: dict[str, int] = collections.defaultdict(int)
+    for g in groups:
+        by_class[g.cls] += g.numel
+    if not by_class:
+        return []
+    largest = max(by_class.values())
+    return [g for g in groups if by_class[g.cls] >= _SIGNIFICANT_SHARE * largest]
+
+
+def _top_level_units(model: nn.Module) -> Units:
+    """The top-level children that hold parameters; through a wrapper that holds one child and nothing else
+    (an MLP's `net` Sequential, a classifier around its network), that child's children."""
+    prefix, module = "", model
+    while True:
+        units = [(_join(prefix, n), m) for n, m in module.named_children() if _numel(m) > 0]
+        if len(units) != 1 or list(units[0][1].parameters(recurse=False)) or not _composite(units[0][1]):
+            return units
+        prefix, module = units[0]
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -89,11 +244,16 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _repeated_run(container: nn.Module) -> list[tuple[str, nn.Module]]:
+def _composite(module: nn.Module) -> bool:
+    """The module is made of submodules with parameters (a layer, not a leaf such as nn.Linear)."""
+    return any(_numel(c) > 0 for c in module.children())
+
+
+def _repeated_run(container: nn.Module) -> Units:
     """The longest run of consecutive same-structure children of `container` holding parameters."""
     children = list(container.named_children())
-    best: list[tuple[str, nn.Module]] = []
-    run: list[tuple[str, nn.Module]] = []
+    best: Units = []
+    run: Units = []
     for name, child in children:
         if run and _signature(child) == _signature(run[-1][1]):
             run.append((name, child))
@@ -151,7 +311,7 @@ def _config_value(config: object, *names: str) -> int | None:
     return None
 
 
-def shape_facts(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, int | None]:
+def shape_facts(model: nn.Module, units: Units) -> dict[str, int | None]:
     """Hidden size, heads, layers, vocab and FFN size: from a Hugging Face style config, else from structure
     (`units`: the repeated blocks, or [] where nothing repeats)."""
     cfg = getattr(model, "config", None)
@@ -174,7 +334,7 @@ def shape_facts(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[st
     return facts
 
 
-def _facts_from_block(facts: dict[str, int | None], units: list[tuple[str, nn.Module]]) -> None:
+def _facts_from_block(facts: dict[str, int | None], units: Units) -> None:
     """Fill the layers, heads and hidden size the config left out from the blocks (heads from the first
     submodule that names them, hidden size from the most common Linear input width)."""
     if facts["num_layers"] is None:

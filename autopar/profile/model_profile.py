@@ -1,5 +1,6 @@
 """The profile's records: ModelProfile (what the planner knows about a model for one sample), BlockProfile,
-MatmulCall, their dict/JSON round trip, and model_fingerprint. No measuring here (build.py and trace.py measure)."""
+MatmulCall, OpRecord and OpGroup (every op of the step by kind and shape), their dict/JSON round trip, and
+model_fingerprint. No measuring here (build.py and trace.py measure)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,49 @@ class MatmulCall:
 
 
 @dataclass(frozen=True)
+class OpRecord:
+    """Ops of one kind, shape and dtype in the traced step, `count` of them (in one block, or before or after the
+    blocks): what the per-op time model reads (autopar.cost.ops). `shape` by kind:
+
+    - "gemm": (batch, M, N, K) of mm, addmm, bmm, baddbmm, _scaled_mm (batch 1 for the 2-d ones)
+    - "conv": (M, N, K, groups, channels_last) of a convolution as its implicit GEMM per group: forward
+      M = N H_out W_out, N = C_out / groups, K = C_in / groups kh kw; of its backward's input gradient
+      M = N H_in W_in, N = C_in / groups, K = C_out / groups kh kw; of its weight gradient M = C_out / groups,
+      N = C_in / groups kh kw, K = N H_out W_out
+    - "attention": (batch, heads, kv_heads, q_len, k_len, qk_head_dim, v_head_dim, causal, window, masked) of a
+      fused attention kernel (SDPA's flash, memory-efficient, cuDNN or CPU flash kernels); window 0: none;
+      masked 1: an explicit mask or bias; causal 2: causal with a mask only torch.compile would add (a Hugging
+      Face model under torch < 2.14: its mask is built when not compiled is skipped)
+    - "grouped_gemm": (groups, M, N, K) of torch._grouped_mm, M N K the mean GEMM of a group
+    - memory-bound kinds, shape (): "elementwise", "reduction", "norm", "softmax", "copy" (casts, cat, gather,
+      indexing, padding), "weight" (casts of the weights, and gradient casts and sums on weight-shaped tensors:
+      paid once per micro-batch, not per sample)
+    - what torch.compile would leave of the memory-bound ops, shape (): "fused" (count: kernels, bytes: what
+      they read and write once each chain of memory-bound ops between compute ops is one loop) and
+      "fused_weight" (the weight-shaped part; autopar.profile.watch.FusionModel)
+    """
+
+    kind: str
+    backward: bool
+    shape: tuple[int, ...]
+    dtype: str  # of the first floating input ("bfloat16", "float32"; "" where none)
+    count: int
+    flops: float  # FLOPs of all `count` ops (attention: of its full score matrix, causal or not, as traced)
+    bytes: int  # bytes all `count` ops read and write
+    batch_dim: int = -1  # the index in `shape` that grows with the batch (-1: none)
+    weight_dims: tuple[int, ...] = ()  # indices in `shape` of a weight's two dimensions (what TP splits)
+
+
+@dataclass(frozen=True)
+class OpGroup:
+    """The op records of identical blocks (one group for all of them), or of the ops outside the blocks."""
+
+    where: str  # "blocks"; "before": ops before the first block (embeddings); "after": the rest (head, loss)
+    blocks: tuple[int, ...]  # indices of the blocks with exactly these records (where == "blocks")
+    ops: tuple[OpRecord, ...]
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """What the planner knows about a model, for the sample it was profiled with.
 
@@ -71,6 +115,7 @@ class ModelProfile:
     profile_precision: str  # "fp32", "bf16" (autocast) or "bf16-pure" (bf16 weights, as FSDP's mixed precision)
     traced: bool = True  # False: structure only (trace=False), FLOPs and bytes unknown (zero)
     matmul_calls: tuple[MatmulCall, ...] = ()  # Linear-like calls in order (empty when not traced)
+    op_groups: tuple[OpGroup, ...] = ()  # every op of the step by kind, shape and dtype (empty when not traced)
     block_input: str | None = None  # how a block receives the hidden states: "arg0" or "kwarg:NAME"
     block_input_shape: tuple[int, ...] | None = None  # shape of those hidden states for the sample (batch first)
     block_num_args: int = 1  # positional arguments a block is called with
@@ -113,6 +158,29 @@ class ModelProfile:
         return len(self.blocks)
 
     @property
+    def block_containers(self) -> tuple[str, ...]:
+        """The modules holding the blocks, in the blocks' order: one for a single stack ("model.layers"), several
+        for an encoder-decoder's two stacks, a two-tower model's towers or a vision model's stages ("" where the
+        model itself holds them). Pipeline parallelism needs one; FSDP and checkpointing take any number."""
+        out: list[str] = []
+        for block in self.blocks:
+            parent = block.name.rpartition(".")[0]
+            if parent not in out:
+                out.append(parent)
+        return tuple(out)
+
+    def ops_of(self, where: str, block: int | None = None) -> OpGroup | None:
+        """The op records of block `block` (where="blocks") or of the ops "before" or "after" the blocks; None
+        where the trace recorded none. A block past the recorded ones (extrapolate_profile's copies of the
+        last block) has the last recorded block's records."""
+        groups = [g for g in self.op_groups if g.where == where]
+        if where != "blocks" or not groups:
+            return groups[0] if groups else None
+        last = max(i for g in groups for i in g.blocks)
+        index = last if block is None or block > last else block
+        return next((g for g in groups if index in g.blocks), None)
+
+    @property
     def num_params_in_blocks(self) -> int:
         return sum(b.num_params for b in self.blocks)
 
@@ -151,6 +219,7 @@ class ModelProfile:
         d["tied_params"] = [list(g) for g in self.tied_params]
         d["notes"] = list(self.notes)
         d["matmul_calls"] = [asdict(c) for c in self.matmul_calls]
+        d["op_groups"] = [asdict(g) for g in self.op_groups]
         return d
 
     @classmethod
@@ -169,6 +238,7 @@ class ModelProfile:
                                  for b in values.get("blocks", ()))
         values["matmul_calls"] = tuple(c if isinstance(c, MatmulCall) else MatmulCall(**c)
                                        for c in values.get("matmul_calls", ()))
+        values["op_groups"] = tuple(_op_group(g) for g in values.get("op_groups", ()))
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
         for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names"):
             if name in values:
@@ -183,8 +253,8 @@ class ModelProfile:
     def describe(self) -> str:
         """A few lines for people: the blocks, parameters, shape facts, sample and per-step costs."""
         n = _si
-        blocks = (f"{self.num_blocks} x {self.block_class} at {self.blocks_path or '(listed paths)'}"
-                  if self.repeated else f"{self.num_blocks} top-level units (no repeated blocks found)")
+        blocks = (_describe_blocks(self) if self.repeated
+                  else f"{self.num_blocks} top-level units (no repeated blocks found)")
         lines = [
             f"model {self.model_class} ({self.fingerprint})",
             f"  parameters    {n(self.num_params)} ({n(self.num_params_in_blocks)} in blocks, "
@@ -208,6 +278,28 @@ class ModelProfile:
         for note in self.notes:
             lines.append(f"  note          {note}")
         return "\n".join(lines)
+
+
+def _op_group(g: OpGroup | Mapping[str, Any]) -> OpGroup:
+    """An OpGroup from its dict (lists where it had tuples, after JSON)."""
+    if isinstance(g, OpGroup):
+        return g
+    ops = tuple(r if isinstance(r, OpRecord) else OpRecord(**{**r, "shape": tuple(r["shape"]),
+                                                              "weight_dims": tuple(r.get("weight_dims", ()))})
+                for r in g["ops"])
+    return OpGroup(**{**g, "blocks": tuple(g["blocks"]), "ops": ops})
+
+
+def _describe_blocks(profile: ModelProfile) -> str:
+    """"4 x Block at blocks", or for blocks in several containers "24 x T5Block in 2 containers: encoder.block
+    (12), decoder.block (12)"."""
+    what = f"{profile.num_blocks} x {profile.block_class}" if profile.block_class else f"{profile.num_blocks} blocks"
+    containers = profile.block_containers
+    if len(containers) <= 1:
+        return f"{what} at {profile.blocks_path or '(listed paths)'}"
+    counts = [sum(b.name.rpartition(".")[0] == c for b in profile.blocks) for c in containers]
+    listed = ", ".join(f"{c or '<root>'} ({n})" for c, n in zip(containers[:6], counts))
+    return f"{what} in {len(containers)} containers: {listed}{', ...' if len(containers) > 6 else ''}"
 
 
 def _si(x: float) -> str:

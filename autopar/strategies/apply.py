@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._util.dist import ensure_single_process_group
 from ..errors import PlanError
+from ..layout import sequence_parallel_refusal
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
@@ -59,6 +60,9 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
                 f"device{'s' if topology.devices_per_node != 1 else ''} per node): tensor "
                 "parallelism communicates in every layer and stays within a node; lower tp."
             )
+        why = sequence_parallel_refusal(profile) if plan.sequence_parallel else None
+        if why is not None:
+            raise PlanError(why + ".")
         if model is not None:
             check_tensor_parallel(model, profile, plan.tp)
     if plan.pp > 1:
@@ -135,7 +139,7 @@ def apply_plan(
     layout = None
     if plan.tp > 1:
         assert mesh is not None, "a tensor-parallel plan runs on several processes"
-        ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else [blocks[-1][0]]
+        ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else _last_blocks(blocks)
         layout = apply_tensor_parallel(model, mesh["tp"], profile=profile, blocks=blocks,
                                        sequence_parallel=plan.sequence_parallel, stage_ends=ends)
         notes += [f"tensor parallel: {n}" for n in layout.notes]
@@ -144,7 +148,7 @@ def apply_plan(
                          "the embedding and the head stay whole on every rank")
     # 4. Activation checkpointing.
     checkpointed = apply_checkpointing(blocks, mode=plan.checkpointing, every=plan.checkpoint_every)
-    if checkpointed and disable_kv_cache(model):
+    if checkpointed and _disable_kv_caches(model):
         notes.append("checkpointing: turned the model's key/value cache off (config.use_cache = False), "
                      "as Hugging Face does under its own gradient checkpointing.")
     # 5. torch.compile: per block when FSDP or the pipeline wraps the blocks, else the whole model (after
@@ -174,6 +178,23 @@ def apply_plan(
     return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
                    data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
                    notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
+
+
+def _disable_kv_caches(model: nn.Module) -> bool:
+    """disable_kv_cache on every module with a config of its own: an encoder-decoder's stacks hold copies of
+    the model's config (T5), and a decoder stack's cache would skip its cross-attention keys and values in a
+    checkpointed block's recomputation."""
+    turned = [disable_kv_cache(module) for module in model.modules()]
+    return any(turned)
+
+
+def _last_blocks(blocks: list[tuple[str, nn.Module]]) -> list[str]:
+    """The last block of each container (an encoder's and a decoder's, each tower's): where the hidden states
+    leave a stack of blocks, so sequence parallelism gathers them again there."""
+    last: dict[str, str] = {}
+    for name, _ in blocks:
+        last[name.rpartition(".")[0]] = name
+    return list(last.values())
 
 
 def _has_meta(model: nn.Module) -> bool:

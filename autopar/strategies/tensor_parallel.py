@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..errors import PlanError
-from ..layout import TPPair, pairs_from_calls
+from ..layout import TPPair, outside_inputs, pairs_from_calls
 from ..profile import ModelProfile, is_matmul_layer
 
 # Attributes of an attention module that count heads or head-sized widths; under TP each rank holds
@@ -175,9 +175,12 @@ def _embedding_and_head(model: nn.Module, profile: ModelProfile) -> tuple[str | 
     emb_name = named.get(id(emb)) if isinstance(emb, nn.Embedding) else None
     head_name = named.get(id(head)) if isinstance(head, nn.Linear) else None
     tied = emb_name is not None and head_name is not None and head.weight is emb.weight
-    if emb_name is not None and not tied and any(emb.weight is p for n, p in model.named_parameters(
-            remove_duplicate=False) if not n.startswith(emb_name + ".")):
-        emb_name = None  # its weight is used elsewhere, by a layer that is not split with it: keep it whole
+    if emb_name is not None:
+        users = {n.rpartition(".")[0] for n, p in model.named_parameters(remove_duplicate=False) if p is emb.weight}
+        if users - {emb_name, head_name if tied else emb_name}:
+            # its weight is used elsewhere, by a layer that is not split with it (T5's and BART's stacks each
+            # hold an embedding sharing it): keep it whole, and the head tied to it too
+            emb_name, head_name, tied = None, None if tied else head_name, False
     return emb_name, head_name, tied
 
 
@@ -192,9 +195,10 @@ def tp_layout(model: nn.Module, profile: ModelProfile) -> TPLayout:
         hf_expanded = _expand_hf_plan(hf, all_names) if hf else None
         source = "hf_tp_plan" if hf_expanded else "trace"
         pairs = []
+        outside = outside_inputs(profile)  # per block: cross-attention reads the encoder's output
         for block in block_names:
             calls = [c for c in profile.matmul_calls if c.name.startswith(block + ".")]
-            pairs += pairs_from_calls(calls, hidden or 0, hf_expanded or None)
+            pairs += pairs_from_calls(calls, hidden or 0, hf_expanded or None, outside=outside)
     else:
         source = "names"
         pairs = _pairs_from_names(model, block_names)
@@ -355,7 +359,8 @@ def apply_tensor_parallel(
             continue
         for name, kind in zip(pair.colwise, pair.kinds):
             if kind == "linear" and pair.chunks == 1:
-                styles[name] = ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                sharded_input = sequence_parallel and name not in pair.replicated  # (an encoder's output: whole)
+                styles[name] = ColwiseParallel(input_layouts=Shard(1) if sharded_input else Replicate(),
                                                output_layouts=Shard(-1), use_local_output=True)
             else:
                 _apply_local_colwise(named[name], tp_mesh, kind=kind, chunks=pair.chunks)
