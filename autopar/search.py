@@ -37,7 +37,7 @@ from typing import Iterator, Mapping, Protocol
 from .cost import Calibration, Prediction, predict_profile
 from .cost.memory import MemoryPrediction, predict_memory
 from .errors import PlanError
-from .layout import check_pipeline
+from .layout import check_pipeline, sequence_parallel_refusal
 from .plans import Plan
 from .profile import ModelProfile
 from .topology import Topology
@@ -176,6 +176,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
+    sp_ok = sequence_parallel_refusal(profile) is None  # else TP runs without sequence parallelism
     # A plain loop gives every process its own batch: only pure data parallelism keeps that true (tensor-
     # parallel peers must read the same samples, which autopar.dataloader / data_shard arrange).
     tps = tensor_parallel_degrees(profile, topology, world_size) if allow_train_step else [1]
@@ -214,7 +215,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                         for ckpt in ("none", "selective", "full"):
                             for precision in precisions:
                                 for compile_ in compiles:
-                                    for sp in ([True] if tp > 1 else [False]):
+                                    for sp in ([True] if tp > 1 and sp_ok else [False]):
                                         for reshard in ([True, False] if shard > 1 else [True]):
                                             yield Plan(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
                                                        micro_batch_size=mb, grad_accum=accum, pp_schedule=schedule,

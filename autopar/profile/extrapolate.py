@@ -41,6 +41,9 @@ def _check_traces(shallow: ModelProfile, deeper: ModelProfile, num_blocks: int) 
     if deeper.num_blocks - shallow.num_blocks < 1 or shallow.num_blocks < 1:
         raise ProfileError("extrapolate_profile needs two traces of one model, the second with more blocks "
                            f"(got {shallow.num_blocks} and {deeper.num_blocks}).")
+    if len(deeper.block_containers) > 1:
+        raise ProfileError(f"extrapolate_profile grows one run of blocks, and {deeper.model_class}'s blocks lie in "
+                           f"{len(deeper.block_containers)} containers: profile the model at its full depth instead.")
     if num_blocks < deeper.num_blocks:
         raise ProfileError(f"num_blocks={num_blocks} is fewer than the deeper trace's {deeper.num_blocks} blocks: "
                            "profile the model at that depth instead.")
