@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from autopar import plans as plans_mod
+from autopar._util import io as io_mod
 from autopar.errors import PlanError, PlanMismatchError
 from autopar.plans import CHECKPOINTING, PP_SCHEDULES, PRECISIONS, SCHEMA_VERSION, Plan
 
@@ -289,13 +290,25 @@ def test_save_is_atomic_and_replaces_an_existing_file(tmp_path):
 
 
 def _break_write_halfway(monkeypatch):
-    real_write = Path.write_text
+    """The atomic write (autopar/_util/io.py) writes half of the text to its file, then the disk is full."""
+    real_fdopen = io_mod.os.fdopen
 
-    def half_then_crash(self, data, *args, **kwargs):
-        real_write(self, data[: len(data) // 2], *args, **kwargs)
-        raise OSError("disk full")
+    class HalfThenCrash:
+        def __init__(self, f):
+            self.f = f
 
-    monkeypatch.setattr(Path, "write_text", half_then_crash)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            raise OSError("disk full")
+
+    monkeypatch.setattr(io_mod.os, "fdopen", lambda fd, *a, **k: HalfThenCrash(real_fdopen(fd, *a, **k)))
 
 
 def test_a_crash_while_saving_leaves_the_old_file_whole(tmp_path, monkeypatch):
