@@ -24,7 +24,8 @@ from .errors import CacheError
 
 #: The cost model's terms that a cached calibration's factors belong to; files of another version are ignored.
 #: 2: the H200 kernel-profile defaults of 2026-11-29 (reserve following the largest tensor, misaligned GEMMs).
-CALIBRATION_VERSION = 2
+#: 3: the per-op time model of 2026-12-01 (op records from the trace; attention relative to GEMMs; fused bytes).
+CALIBRATION_VERSION = 3
 #: Larger calibration files are refused unread (one is about 2 KiB).
 MAX_FILE_BYTES = 1 << 20
 

@@ -7,7 +7,7 @@ on one GPU. This script profiles each model on fake tensors (CPU, no memory), pr
 default calibration, fits the time and memory factors (coordinate search on the mean squared log error),
 and prints and writes both error tables.
 
-    python bench/calibrate_anchors.py [--anchors ../shared/anchors] [--out bench/results]
+    python -m bench.calibrate_anchors [--anchors ../shared/anchors] [--out bench/results]
 
 The fit is on these anchors: an independent check is the H200 grid of autopar-wrapped runs
 (bench/grid_single_gpu.py).
@@ -26,11 +26,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autopar  # noqa: E402
-from autopar.cost import Calibration, predict_profile  # noqa: E402
-from autopar.profile import profile_model  # noqa: E402
+import autopar
+from autopar.cost import Calibration, predict_profile
+from autopar.profile import profile_model
+from bench._common import RESULTS, ROOT
 
 GiB = 2**30
 SETTINGS = {  # anchor setting -> plan options (fused AdamW in all but fp32, as autopar users would run)
@@ -42,7 +41,8 @@ SETTINGS = {  # anchor setting -> plan options (fused AdamW in all but fp32, as 
 
 
 def build(name: str):
-    import transformers
+    """The anchors' models (GPT-2 with its default dropout, as the anchors ran it; not bench/_common.py's)."""
+    import transformers  # optional (autopar[hf])
 
     if name.startswith("gpt2"):
         h, layers, heads = {"gpt2-124M": (768, 12, 12), "gpt2-355M": (1024, 24, 16), "gpt2-1.5B": (1600, 48, 25)}[name]
@@ -129,9 +129,9 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--anchors", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "anchors"))
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--anchors", default=str(ROOT.parent / "shared" / "anchors"))
+    p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     topo = autopar.Topology.from_spec("H200")
     runs = load_runs(args.anchors)

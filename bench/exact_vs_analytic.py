@@ -1,31 +1,32 @@
-"""The analytic memory model against the exact check, on CPU, for the plans of tests/cost/test_exact.py
+"""The analytic memory model against the exact check, on CPU, for the plans of tests/test_exact.py
 (autopar's GPT: hidden 512, 8 blocks, sequence 512, vocabulary 8192; world sizes 1 to 64 on a fake process
 group). The test asserts each is within 10%; this prints the errors.
 
-    python bench/exact_vs_analytic.py [PLAN NAME ...] > bench/results/exact_vs_analytic_cpu_DATE.txt
+    python -m bench.exact_vs_analytic [PLAN NAME ...] > bench/results/exact_vs_analytic_cpu_DATE.txt
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import autopar  # noqa: E402
-from autopar.cost import Calibration, predict_profile  # noqa: E402
-from tests.cost.test_exact import PLANS, _exact, _profile  # noqa: E402
+import autopar
+from autopar.cost import Calibration, predict_profile
+from tests.test_exact import PLANS, _exact, _profile  # the test's plans, so that this prints what it asserts
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plans", nargs="*", metavar="PLAN", help=f"plan names (default: all): {', '.join(PLANS)}")
+    args = ap.parse_args()
     print(f"# analytic (CPU topology, default calibration) vs the exact check; {datetime.date.today()}, "
           f"torch {torch.__version__}, {os.cpu_count()} CPU cores")
-    print(f"# python bench/exact_vs_analytic.py {' '.join(sys.argv[1:])}".rstrip())
-    for name in sys.argv[1:] or list(PLANS):
+    print(f"# python -m bench.exact_vs_analytic {' '.join(args.plans)}".rstrip())
+    for name in args.plans or list(PLANS):
         plan = PLANS[name]
         exact = _exact(name)
         predicted = predict_profile(_profile(), plan, autopar.Topology.cpu(plan.world_size), Calibration()).memory

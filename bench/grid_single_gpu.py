@@ -7,7 +7,7 @@ and record the step time, tokens/s, MFU (6N + 12 L h s per token against the dev
 allocated and reserved memory, and out-of-memory as a status. One JSON line per configuration on stdout and
 all of them in $OUT/grid_<device>_<date>.json, with the date, device, torch version and command.
 
-    python bench/grid_single_gpu.py --models gpt2-355m,llama-1b --compile both
+    python -m bench.grid_single_gpu --models gpt2-355m,llama-1b --compile both
 """
 
 from __future__ import annotations
@@ -22,33 +22,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autopar  # noqa: E402
-
-MODELS = {
-    # name: (global batch, sequence length)
-    "gpt2-355m": (16, 1024),
-    "llama-1b": (16, 2048),
-    "gpt2-tiny": (8, 64),  # a CPU smoke test of the benchmarks
-}
-
-
-def build(name: str):
-    import transformers
-
-    if name == "gpt2-tiny":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, vocab_size=30000,
-                                      attn_implementation="sdpa")
-        return transformers.GPT2LMHeadModel(cfg)
-    if name == "gpt2-355m":
-        cfg = transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
-        return transformers.GPT2LMHeadModel(cfg)
-    cfg = transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                   intermediate_size=8192, vocab_size=32000, max_position_embeddings=2048,
-                                   attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(cfg)
+import autopar
+from bench._common import MODELS, build
 
 
 def grid(compile_modes: list[bool], global_batch: int) -> list[dict]:

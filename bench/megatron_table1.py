@@ -10,7 +10,7 @@ the table: the plan with the shortest predicted step that fits in memory is take
 batches divisible by PP). The predicted TFLOP/s per GPU uses the paper's own FLOP count,
 F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)), over the predicted step time.
 
-    PYTHONPATH=. python bench/megatron_table1.py [--out bench/results]
+    python -m bench.megatron_table1 [--out bench/results]
 
 writes bench/results/megatron_table1_<date>.txt.
 """
@@ -26,17 +26,16 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autopar  # noqa: E402
-from autopar.cost import predict_profile  # noqa: E402
+import autopar
+from autopar.cost import predict_profile
+from bench._common import RESULTS
 
 # The rows, the paper's software calibration, the profiles and the plans are the test's (tests/cost/test_paper.py),
 # so that the benchmark prints what the test asserts.
-from tests.cost.test_paper import MEGATRON_2021, SEQ, VOCAB  # noqa: E402
-from tests.cost.test_paper import MEGATRON_TABLE1 as ROWS  # noqa: E402
-from tests.cost.test_paper import _megatron_plans as candidate_plans  # noqa: E402
-from tests.cost.test_paper import _profile as row_profile  # noqa: E402
+from tests.cost.test_paper import MEGATRON_2021, SEQ, VOCAB
+from tests.cost.test_paper import MEGATRON_TABLE1 as ROWS
+from tests.cost.test_paper import _megatron_plans as candidate_plans
+from tests.cost.test_paper import _profile as row_profile
 
 
 def paper_flops(batch: int, layers: int, hidden: int) -> float:
@@ -94,13 +93,13 @@ def table5_lines() -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     start = time.perf_counter()
     machine = f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs, no GPU used)"
     lines = [f"date {datetime.date.today().isoformat()}, machine {machine}, torch {torch.__version__}, "
              f"python {platform.python_version()}",
-             "command: " + " ".join(["PYTHONPATH=. python bench/megatron_table1.py", *sys.argv[1:]]),
+             "command: " + " ".join(["python -m bench.megatron_table1", *sys.argv[1:]]),
              "Megatron-LM Table 1 (Narayanan et al. 2021) predicted on paper: A100-SXM-80GB, 200 Gb/s a GPU across "
              "nodes, DP replicas, no SP, full recompute, bf16, eager",
              "",

@@ -4,7 +4,7 @@ Each case runs the real command in a fresh process (`python -m autopar.cli plan 
 includes starting Python and importing torch. The target (issue: "autopar plan CLI"): the 80-layer 70B
 Llama on 1,024 GPUs in under 10 s on 2 CPU cores.
 
-    python bench/plan_speed.py [--repeat 3] [--out bench/results]
+    python -m bench.plan_speed [--repeat 3] [--out bench/results]
 
 Writes bench/results/plan_speed_<date>.txt: date, machine (CPU model, cores, load), torch and Python
 versions, the git commit, and per case the command, the wall and CPU seconds of each run, the time the
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench._common import RESULTS, ROOT
 
 CASES = [  # (name, MODEL and options)
     ("70B on 1,024 GPUs (target: < 10 s)",
@@ -65,7 +65,7 @@ def _seconds(values) -> str:
 def run_case(args: list[str], out_dir: str) -> dict:
     """One run of the command in a fresh process: wall and CPU seconds, and what it reported."""
     cmd = [sys.executable, "-m", "autopar.cli", "plan", *args, "--json", "--out", os.path.join(out_dir, "plan.yaml")]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=out_dir, env=env, capture_output=True, text=True)
@@ -83,13 +83,13 @@ def run_case(args: list[str], out_dir: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3, help="runs per case (default 3)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for the results file")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for the results file")
     args = parser.parse_args()
     import torch
 
     today = datetime.date.today().isoformat()
     lines = [
-        "autopar plan: end-to-end time of the command (bench/plan_speed.py)",
+        "autopar plan: end-to-end time of the command (python -m bench.plan_speed)",
         f"date          {datetime.datetime.now().isoformat(timespec='seconds')}",
         f"machine       {_cpu_model()}, {os.cpu_count()} CPU cores visible, {platform.system()} {platform.release()}",
         f"load average  {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min) at the start; other "

@@ -1,10 +1,10 @@
 """Where one training step's GPU time goes: torch.profiler over one autopar.train_step of a wrapped
-Hugging Face model (bench/grid_single_gpu.py shapes), its CUDA kernels summed by kind (GEMM, attention,
+Hugging Face model (bench/_common.py shapes), its CUDA kernels summed by kind (GEMM, attention,
 optimizer, memory-bound elementwise/reduction/copy), the step time and the 30 longest kernels.
 (The FLOP and byte counts to turn these into rates are the profile's: autopar.profile_model on the
 same model and batch.) One JSON line per configuration in $OUT/kernels.jsonl.
 
-    python bench/profile_kernels.py [--configs llama-1b:4,gpt2-355m:8,gpt2-355m:4:fp32]
+    python -m bench.profile_kernels [--configs llama-1b:4,gpt2-355m:8,gpt2-355m:4:fp32]
 """
 
 from __future__ import annotations
@@ -20,11 +20,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import autopar  # noqa: E402
-from grid_single_gpu import MODELS, build  # noqa: E402
+import autopar
+from bench._common import MODELS, build
 
 
 def kind(name: str) -> str:

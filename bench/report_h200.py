@@ -9,7 +9,8 @@ space measured, GPT-2-355M at global batch 16, Llama-1B at 32), predicts each pl
 3. choice quality: the search's first plan among the grid (autopar.candidates(..., eager=True)) measured
    against the grid's fastest, and whether any plan the search calls feasible ran out of memory.
 
-    python bench/report_h200.py --validate V1.jsonl [V2.jsonl ...] --grid bench/results/tune_h200_2026-11-29.jsonl
+    python -m bench.report_h200 --validate bench/results/validate_h200_2026-11-29.jsonl \
+        --grid bench/results/tune_h200_2026-11-29.jsonl
 """
 
 from __future__ import annotations
@@ -17,26 +18,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import autopar  # noqa: E402
-from autopar.cost import predict_profile  # noqa: E402
-from autopar.planning import calibration_for, profile_variants  # noqa: E402
-from grid_single_gpu import MODELS, build  # noqa: E402
+import autopar
+from autopar.cost import predict_profile
+from autopar.planning import calibration_for, profile_variants
+from bench._common import build, token_batch
 
 GiB = 2**30
 PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")
-
-
-def sample(name: str) -> dict:
-    ids = torch.zeros(1, MODELS[name][1], dtype=torch.long, device="meta")
-    return {"input_ids": ids, "labels": ids}
 
 
 def plan_from_short(short: str) -> dict:
@@ -57,8 +49,8 @@ def plan_from_short(short: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--validate", nargs="+", required=True, help="validate_h200 records, later files win")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--validate", nargs="+", required=True, help="validate_h200 records, later records win")
     ap.add_argument("--grid", nargs="+", required=True, help="tune_h200 records")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -70,7 +62,7 @@ def main() -> int:
         if name not in profiles:
             with torch.device("meta"):
                 model = build(name)
-            profiles[name] = (model, *profile_variants(model, sample(name), topo, warn=False))
+            profiles[name] = (model, *profile_variants(model, token_batch(name, 1), topo, warn=False))
         _, profile, variants = profiles[name]
         return predict_profile(profile, autopar.Plan(**{"precision": "bf16", **kw}), topo, cal, variants=variants)
 
@@ -93,7 +85,7 @@ def main() -> int:
     context = context if context is not None else cal.context_bytes
     out = [f"# H200 (torch 2.11) measurements of 2026-11-29 against the cost model as of {datetime.date.today()} "
            f"(torch {torch.__version__}, default calibration for 1 x H200)",
-           f"# python bench/report_h200.py --validate {' '.join(args.validate)} --grid {' '.join(args.grid)}",
+           f"# python -m bench.report_h200 --validate {' '.join(args.validate)} --grid {' '.join(args.grid)}",
            f"# CUDA context (measured): {context / GiB:.2f} GiB", "",
            "## 1. Validation configurations (bench/validate_h200.py)",
            f"{'model':10} {'plan':34} {'real GiB':>8} {'exact':>7} {'err':>6} | {'analytic':>8} {'err':>6} | "
@@ -159,7 +151,7 @@ def main() -> int:
         if m is None:
             predict(model, {"micro_batch_size": 1})
             m = profiles[model][0]
-        ranked = autopar.candidates(m, sample=sample(model), topology=topo, global_batch_size=gb, eager=True,
+        ranked = autopar.candidates(m, sample=token_batch(model, 1), topology=topo, global_batch_size=gb, eager=True,
                                     calibration=cal)
         feasible = [c for c in ranked if c.feasible]
         first = grid.get(feasible[0].plan.key()) if feasible else None  # None: not measured in the grid

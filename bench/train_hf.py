@@ -1,25 +1,20 @@
 """A user's training script, as `autopar tune` runs it: a Hugging Face causal LM (the GPT-2-355M or Llama-1B
-shape of bench/grid_single_gpu.py, random init) trained on random tokens with autopar.wrap, autopar.train_step
+shape of bench/_common.py, random init) trained on random tokens with autopar.wrap, autopar.train_step
 and autopar.dataloader. Nothing in it knows about tuning: under `autopar tune` each run applies the trial's
 plan in `wrap` and ends itself after the timed steps.
 
-    python bench/train_hf.py --model gpt2-355m --global-batch 32 [--steps 1000]
-    autopar tune --trials 4 -- python bench/train_hf.py --model llama-1b --global-batch 16
+    python -m bench.train_hf --model gpt2-355m --global-batch 32 [--steps 1000]
+    autopar tune --trials 4 -- python -m bench.train_hf --model llama-1b --global-batch 16
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import autopar  # noqa: E402
-from grid_single_gpu import MODELS, build  # noqa: E402
+import autopar
+from bench._common import MODELS, build
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -38,7 +33,7 @@ class RandomTokens(torch.utils.data.Dataset):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=sorted(MODELS), default="gpt2-355m")
-    ap.add_argument("--global-batch", type=int, default=None, help="default: the model's in grid_single_gpu.MODELS")
+    ap.add_argument("--global-batch", type=int, default=None, help="default: the model's in bench._common.MODELS")
     ap.add_argument("--steps", type=int, default=1000)
     args = ap.parse_args()
     global_batch, seq = MODELS[args.model]

@@ -1,17 +1,18 @@
 """Issue 5's must-show on one GPU: `autopar tune` against an exhaustive grid of the same plans.
 
-For a Hugging Face model shape (bench/train_hf.py, the user's unmodified script):
+For a Hugging Face model shape (bench/train_hf.py, the user's unmodified script, run as `python -m bench.train_hf`):
 - `--what tune`: `python -m autopar tune --trials K ...` (the CLI, trials in the script's own process) with
   K the largest number of trials below a third of the search space (the cost model's feasible plans, eager
   and compiled: `autopar.candidates(..., eager=True)`), from a fresh inductor cache;
 - `--what grid`: every plan of that space measured the same way (autopar.tune.study.tune with no trial
   budget, no pruning, every plan enqueued in predicted order), from another fresh inductor cache.
 Each writes a JSON line per trial and a summary line to $OUT/tune_<model>.jsonl (the date, device, torch
-version, command, the space, K, wall time). `python bench/tune_h200.py --summarize FILE...` then compares
+version, command, the space, K, wall time). `python -m bench.tune_h200 --summarize FILE...` then compares
 them: the tuned plan's grid throughput against the grid's fastest.
 
-    python bench/tune_h200.py --model gpt2-355m --global-batch 32 --what tune
-    python bench/tune_h200.py --model llama-1b --global-batch 32 --what grid --time-budget 500
+    python -m bench.tune_h200 --model gpt2-355m --global-batch 32 --what tune
+    python -m bench.tune_h200 --model llama-1b --global-batch 32 --what grid --time-budget 500
+    python -m bench.tune_h200 --summarize bench/results/tune_h200_2026-11-29.jsonl
 """
 
 from __future__ import annotations
@@ -26,27 +27,22 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+
+import autopar
+from autopar.tune.report import load_report
+from autopar.tune.study import tune
+from bench._common import ROOT, build, token_batch
 
 
 def space_size(model: str, global_batch: int) -> int:
-    import torch
-
-    import autopar
-    from grid_single_gpu import MODELS, build
-
     with torch.device("meta"):
         m = build(model)
-    ids = torch.zeros(1, MODELS[model][1], dtype=torch.long, device="meta")
-    ranked = autopar.candidates(m, sample={"input_ids": ids, "labels": ids}, global_batch_size=global_batch, eager=True)
+    ranked = autopar.candidates(m, sample=token_batch(model, 1), global_batch_size=global_batch, eager=True)
     return sum(1 for c in ranked if c.feasible)
 
 
 def rows_of(study: str) -> list[dict]:
-    from autopar.tune.report import load_report
-
     rep = load_report(study)
     out = []
     for r in rep.rows:
@@ -62,7 +58,7 @@ def rows_of(study: str) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-355m")
     ap.add_argument("--global-batch", type=int, default=32)
     ap.add_argument("--what", choices=("tune", "grid"), default="tune")
@@ -76,16 +72,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.summarize is not None:
         return summarize(args.summarize)
-    import torch
-
     out_dir = os.environ.get("OUT", ".")
     path = os.path.join(out_dir, f"tune_{args.model}.jsonl")
     work = tempfile.mkdtemp(prefix=f"autopar-{args.what}-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(work, "inductor"),
                TRITON_CACHE_DIR=os.path.join(work, "triton"), AUTOPAR_CACHE_DIR=os.path.join(work, "cache"),
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    script = [sys.executable, os.path.join(ROOT, "bench", "train_hf.py"), "--model", args.model,
-              "--global-batch", str(args.global_batch)]
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")  # for `-m bench.train_hf`
+    script = [sys.executable, "-m", "bench.train_hf", "--model", args.model, "--global-batch", str(args.global_batch)]
     started = time.perf_counter()
     os.environ["AUTOPAR_CACHE_DIR"] = env["AUTOPAR_CACHE_DIR"]  # the space the tuner will see: no cached calibration
     n = space_size(args.model, args.global_batch)
@@ -103,8 +96,6 @@ def main() -> int:
         proc = subprocess.run(cmd + script, env=env, capture_output=True, text=True)
         head.update(returncode=proc.returncode, output_tail=(proc.stdout + proc.stderr)[-6000:])
     else:
-        from autopar.tune.study import tune
-
         os.environ.update({k: v for k, v in env.items() if k != "PYTHONPATH"})
         rep = tune(script, study_path=study, trials=None, time_budget_s=args.time_budget, steps=args.steps,
                    warmup=args.warmup, top_k_enqueue=10_000, prune_factor=float("inf"), env=env)

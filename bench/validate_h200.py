@@ -8,7 +8,7 @@ FakeTensorMode on a fake CUDA device, no memory used), (2) the analytic predicti
 measured once (device used minus reserved, from NVML/mem_get_info). One JSON line per configuration,
 written as it finishes to $OUT/validate.jsonl (so a run cut short keeps what it measured).
 
-    python bench/validate_h200.py [--deadline-s 150] [--only N]
+    python -m bench.validate_h200 [--deadline-s 150] [--only N] [--pick I,J] [--no-exact | --exact-only]
 """
 
 from __future__ import annotations
@@ -23,15 +23,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import autopar  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grid_single_gpu import build  # noqa: E402  (the same HF shapes as the grid)
+import autopar
+from autopar.cost import predict_profile
+from autopar.exact import exact_memory
+from autopar.planning import calibration_for, profile_variants
+from bench._common import build, token_batch  # the same HF shapes as the grid
 
 GiB = 2**30
-SHAPES = {"gpt2-355m": 1024, "llama-1b": 2048}
 CONFIGS = [  # (model, plan options); global batch = micro-batch x accumulation (one GPU)
     ("gpt2-355m", dict(micro_batch_size=8)),
     ("llama-1b", dict(micro_batch_size=4)),
@@ -45,41 +43,98 @@ CONFIGS = [  # (model, plan options); global batch = micro-batch x accumulation 
 ]
 
 
-def sample(name: str, batch: int, device: str) -> dict:
-    ids = torch.zeros(batch, SHAPES[name], dtype=torch.long, device=device)
-    return {"input_ids": ids, "labels": ids}
-
-
 _PROFILES: dict = {}
 
 
 def profiles(name: str, topo):
     if name not in _PROFILES:
-        from autopar.planning import profile_variants
-
         with torch.device("meta"):
             model = build(name)
-        _PROFILES[name] = profile_variants(model, sample(name, 1, "meta"), topo, warn=False)
+        _PROFILES[name] = profile_variants(model, token_batch(name, 1), topo, warn=False)
     return _PROFILES[name]
 
 
+def predict(rec: dict, name: str, plan: autopar.Plan, topo) -> None:
+    """The analytic prediction into `rec` (recomputed offline from these records too: bench/report_h200.py)."""
+    t0 = time.perf_counter()
+    try:
+        profile, variants = profiles(name, topo)
+        pred = predict_profile(profile, plan, topo, calibration_for(topo), variants=variants)
+        rec.update(pred_alloc=pred.memory.allocated_bytes, pred_peak=pred.memory.peak_bytes,
+                   pred_step_s=pred.step_s, pred_parts=pred.memory.parts(), pred_time_parts=pred.time.parts(),
+                   profile_s=time.perf_counter() - t0)
+    except Exception as exc:
+        rec.update(pred_error=repr(exc)[:400])
+
+
+def exact(rec: dict, name: str, plan: autopar.Plan) -> None:
+    """The exact check's traced peak into `rec` (on a fake CUDA device: no GPU memory used)."""
+    t0 = time.perf_counter()
+    try:
+        ex = exact_memory(lambda: build(name), token_batch(name, 1, "cpu"), plan, device="cuda")
+        rec.update(exact_alloc=ex.peak_bytes, exact_parts=ex.by_category, exact_s=time.perf_counter() - t0)
+    except Exception as exc:  # recorded; the real run still happens
+        rec.update(exact_error=repr(exc)[:400])
+
+
+def run(rec: dict, name: str, plan: autopar.Plan, *, warmup: int, steps: int) -> None:
+    """The real run's step time and peak allocated and reserved memory into `rec`."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        with torch.device("cuda"):
+            model = build(name)
+        model = autopar.wrap(model, sample=token_batch(name, plan.micro_batch_size, "cuda"), plan=plan,
+                             global_batch_size=plan.global_batch_size, verbose=False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        step = autopar.train_step(model, opt)
+        batch = token_batch(name, plan.local_batch_size, "cuda")
+        batch["input_ids"] = torch.randint(0, 30000, batch["input_ids"].shape, device="cuda")
+        batch["labels"] = batch["input_ids"]
+        for _ in range(warmup):
+            step(batch)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = step(batch)
+        torch.cuda.synchronize()
+        rec.update(step_s=(time.perf_counter() - t0) / steps, loss=float(loss),
+                   real_alloc=torch.cuda.max_memory_allocated(), real_reserved=torch.cuda.max_memory_reserved(),
+                   status="ok")
+        del model, opt, step
+    except torch.cuda.OutOfMemoryError as exc:
+        rec.update(status="oom", error=str(exc)[:200])
+    except Exception as exc:
+        rec.update(status="error", error=repr(exc)[:400])
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def errors(rec: dict, context: int) -> None:
+    if "real_alloc" in rec and "pred_alloc" in rec:
+        rec["err_pred_alloc"] = rec["pred_alloc"] / rec["real_alloc"] - 1
+        rec["err_pred_peak"] = rec["pred_peak"] / (rec["real_reserved"] + context) - 1
+        rec["err_pred_step"] = rec["pred_step_s"] / rec["step_s"] - 1
+    if "real_alloc" in rec and "exact_alloc" in rec:
+        rec["err_exact_alloc"] = rec["exact_alloc"] / rec["real_alloc"] - 1
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--deadline-s", type=float, default=150.0)
     ap.add_argument("--only", type=int, default=None, help="the first N configurations")
     ap.add_argument("--pick", default=None, help="comma-separated indices of CONFIGS to run")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--no-exact", action="store_true")
+    checks = ap.add_mutually_exclusive_group()
+    checks.add_argument("--no-exact", action="store_true", help="no exact check")
+    checks.add_argument("--exact-only", action="store_true", help="the exact check only: no prediction, no real run")
     args = ap.parse_args()
     start = time.perf_counter()
     out_dir = os.environ.get("OUT", "/tmp")
     path = os.path.join(out_dir, "validate.jsonl")
     topo = autopar.Topology.detect()
-    from autopar.exact import exact_memory
-    from autopar.planning import calibration_for
-    from autopar.cost import predict_profile
-
     torch.cuda.init()
     free, total = torch.cuda.mem_get_info()
     context = total - free - torch.cuda.memory_reserved()
@@ -97,58 +152,13 @@ def main() -> int:
             continue
         plan = autopar.Plan(**{"precision": "bf16", **kw})
         rec: dict = {"model": name, **kw}
-        t0 = time.perf_counter()
-        try:  # the prediction is recomputed offline from these records too (bench/results)
-            profile, variants = profiles(name, topo)
-            pred = predict_profile(profile, plan, topo, calibration_for(topo), variants=variants)
-            rec.update(pred_alloc=pred.memory.allocated_bytes, pred_peak=pred.memory.peak_bytes,
-                       pred_step_s=pred.step_s, pred_parts=pred.memory.parts(), pred_time_parts=pred.time.parts(),
-                       profile_s=time.perf_counter() - t0)
-        except Exception as exc:
-            rec.update(pred_error=repr(exc)[:400])
+        if not args.exact_only:
+            predict(rec, name, plan, topo)
         if not args.no_exact:
-            t0 = time.perf_counter()
-            try:
-                ex = exact_memory(lambda: build(name), sample(name, 1, "cpu"), plan, device="cuda")
-                rec.update(exact_alloc=ex.peak_bytes, exact_parts=ex.by_category, exact_s=time.perf_counter() - t0)
-            except Exception as exc:  # recorded; the real run still happens
-                rec.update(exact_error=repr(exc)[:400])
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        try:
-            with torch.device("cuda"):
-                model = build(name)
-            model = autopar.wrap(model, sample=sample(name, plan.micro_batch_size, "cuda"), plan=plan,
-                                 global_batch_size=plan.global_batch_size, verbose=False)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-            step = autopar.train_step(model, opt)
-            batch = sample(name, plan.local_batch_size, "cuda")
-            batch["input_ids"] = torch.randint(0, 30000, batch["input_ids"].shape, device="cuda")
-            batch["labels"] = batch["input_ids"]
-            for _ in range(args.warmup):
-                step(batch)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                loss = step(batch)
-            torch.cuda.synchronize()
-            rec.update(step_s=(time.perf_counter() - t0) / args.steps, loss=float(loss),
-                       real_alloc=torch.cuda.max_memory_allocated(), real_reserved=torch.cuda.max_memory_reserved(),
-                       status="ok")
-            del model, opt, step
-        except torch.cuda.OutOfMemoryError as exc:
-            rec.update(status="oom", error=str(exc)[:200])
-        except Exception as exc:
-            rec.update(status="error", error=repr(exc)[:400])
-        gc.collect()
-        torch.cuda.empty_cache()
-        if "real_alloc" in rec and "pred_alloc" in rec:
-            rec["err_pred_alloc"] = rec["pred_alloc"] / rec["real_alloc"] - 1
-            rec["err_pred_peak"] = rec["pred_peak"] / (rec["real_reserved"] + context) - 1
-            rec["err_pred_step"] = rec["pred_step_s"] / rec["step_s"] - 1
-        if "real_alloc" in rec and "exact_alloc" in rec:
-            rec["err_exact_alloc"] = rec["exact_alloc"] / rec["real_alloc"] - 1
+            exact(rec, name, plan)
+        if not args.exact_only:
+            run(rec, name, plan, warmup=args.warmup, steps=args.steps)
+        errors(rec, context)
         rec["wall_s"] = time.perf_counter() - start
         line = json.dumps(rec, default=float)
         print(line, flush=True)

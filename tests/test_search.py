@@ -224,8 +224,8 @@ def _without_compile(plan: Plan) -> tuple:
 
 def test_eager_true_adds_the_eager_twin_of_every_compiled_plan_ranked_after_it(six):
     """On GPUs where compile is enumerated, the default space is compiled plans only; `eager=True` (the
-    tuner's space) adds each plan's compile=False twin, which the cost model predicts slower: it ranks after
-    its compiled twin. `autopar.candidates` passes `eager` through."""
+    tuner's space) adds each plan's compile=False twin, ranked against its compiled twin by the prediction.
+    `autopar.candidates` passes `eager` through."""
     import autopar
 
     topo = Topology.from_spec("1xH200")
@@ -242,9 +242,7 @@ def test_eager_true_adds_the_eager_twin_of_every_compiled_plan_ranked_after_it(s
         eager = [c for c in feasible if not c.plan.compile]
         compiled_by_key = {_without_compile(c.plan): (i, c) for i, c in enumerate(feasible) if c.plan.compile}
         assert eager and len(eager) == len(compiled_by_key)  # every feasible compiled plan has its eager twin
-        assert feasible[0].plan.compile
-        for c in eager:
+        for c in eager:  # ranked by their predictions (this tiny model is launch-bound: compile need not pay)
             i, twin = compiled_by_key[_without_compile(c.plan)]
-            assert c.prediction.step_s > twin.prediction.step_s
-            assert feasible.index(c) > i
+            assert (feasible.index(c) > i) == (c.prediction.step_s > twin.prediction.step_s)
     assert all(c.plan.compile for c in autopar.candidates(six, topology=topo, global_batch_size=4))

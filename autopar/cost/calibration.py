@@ -37,24 +37,31 @@ class Calibration:
     bench/results/kernels_h200_2026-11-29.jsonl); the others come from the sources named."""
 
     # --- memory ---------------------------------------------------------------------------------------
-    context_bytes: float = 0.55 * GiB  # CUDA context, cuBLAS/cuDNN workspaces; bytes; typical H100/H200 torch 2.x
+    context_bytes: float = 0.75 * GiB  # CUDA context and the libraries' handles, outside the caching allocator (cuBLAS
+    # workspaces are inside it, in the reserve); bytes; H200, torch 2.11 + CUDA 13, measured: device memory in use
+    # less torch.cuda.memory_reserved() = 0.749 GiB in all 14 runs of bench/results/zoo_h200_2026-12-01.jsonl
     reserve_bytes: float = 0.5 * GiB  # allocator reserve over the allocated peak, at the least (where no large
     # tensor is made, e.g. a pipeline stage without the head); bytes; H200, measured: the smallest reserve of the
     # bf16 validation steps (0.52 GiB, Llama-1B at 2 x 2048 tokens); above it the reserve follows the largest
-    # tensor (largest_reserve_factor)
+    # tensor (largest_reserve_factor). The H200 zoo runs without a large tensor (ViT, ResNet, ConvNeXt, CLIP eager
+    # and compiled, GPT-2 and BERT compiled) reserved 0.11-0.53 GiB over their peaks (zoo_h200_2026-12-01.jsonl)
     fragmentation_fraction: float = 0.0  # reserve growing with the allocated peak; fraction; H200, measured (none
     # beyond largest_reserve_factor's)
-    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the largest tensor's bytes (the
-    # fp32 logits); ratio; H200, measured: (max_memory_reserved - max_memory_allocated) / those bytes = 0.91-1.27
-    # over the 7 bf16 validation runs (bench/results/validate_h200_2026-11-29.jsonl and raw_2026-11-29/call2;
-    # the fp32 run: 0.1)
+    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the bytes of the largest tensor
+    # freed before the peak, whose block the allocator keeps cached (the logits in the compute dtype where the
+    # largest tensor is the loss's upcast copy of them, else the largest tensor; autopar.cost.memory); ratio; H200,
+    # measured: 0.52 (GPT-2), 0.93 (Llama-1B shape), 2.2 (BERT) eager, 0.14-0.67 compiled
+    # (bench/results/zoo_h200_2026-12-01.jsonl)
     transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count;
     # anchor fit (fp32 runs) and the exact check on CPU (tests/cost/test_exact.py)
     upcast_transient_factor: float = 2.0  # the same where the largest tensor is an upcast copy (the loss's
     # logits.float() under autocast); count; the exact check of the H200 configurations (6.13 GiB of temporaries,
     # twice the fp32 logits, for Hugging Face GPT-2-355M at 16 x 1024 tokens)
-    compile_activation_factor: float = 0.58  # compiled/eager saved activations; ratio; anchor fit
-    compile_transient_factor: float = 0.61  # compiled loss fuses logits and their gradient; ratio; anchor fit
+    compile_activation_factor: float = 0.58  # only for profiles without the compiled partition (BlockProfile.
+    # compiled_saved_bytes, autopar.profile.remat, which replaces it): compiled/eager saved activations; ratio;
+    # anchor fit (GPT-2 and Llama shapes)
+    compile_transient_factor: float = 0.61  # only for those profiles too: compiled/eager short-lived bytes (the
+    # fused loss); ratio; anchor fit
     autocast_activation_factor: float = 1.0  # saved bytes of a GPU autocast run / the bf16 trace's; ratio; 1: the
     # trace applies CUDA autocast's float32 casts (autopar.profile.cuda_autocast.CudaAutocastPolicy); H200 runs within -0.4 to
     # +4.2% of the trace's prediction
@@ -70,9 +77,29 @@ class Calibration:
     # profile (depths 1024 and 2048 ran at the same rate: the loss is small there)
     matmul_rows_half: float = 64.0  # rows (tokens) of a 2048-wide GEMM at which the efficiency halves (the
     # output tiles rows x width fill the SMs); tokens; H200 kernel profile (4096-16384 rows at the same rate)
-    attention_efficiency: float = 0.7  # flash attention's rate (FLOPs of the full score matrix, as traced) / the
-    # GEMM rate at depth = the sequence; ratio; H200 kernel profile (bench/profile_kernels.py: Llama-1B 560 and
-    # GPT-2-355M 495 TFLOP/s against 770 for their GEMMs)
+    # Attention (autopar.cost.ops): a fused kernel's executed FLOPs (the keys each query sees: half the score
+    # matrix when causal) at peak x matmul_efficiency x attention_efficiency x d / (d + attention_half_head_dim)
+    # x keys / (keys + attention_half_keys), keys the mean keys a query attends to.
+    attention_efficiency: float = 0.72  # flash attention's executed-FLOPs rate at an unbounded head dim and key
+    # loop / the best GEMM's (matmul_efficiency: a software stack that reaches less in GEMMs reaches less here
+    # too); ratio; H200 kernel profile, fwd + bwd SDPA kernel time, both causal, head dim 64: Llama-1B (4 x 2048
+    # tokens) 3.85 TFLOP executed in 11.84 ms = 0.329 of peak, GPT-2-355M (8 x 1024) 1.44 TFLOP in 5.03 ms = 0.291
+    attention_half_keys: float = 159.0  # mean keys per query at which attention's rate halves; keys; the same two
+    # profiles (keys 1024.5 and 512.5: 0.329 / 0.291 = 1.13)
+    attention_half_head_dim: float = 32.0  # head dim at which attention's rate halves; elements; assumed:
+    # FlashAttention-2 (Dao 2023, Fig. 4-7) and FlashAttention-3 (Shah et al. 2024, Fig. 5) run about 1.2x faster
+    # at head dim 128 than 64 (64/96 -> 128/160); bench/microbench_ops.py --fit measures it
+    masked_attention_factor: float = 0.64  # attention with an explicit mask or bias / without, at equal executed
+    # FLOPs; ratio; H200 kernel profile: compiled Hugging Face Llama-1B (its mask materialised, not causal) ran
+    # its SDPA kernels in 34.55 ms where the model gives 22.1 ms unmasked (bench/results/kernels_h200_2026-11-29)
+    fp32_attention_efficiency: float = 0.40  # fp32 attention's executed-FLOPs rate / fp32 peak (the memory-efficient
+    # kernel: SIMT); ratio; H200 kernel profile, GPT-2-355M fp32 at 4 x 1024: 0.722 TFLOP executed in 27.29 ms
+    conv_efficiency: float = 0.8  # cuDNN's implicit-GEMM convolution rate / a dense GEMM's of the same M, N, K,
+    # channels-last; ratio; assumed (cuDNN's NHWC tensor-core kernels), bench/microbench_ops.py --fit measures it
+    conv_nchw_factor: float = 0.6  # a convolution on contiguous (NCHW) bf16 tensors / channels-last; ratio;
+    # assumed (cuDNN transposes to NHWC around its tensor-core kernels); bench/microbench_ops.py --fit
+    grouped_gemm_efficiency: float = 0.8  # torch._grouped_mm's rate / a dense GEMM's of its mean group's shape;
+    # ratio; assumed (CUTLASS grouped GEMMs on Hopper); bench/microbench_ops.py --fit measures it
     misaligned_gemm_factor: float = 0.16  # eager bf16 GEMM with a dimension not a multiple of 8 / aligned; ratio;
     # H200 kernel profile (GPT-2's head, vocabulary 50257: cuBLAS's sm75 align1 kernels, 124 vs 770 TFLOP/s)
     microbatch_overhead_s: float = 5e-4  # fixed cost per micro-batch (graph launches, hooks, loss); seconds
@@ -82,14 +109,20 @@ class Calibration:
     # kernel profile (the traced bytes of GPT-2-355M and Llama-1B bf16 steps moved at 2.9 TB/s by their
     # elementwise, reduction and copy kernels)
     eager_traffic_factor: float = 1.0  # eager kernels move the traced bytes; ratio
-    compile_traffic_factor: float = 0.4  # inductor fuses elementwise ops, but its kernels still read and write every
-    # saved activation (and Hugging Face Llama's attention runs slower compiled); ratio of the eager memory-bound
-    # time; anchor fit (0.4: the 7 compiled anchors within 12%)
+    fused_memory_efficiency: float = 0.84  # achieved / datasheet HBM bandwidth of inductor's fused kernels over the
+    # bytes autopar.profile.watch.FusionModel leaves them; ratio; H200 kernel profile, compiled Llama-1B at
+    # 4 x 2048 tokens: 79.4 GB in 19.6 ms of memory-bound kernels
+    compile_traffic_factor: float = 0.4  # without op records only (profiles from before them): compiled / eager
+    # memory-bound time; ratio; anchor fit (0.4: the 7 compiled anchors within 12%)
     launch_s: float = 35e-6  # CPU time per traced op of an eager step (dispatch, autograd, the model's Python);
     # seconds; H200 host, measured: Hugging Face GPT-2-355M and Llama-1B steps at 1-2 samples of 1024-2048 tokens
     # are CPU-bound at 29-44 us per traced op (bench/results/tune_h200_2026-11-29.jsonl)
-    compile_launch_factor: float = 0.55  # CPU time per traced op compiled / eager; ratio; the same runs compiled
-    # (18-23 us per traced op)
+    compiled_kernel_launch_s: float = 57e-6  # CPU time per kernel of a compiled step (compute ops and fused kernels,
+    # autopar.profile.watch.FusionModel: inductor's wrapper, autograd, guards); seconds; H200 host, measured:
+    # compiled Hugging Face GPT-2-355M and Llama-1B at one sample a micro-batch are CPU-bound at 56 and 57 us a
+    # kernel (34.3 ms for 609 kernels, 38.0 ms for 666; bench/results/tune_h200_2026-11-29.jsonl)
+    compile_launch_factor: float = 0.55  # without op records only: CPU time per traced op compiled / eager; ratio;
+    # the same runs compiled (18-23 us per traced op)
     comm_efficiency: float = 0.75  # NCCL bus bandwidth / NVLink bandwidth in a node; ratio; nccl-tests (H100/H200:
     # ~370 of 450 GB/s a direction; A100: ~230 of 300)
     network_efficiency: float = 0.94  # NCCL bus bandwidth / network line rate across nodes; ratio; NCCL maintainers

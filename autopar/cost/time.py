@@ -7,33 +7,35 @@ ring algorithms' traffic: an all-reduce moves 2 (n-1)/n of the buffer per rank, 
 reduce-scatter (n-1)/n (Thakur et al. 2005, as NCCL implements them), at the link's rate times NCCL's
 efficiency (NVLink inside a node, the network across nodes).
 
-Matmul time is per GEMM: each traced Linear layer runs a forward, an input-gradient and a weight-gradient
-GEMM whose rate falls with a shallow reduction and a small output (`_gemm_fraction`), from factors fitted on
-Hopper (the H200 anchors) and scaled to the GPU's architecture (`calibration.matmul_arch`: its best-GEMM
-fraction of peak, its tensor FLOPs per clock per SM). Checked on paper against Megatron-LM's Table 1 on
-A100s (tests/cost/test_paper.py, bench/megatron_table1.py).
+Compute and memory-bound time are per op (autopar.cost.ops): the trace recorded every GEMM, convolution,
+attention and grouped GEMM with its real shape, forward and backward, and every memory-bound op's bytes;
+each runs at its class's rate for its shape, from factors fitted on Hopper (the H200 anchors and kernel
+profiles) and scaled to the GPU's architecture (`calibration.matmul_arch`). Compiled, the memory-bound work
+is what fusion leaves of it (autopar.profile.watch.FusionModel) and the launches are its kernels. Checked on
+paper against Megatron-LM's Table 1 on A100s (tests/cost/test_paper.py, bench/megatron_table1.py) and on the
+H200 runs (bench/step_time_check.py).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from ..layout import split_stages, stage_ids
+from ..layout import pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
 from ..profile import ModelProfile
 from ..topology import Topology
 from .calibration import Calibration, matmul_arch
 from .memory import activation_profile, stage_blocks
-
-_FILL_REFERENCE_WIDTH = 2048  # GEMM width at which Calibration.matmul_rows_half is stated (the Llama-1B anchors)
-
+from .ops import OpsTime, Rates, TPSplit, group_time
 
 @dataclass(frozen=True)
 class TimePrediction:
     """Seconds of one optimizer step, by what takes them."""
 
-    compute_s: float  # matmul and attention FLOPs over the achieved rate
+    compute_s: float  # GEMMs, convolutions, attention and grouped GEMMs, each at its shape's achieved rate
     memory_s: float  # memory-bound ops (norms, activations, softmax, elementwise) over achieved bandwidth
     launch_s: float  # CPU time launching kernels beyond what the GPU work hides
     recompute_s: float  # activation checkpointing: forward work done again in backward
@@ -67,95 +69,67 @@ class TimeTerms:
     fixed_s: float
 
 
-def _gemm_fraction(depth: float, out: float, eff: float, half: float, out_half: float) -> float:
-    """Fraction of the datasheet peak one bf16 GEMM reaches: eff x depth / (depth + half) x out / (out + out_half).
-    depth: the reduction dimension; every output tile pays fixed costs (loading the first operands, the
-    epilogue) that the reduction amortises. out: output elements; too few output tiles leave SMs idle in the
-    last wave (NVIDIA Deep Learning Performance Guide, "Matrix multiplication background": tile and wave
-    quantization)."""
-    return eff * depth / (depth + half) * out / (out + out_half)
+@dataclass(frozen=True)
+class _StageWork:
+    """One micro-batch of a pipeline rank's ops on one TP rank: its blocks' and the rest's (embeddings on the
+    first stage, head and loss on the last)."""
+
+    blocks: OpsTime
+    outside: OpsTime
+
+    @property
+    def total(self) -> OpsTime:
+        return self.blocks + self.outside
 
 
-def _linear_split(calls: tuple, hidden: int, tp: int) -> list[tuple[float, float]]:
-    """(in, out) features of each Linear call on one TP rank: column-parallel layers (a group reading the
-    hidden states) split `out`, the row-parallel layer after them (back to hidden) splits `in`, as
-    autopar.strategies.tensor_parallel pairs them; other layers stay whole."""
-    out: list[tuple[float, float]] = []
-    group_input = None
-    for c in calls:
-        if group_input is not None and c.out_features == hidden and c.input_id != group_input:
-            out.append((c.in_features / tp, c.out_features))  # row-parallel
-            group_input = None
-        elif c.in_features == hidden and (group_input is None or c.input_id == group_input):
-            out.append((c.in_features, c.out_features / tp))  # column-parallel
-            group_input = c.input_id
-        else:
-            out.append((c.in_features, c.out_features))
-            group_input = None
-    return out
+@functools.lru_cache(maxsize=256)
+def _tp_splits(profile: ModelProfile, tp: int) -> tuple[TPSplit, TPSplit]:
+    """(inside the blocks, outside them): what TP splits, from the first block's Linear-like calls paired as
+    autopar.strategies.tensor_parallel pairs them (autopar.layout.pairs_from_calls), and the head over its
+    vocabulary when TP divides it (vocab-parallel). Cached per profile (the search asks often)."""
+    if tp <= 1:
+        return TPSplit(), TPSplit()
+    prefix = profile.blocks[0].name + "." if profile.blocks else "\0"
+    calls = [c for c in profile.matmul_calls if c.name.startswith(prefix)]
+    pairs = pairs_from_calls(calls, profile.hidden_dim, None) if profile.hidden_dim and calls else []
+    features = {c.name: (c.in_features, c.out_features) for c in calls}
+    colwise = frozenset(features[n] for p in pairs for n in p.colwise)
+    rowwise = frozenset(features[p.rowwise] for p in pairs)
+    vocab = profile.vocab_size if profile.vocab_size and profile.vocab_size % tp == 0 else None
+    return TPSplit(tp, colwise, rowwise, heads=bool(pairs)), TPSplit(tp, vocab=vocab)
 
 
-def _compute_s(topology: Topology, plan: Plan, profile: ModelProfile, cal: Calibration, block_flops: float,
-               head_flops: float) -> tuple[float, float]:
-    """Seconds of this rank's matmul and attention FLOPs: (the blocks', the rest's: the head).
+def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology: Topology, cal: Calibration,
+                stage: tuple[list[int], bool, bool], traffic_scale: float) -> _StageWork | None:
+    """The stage's op records (read from `prof`, the trace in the plan's precision) timed for one micro-batch
+    on one TP rank (autopar.cost.ops); None where the profile has no op records (not traced, or written by an
+    autopar that did not record them)."""
+    if not prof.op_groups:
+        return None
+    blocks, first, last = stage
+    rates = Rates.of(topology.device, plan, cal)
+    scale = plan.micro_batch_size / prof.sample_batch_size
+    inside, outside = _tp_splits(profile, plan.tp)
+    groups = [prof.ops_of("blocks", i) for i in blocks]
+    counts = collections.Counter(id(g) for g in groups if g is not None)
+    work = OpsTime()
+    for group in {id(g): g for g in groups if g is not None}.values():
+        work = work + group_time(group, scale, inside, rates, traffic_scale).times(counts[id(group)])
+    rest = OpsTime()
+    for where, held in (("before", first), ("after", last)):
+        group = prof.ops_of(where) if held else None
+        if group is not None:
+            rest = rest + group_time(group, scale, outside, rates, traffic_scale)
+    return _StageWork(blocks=work, outside=rest)
 
-    bf16: datasheet peak x matmul_efficiency x the architecture's best-GEMM fraction (`matmul_arch`), per GEMM
-    less the depth and fill losses of `_gemm_fraction`. Every Linear call the trace recorded runs three GEMMs
-    of equal FLOPs (forward: depth `in`; input gradient: depth `out`; weight gradient: depth = the micro-batch's
-    tokens), `in`/`out` split by TP (`_linear_split`; the head over its vocabulary when TP divides it). A block's
-    FLOPs outside its Linear layers (attention's scores and values) run at depth = the sequence (flash
-    attention loops over the keys), output tokens x hidden / tp. Without traced calls every GEMM is taken as
-    hidden/sqrt(tp) deep and wide. fp32 (no tensor cores): peak x fp32_matmul_efficiency x the fill loss."""
-    arch = matmul_arch(topology.device)
-    tp = plan.tp
-    seq = profile.tokens_per_sample or 1
-    rows = plan.micro_batch_size * seq  # tokens of one micro-batch: the GEMMs' M
-    hidden = profile.hidden_dim or 4096
-    width = hidden / tp ** 0.5
-    out_half = cal.matmul_rows_half * _FILL_REFERENCE_WIDTH  # output elements at which the fill loss halves
+
+def _flops_only_s(topology: Topology, plan: Plan, cal: Calibration, flops: float) -> float:
+    """Seconds of `flops` where no op records say their shapes: at the best GEMM's rate (bf16: peak x
+    matmul_efficiency x the architecture's ratio; fp32: x fp32_matmul_efficiency)."""
     if plan.precision != "bf16":
-        fill = rows * width / (rows * width + out_half)
-        rate = topology.device.peak_flops("fp32") * cal.fp32_matmul_efficiency * fill
-        return block_flops / rate, head_flops / rate
-    peak = topology.device.peak_flops("bf16")
-    eff = cal.matmul_efficiency * arch.efficiency_ratio
-    half = cal.matmul_half_width * arch.half_width_ratio
-
-    def fraction(shapes: list[tuple[float, float]]) -> float:
-        """FLOP-weighted fraction of peak of these layers' forward, input-gradient and weight-gradient GEMMs.
-        Eager, a layer with a dimension that is not a multiple of 8 elements (16 bytes of bf16; e.g. GPT-2's
-        vocabulary of 50257) runs cuBLAS's unaligned kernels at `misaligned_gemm_factor` of the rate;
-        compiled, inductor pads such dimensions (torch._inductor.config.shape_padding)."""
-        flops = seconds = 0.0
-        for k_in, k_out in shapes:
-            f = 2 * k_in * k_out  # FLOPs per token of each of the three GEMMs
-            flops += 3 * f
-            slow = 1.0 if plan.compile or (k_in % 8 == 0 and k_out % 8 == 0) else cal.misaligned_gemm_factor
-            seconds += (f / _gemm_fraction(k_in, rows * k_out, eff, half, out_half)
-                        + f / _gemm_fraction(k_out, rows * k_in, eff, half, out_half)
-                        + f / _gemm_fraction(rows, k_in * k_out, eff, half, out_half)) / slow
-        return flops / seconds
-
-    first = profile.blocks[0].name + "." if profile.blocks else "\0"
-    container = profile.blocks_path + "." if profile.blocks_path else None
-    inside = [c for c in profile.matmul_calls if c.name.startswith(first)]
-    outside = [c for c in profile.matmul_calls if not (c.name.startswith(container) if container else
-                                                        any(c.name.startswith(b.name + ".") for b in profile.blocks))]
-    if not inside:
-        whole = _gemm_fraction(width, rows * width, eff, half, out_half)
-        return block_flops / (peak * whole), head_flops / (peak * whole)
-    # One block on this rank, per token of the sample: its Linear layers, and the rest of its FLOPs (attention).
-    shapes = _linear_split(inside, hidden, tp)
-    linear = sum(6 * k_in * k_out for k_in, k_out in shapes)
-    block = profile.blocks[0].flops / profile.sample_batch_size / seq / tp
-    attention = _gemm_fraction(seq, rows * hidden / tp, eff, half, out_half) * cal.attention_efficiency
-    block_fraction = block / (linear / fraction(shapes) + max(block - linear, 0.0) / attention) if block else 1.0
-    # The rest (the head), split over the vocabulary by TP when it divides (vocab-parallel), else whole.
-    split = tp > 1 and profile.vocab_size is not None and profile.vocab_size % tp == 0
-    head = [(c.in_features, c.out_features / tp if split and c.out_features == profile.vocab_size else c.out_features)
-            for c in outside]
-    head_fraction = fraction(head) if head else _gemm_fraction(width, rows * width, eff, half, out_half)
-    return block_flops / (peak * block_fraction), head_flops / (peak * head_fraction)
+        return flops / (topology.device.peak_flops("fp32") * cal.fp32_matmul_efficiency)
+    eff = cal.matmul_efficiency * matmul_arch(topology.device).efficiency_ratio
+    return flops / (topology.device.peak_flops("bf16") * eff)
 
 
 def _prod(shape: tuple[int, ...]) -> float:
@@ -207,41 +181,43 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     prof, _ = activation_profile(profile, plan, cal, variants)
     traffic_scale = 0.5 if plan.precision == "bf16" and prof.profile_precision == "fp32" else 1.0
 
-    # Compute: the stage's blocks' FLOPs and, on the last stage, the rest's (the head; embeddings are lookups),
-    # split by TP; seconds; FLOPs from the trace, rates from _compute_s.
+    # Compute and memory-bound work: every traced op of the stage, timed by its class and shape for one
+    # micro-batch on one TP rank (autopar.cost.ops), times the micro-batches; seconds. Memory-bound work: TP
+    # splits it, but without SP not the norms and residuals (about 30%: Korthikanti et al.'s 10 of 34 s b h).
     block_flops = sum(profile.blocks[i].flops for i in blocks)
     head_flops = max(profile.flops - sum(b.flops for b in profile.blocks), 0.0) if last else 0.0
-    compute_blocks, compute_head = _compute_s(topology, plan, profile, cal, block_flops / tp * scale,
-                                              head_flops / tp * scale)
-    compute = compute_blocks + compute_head
-
-    # Memory-bound: the traced bytes of non-matmul ops (this stage's share; inductor fuses most away) over the
-    # achieved HBM bandwidth; seconds; trace x anchor-fitted efficiency. TP splits them, but without SP not
-    # the norms and residuals (about 30%: Korthikanti et al.'s 10 of 34 s b h).
     stage_share = (block_flops + head_flops) / max(profile.flops, 1.0)
+    tp_memory = tp if plan.sequence_parallel else (1 + (tp - 1) * 0.7) if tp > 1 else 1
     hbm = topology.device.hbm_bytes_per_s * cal.memory_efficiency
-    factor = cal.compile_traffic_factor if plan.compile else cal.eager_traffic_factor
-    # Weight-shaped traffic (gradient casts, accumulation) is paid per micro-batch, the rest per sample.
-    per_micro = (prof.traffic_bytes - prof.weight_traffic_bytes) * plan.micro_batch_size / profile.sample_batch_size \
-        + prof.weight_traffic_bytes
-    traffic = per_micro * n_micro * traffic_scale * stage_share * factor
-    traffic /= tp if plan.sequence_parallel else (1 + (tp - 1) * 0.7) if tp > 1 else 1
-    memory = traffic / hbm
-
-    # Launches: CPU time launching the traced ops of every micro-batch (fewer when compiled) beyond the GPU
-    # work that hides it; seconds; launch_s (PyTorch eager on x86).
-    ops = prof.num_ops * stage_share * n_micro
-    launch_total = ops * cal.launch_s * (cal.compile_launch_factor if plan.compile else 1.0)
+    work = _stage_work(profile, prof, plan, topology, cal, (blocks, first, last), traffic_scale)
+    if work is not None:
+        total = work.total
+        compute = total.compute_s * n_micro
+        per_memory = n_micro * (1.0 if plan.compile else cal.eager_traffic_factor) / tp_memory
+        memory = total.memory_s * per_memory
+        block_forward = (work.blocks.compute_forward_s * n_micro, work.blocks.memory_forward_s * per_memory)
+        # Launches: CPU time per kernel of every micro-batch: eager, every traced op (launch_s); compiled, the
+        # compute ops and the fused kernels (compiled_kernel_launch_s); seconds.
+        launch_total = total.launches * n_micro * (cal.compiled_kernel_launch_s if plan.compile else cal.launch_s)
+    else:  # no op records: the FLOPs at the best GEMM's rate, the traced bytes over the bandwidth
+        compute = _flops_only_s(topology, plan, cal, (block_flops + head_flops) / tp * scale)
+        per_micro = (prof.traffic_bytes - prof.weight_traffic_bytes) * plan.micro_batch_size \
+            / profile.sample_batch_size + prof.weight_traffic_bytes
+        factor = cal.compile_traffic_factor if plan.compile else cal.eager_traffic_factor
+        memory = per_micro * n_micro * traffic_scale * stage_share * factor / tp_memory / hbm
+        share = block_flops / max(block_flops + head_flops, 1.0)
+        block_forward = (compute * share / 3, memory * share / 3)
+        launch_total = prof.num_ops * stage_share * n_micro * cal.launch_s * (
+            cal.compile_launch_factor if plan.compile else 1.0)
     launch = max(0.0, launch_total - (compute + memory))
 
-    # Recompute: full checkpointing runs each checkpointed block's forward again, a third of its forward +
-    # backward FLOPs (Megatron's 4 x 24 in 96 B s l h^2) at the same GEMM rates, and a third of its memory-bound
-    # work; selective checkpointing only the memory-bound third; seconds. Its TP all-reduces are in tp_comm.
+    # Recompute: full checkpointing runs each checkpointed block's forward again (its compute and memory-bound
+    # ops, at the same rates); selective checkpointing keeps the matmul and attention outputs and reruns the
+    # memory-bound forward ops; seconds. Its TP all-reduces are in tp_comm.
     ckpt = sum(1 for k in range(len(blocks)) if k % plan.checkpoint_every == 0) / max(len(blocks), 1) \
         if plan.checkpointing != "none" else 0.0
-    block_share = block_flops / max(block_flops + head_flops, 1.0)
-    recompute_compute = ckpt * compute_blocks / 3 if plan.checkpointing == "full" else 0.0
-    recompute_memory = ckpt * block_share * memory / 3 if plan.checkpointing != "none" else 0.0
+    recompute_compute = ckpt * block_forward[0] if plan.checkpointing == "full" else 0.0
+    recompute_memory = ckpt * block_forward[1] if plan.checkpointing != "none" else 0.0
     recompute = recompute_compute + recompute_memory
 
     # Tensor parallelism: per block and micro-batch, ring all-reduces of the hidden states (reduce-scatter +

@@ -28,6 +28,9 @@ class BlockProfile:
     matmul_params: int = 0  # parameters of the block's Linear-like layers (what tensor parallelism splits)
     saved_hidden_bytes: int = 0  # of saved_bytes, tensors shaped like the hidden states (batch, seq, hidden)
     selective_saved_bytes: int = 0  # outputs of matmuls and attention in the forward (what selective AC keeps)
+    num_trainable_params: int | None = None  # of num_params, those that require grad (None: all of them)
+    compiled_saved_bytes: int | None = None  # what a torch.compile'd step saves for backward instead of saved_bytes
+    #                                          (autopar.profile.remat; None: not partitioned)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,19 @@ class OpGroup:
     blocks: tuple[int, ...]  # indices of the blocks with exactly these records (where == "blocks")
     ops: tuple[OpRecord, ...]
 
+    def __hash__(self) -> int:
+        """Computed once per object: the cost model caches its timings by group."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.where, self.blocks, self.ops))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_hash", None)  # string hashes differ between processes
+        return state
+
 
 @dataclass(frozen=True)
 class ModelProfile:
@@ -135,6 +151,8 @@ class ModelProfile:
     vocab_size: int | None = None
     ffn_dim: int | None = None
     notes: tuple[str, ...] = field(default=())
+    buffer_bytes: int = 0  # unique buffers (BatchNorm running statistics, position ids): on every GPU, not sharded
+    compiled_saved_bytes_outside_blocks: int | None = None  # saved_bytes_outside_blocks of a torch.compile'd step
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
@@ -151,6 +169,7 @@ class ModelProfile:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.pop("_hash", None)  # string hashes differ between processes
+        state.pop("_op_index", None)
         return state
 
     @property
@@ -173,12 +192,15 @@ class ModelProfile:
         """The op records of block `block` (where="blocks") or of the ops "before" or "after" the blocks; None
         where the trace recorded none. A block past the recorded ones (extrapolate_profile's copies of the
         last block) has the last recorded block's records."""
-        groups = [g for g in self.op_groups if g.where == where]
-        if where != "blocks" or not groups:
-            return groups[0] if groups else None
-        last = max(i for g in groups for i in g.blocks)
-        index = last if block is None or block > last else block
-        return next((g for g in groups if index in g.blocks), None)
+        index = self.__dict__.get("_op_index")
+        if index is None:  # where -> group, block -> group, the last recorded block (computed once per profile)
+            by_block = {i: g for g in self.op_groups for i in g.blocks}
+            index = ({g.where: g for g in reversed(self.op_groups)}, by_block, max(by_block, default=-1))
+            object.__setattr__(self, "_op_index", index)
+        outside, by_block, last = index
+        if where != "blocks":
+            return outside.get(where)
+        return by_block.get(last if block is None or block > last else block)
 
     @property
     def num_params_in_blocks(self) -> int:

@@ -20,7 +20,7 @@ from ..errors import ProfileError, TraceError
 from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
-from .model_profile import MatmulCall
+from .model_profile import MatmulCall, OpGroup
 from .watch import StepWatcher, storage_key
 
 Units = list[tuple[str, nn.Module]]
@@ -50,6 +50,7 @@ class Trace:
     num_ops: int = 0
     traffic_bytes: int = 0
     weight_traffic_bytes: int = 0
+    op_groups: tuple[OpGroup, ...] = ()  # every op by kind and shape (autopar.cost.ops prices them)
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -183,7 +184,7 @@ class StepTrace:
             largest_bytes=w.largest_bytes, largest_op=w.largest_op,
             saved_hidden_bytes=tuple(self.saved_hidden_bytes), selective_bytes=tuple(w.selective_bytes),
             num_ops=w.num_ops, traffic_bytes=w.traffic_bytes, weight_traffic_bytes=w.weight_traffic_bytes,
-            matmul_calls=tuple(self.matmul_calls),
+            matmul_calls=tuple(self.matmul_calls), op_groups=w.op_groups(),
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after))

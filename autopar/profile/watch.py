@@ -1,17 +1,52 @@
 """What every op of the traced step does (StepWatcher, a TorchDispatchMode): the largest tensor, which storages
-are weights, kernel launches, memory-bound bytes and what selective checkpointing keeps; and storage_key, the
-identity of a tensor's storage the trace counts by."""
+are weights, kernel launches, memory-bound bytes, what selective checkpointing keeps, and every op by kind,
+shape and dtype (OpRecords: GEMMs, convolutions, attention, grouped GEMMs, memory-bound ops), in the block
+that ran it, forward and backward, with what torch.compile's fusion would leave of the memory-bound work
+(FusionModel); and storage_key, the identity of a tensor's storage the trace counts by."""
 
 from __future__ import annotations
 
+import sys
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .flops import matmul_ops
+from .model_profile import OpGroup, OpRecord
+
+BEFORE, AFTER = -1, -2  # scopes of ops outside the blocks: before the first block runs, and the rest
+
+_GEMMS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_scaled_mm": 0}  # name: index of the first matrix
+_GROUPED = ("_grouped_mm", "_scaled_grouped_mm", "grouped_mm_fallback")  # the last: transformers' custom op
+_GROUPED_BACKWARD = "grouped_mm_fallback_backward"  # transformers' (input, weight, offs, grad) -> both gradients
+_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+              "_efficient_attention_forward")
+_ATTENTION_BACKWARD = tuple(n.replace("_forward", "") + "_backward" for n in _ATTENTION)
+_SEQ_FIRST = ("_flash_attention", "_efficient_attention")  # (batch, seq, heads, dim) layouts; the rest heads first
+_NORM = frozenset((
+    "native_layer_norm", "native_layer_norm_backward", "native_batch_norm", "native_batch_norm_backward",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+    "cudnn_batch_norm", "cudnn_batch_norm_backward", "batch_norm_backward", "native_group_norm",
+    "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"))
+_SOFTMAX = frozenset(("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
+                      "_safe_softmax"))
+_REDUCTION = frozenset((
+    "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "std_mean", "prod", "norm",
+    "linalg_vector_norm", "cumsum", "cumprod", "logsumexp", "nll_loss_forward", "nll_loss_backward",
+    "nll_loss2d_forward", "nll_loss2d_backward", "any", "all", "argmax", "argmin", "topk", "sort"))
+_COPY = frozenset((
+    "_to_copy", "copy", "copy_", "clone", "cat", "stack", "index_select", "gather", "scatter", "scatter_add",
+    "index", "index_put", "index_add", "embedding", "embedding_dense_backward", "constant_pad_nd", "repeat",
+    "repeat_interleave", "_unsafe_index", "_unsafe_index_put", "flip", "roll", "slice_scatter", "select_scatter",
+    "masked_scatter", "new_zeros", "new_empty", "zeros", "zeros_like", "empty_like", "full", "fill", "fill_"))
+_REDUCING = ("norm", "softmax", "reduction")  # memory-bound kinds that end a fused kernel's loop
 
 
 def storage_key(t: torch.Tensor) -> Any:
@@ -27,15 +62,245 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _prod(xs: Any) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+def memory_kind(name: str) -> str:
+    """The memory-bound kind of an op packet's name (everything that is not a GEMM, convolution or attention)."""
+    if name in _NORM:
+        return "norm"
+    if name in _SOFTMAX:
+        return "softmax"
+    if name in _REDUCTION:
+        return "reduction"
+    return "copy" if name in _COPY else "elementwise"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compute ops as records: (kind, shape, flops, batch_dim, weight_dims)
+# ---------------------------------------------------------------------------------------------------
+class _ComputeOp:
+    """One compute-bound op's record fields, from its arguments; `weights(t)` says whether a tensor is a
+    weight (derived from parameters only) and `weight_shaped(t)` whether it has a parameter's shape."""
+
+    def __init__(self, weights: Callable[[torch.Tensor], bool], weight_shaped: Callable[[torch.Tensor], bool],
+                 backward: bool) -> None:
+        self.weights, self.weight_shaped, self.backward = weights, weight_shaped, backward
+
+    def of(self, name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> list[tuple]:
+        if name in _GEMMS:
+            return [self._gemm(args[_GEMMS[name]], args[_GEMMS[name] + 1], out)]
+        if name == "convolution":
+            return [_conv(args[0], args[1], out, transposed=bool(args[6]), groups=int(args[8]))]
+        if name == "convolution_backward":
+            return _conv_backward(*args[:11])
+        if name in _GROUPED:
+            return [_grouped(args[0], args[1])]
+        if name == _GROUPED_BACKWARD:  # input (T, K), weight (E, K, N): dX = dY W^T per group, dW = X^T dY
+            (t, k), (e, _, n) = args[0].shape, args[1].shape
+            per = max(1, int(t) // int(e))
+            return [("grouped_gemm", (int(e), per, int(k), int(n)), 2.0 * t * k * n, 1, ()),
+                    ("grouped_gemm", (int(e), int(k), int(n), per), 2.0 * t * k * n, 3, ())]
+        named = _named(func, args, kwargs)
+        return [_attention(name, named, backward=name in _ATTENTION_BACKWARD)]
+
+    def _gemm(self, a: torch.Tensor, b: torch.Tensor, out: Any) -> tuple:
+        """(batch, M, N, K): the batch-growing dim is M where B is a weight (x W), N where A is (W x), K for a
+        weight gradient (dY^T x X, a parameter-shaped output in backward), else the batch (bmm) or M."""
+        batch = a.shape[0] if a.dim() == 3 else 1
+        m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+        shape = (int(batch), int(m), int(n), int(k))
+        out_t = out if isinstance(out, torch.Tensor) else _tensors(out)[0]
+        if self.weights(b):
+            grow, dims = 1, (3, 2)
+        elif self.weights(a):
+            grow, dims = 2, (1, 3)
+        elif self.backward and a.dim() == 2 and self.weight_shaped(out_t):
+            grow, dims = 3, (1, 2)
+        else:
+            grow, dims = (0 if batch > 1 else 1), ()
+        return ("gemm", shape, 2.0 * _prod(shape), grow, dims)
+
+
+def _channels_last(x: torch.Tensor) -> int:
+    return int(x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+
+
+def _conv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, transposed: bool, groups: int) -> tuple:
+    """A convolution's forward as its implicit GEMM per group (M, N, K, groups, channels_last)."""
+    k, cl = _prod(w.shape[2:]), _channels_last(x)
+    if transposed:  # the input gradient of a convolution: rows over the input positions
+        m, n, kd = x.shape[0] * _prod(x.shape[2:]), w.shape[1] * k, w.shape[0] // groups
+    else:
+        m, n, kd = x.shape[0] * _prod(out.shape[2:]), w.shape[0] // groups, w.shape[1] * k
+    shape = (int(m), int(n), int(kd), int(groups), cl)
+    return ("conv", shape, 2.0 * m * n * kd * groups, 0, ())
+
+
+def _conv_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, _bias_sizes: Any, _stride: Any,
+                   _padding: Any, _dilation: Any, transposed: bool, _output_padding: Any, groups: int,
+                   mask: Any) -> list[tuple]:
+    """The input-gradient and weight-gradient GEMMs of a convolution's backward (those `mask` asks for); each
+    does the forward's FLOPs (the input gradient's depth is what gives them: strided convolutions' rows see
+    fewer taps each)."""
+    k, cl = _prod(w.shape[2:]), _channels_last(x)
+    out_positions = _prod((x if transposed else grad).shape[2:])
+    flops = 2.0 * x.shape[0] * out_positions * _prod(w.shape)
+    c_out, c_in = (w.shape[1] * groups, w.shape[0]) if transposed else (w.shape[0], w.shape[1] * groups)
+    records = []
+    if mask[0]:
+        m, n = x.shape[0] * _prod(x.shape[2:]), c_in // groups
+        kd = max(1, round(flops / (2.0 * m * n * groups)))
+        records.append(("conv", (int(m), int(n), int(kd), int(groups), cl), flops, 0, ()))
+    if mask[1]:
+        m, n, kd = c_out // groups, c_in // groups * k, x.shape[0] * out_positions
+        records.append(("conv", (int(m), int(n), int(kd), int(groups), cl), flops, 2, ()))
+    return records
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """torch._grouped_mm as (groups, M, N, K), the mean GEMM of a group (the split is data: routing)."""
+    if a.dim() == 2 and b.dim() == 3:  # tokens sorted by expert (T, K) x experts' weights (E, K, N)
+        e, (t, k), n = b.shape[0], a.shape, b.shape[-1]
+        shape, grow = (e, max(1, t // e), n, k), 1
+    elif a.dim() == 3 and b.dim() == 3:  # (E, M, K) x (E, K, N)
+        shape, grow = (a.shape[0], a.shape[1], b.shape[-1], a.shape[-1]), 1
+    elif a.dim() == 2 and b.dim() == 2:  # a weight gradient: (M, T) x (T, N) -> (E, M, N), T split by expert
+        e = 1  # the number of groups is offs' length, not visible in the shapes: taken from the output below
+        shape, grow = (e, a.shape[0], b.shape[1], a.shape[1]), 3
+    else:  # (E, M, K) x (K, T): T split by expert
+        shape, grow = (a.shape[0], a.shape[1], max(1, b.shape[-1] // a.shape[0]), a.shape[-1]), 2
+    shape = tuple(int(s) for s in shape)
+    return ("grouped_gemm", shape, 2.0 * _prod(shape), grow, ())
+
+
+def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """An op's arguments by their schema names."""
+    names = [a.name for a in func._schema.arguments]
+    return {**dict(zip(names, args)), **kwargs}
+
+
+def _attention(name: str, a: dict[str, Any], *, backward: bool) -> tuple:
+    """A fused attention kernel's record: (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim, causal, window,
+    masked); FLOPs as autopar.profile.flops counts them (the full score matrix)."""
+    q, k, v = a["query"], a["key"], a["value"]
+    if name.startswith(_SEQ_FIRST):  # (batch, seq, heads, dim)
+        (b, sq, hq, d), (sk, hk), dv = q.shape, (k.shape[1], k.shape[2]), v.shape[-1]
+    else:
+        b, hq, sq, d = (q.shape if q.dim() == 4 else (1, 1, *q.shape[-2:]))
+        sk, hk, dv = k.shape[-2], (k.shape[1] if k.dim() == 4 else 1), v.shape[-1]
+    causal = bool(a.get("is_causal", False)) or a.get("custom_mask_type", 0) in (1, 2)
+    window = a.get("window_size_left", a.get("window_size", None))
+    window = int(window) if isinstance(window, int) and window >= 0 else 0
+    masked = any(isinstance(a.get(m), torch.Tensor) for m in ("attn_mask", "attn_bias", "bias"))
+    if causal and not masked and not backward and _compile_adds_mask():
+        causal = 2
+    shape = tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv, int(causal), window, int(masked)))
+    per = (3 * d + 2 * dv) if backward else (d + dv)
+    return ("attention", shape, 2.0 * b * hq * sq * sk * per, 0, ())
+
+
+def _compile_adds_mask() -> bool:
+    """Whether torch.compile would hand this attention call a mask that the eager call skips: a Hugging Face
+    model (transformers' masking_utils) under torch older than 2.14 builds its causal mask when dynamo traces
+    it, so SDPA gets an explicit mask, not is_causal (transformers 5.x, `_ignore_causal_mask_sdpa`)."""
+    if tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 14):
+        return False
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            return False
+        if str(frame.f_globals.get("__name__", "")).startswith("transformers."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# What torch.compile's fusion leaves of the memory-bound work
+# ---------------------------------------------------------------------------------------------------
+class FusionModel:
+    """The memory-bound bytes and kernels of the step once inductor fuses every chain of memory-bound ops
+    between two compute ops (GEMMs, convolutions, attention: extern kernels inductor does not fuse into) into
+    one loop: a chain reads each tensor it did not make once, and writes only what is read after it (by a
+    compute op, a later chain or backward: saved activations) or is a gradient; what its own ops make and use
+    stays in registers. An upper bound on inductor's fusion (it also recomputes cheap ops in backward rather
+    than save them, and fuses across independent compute ops), a lower bound on its kernel count (a reduction
+    over another shape splits a loop: one kernel more a reduction past the first)."""
+
+    def __init__(self) -> None:
+        self.region = 0
+        self._made: dict[Any, list] = {}  # storage -> [bytes, scope, region, written]
+        self._read: set[Any] = set()  # storages the current chain read already
+        self._open = False  # the current region has a memory-bound kernel running
+        self._reductions = 0
+        self.bytes: dict[tuple, int] = defaultdict(int)  # (scope, backward, weight) -> bytes
+        self.kernels: dict[tuple, int] = defaultdict(int)  # (scope, backward, weight) -> kernels
+        self.backward = False
+
+    def compute_op(self, inputs: list[torch.Tensor]) -> None:
+        """A compute op reads its inputs from memory (what chains made of them is written) and ends the chain."""
+        for t in inputs:
+            self._write(storage_key(t))
+        self.boundary()
+
+    def boundary(self) -> None:
+        self.region += 1
+        self._read.clear()
+        self._open, self._reductions = False, 0
+
+    def memory_op(self, scope: int, kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        """A memory-bound op of `scope` joins the current chain. Weight traffic (kind "weight") is counted apart
+        (paid per micro-batch), and a backward one's outputs (gradients) are written whatever reads them."""
+        where = (scope, self.backward, kind == "weight")
+        if not self._open:
+            self._open = True
+            self.kernels[where] += 1
+        if kind in _REDUCING:
+            self._reductions += 1
+            if self._reductions > 1:
+                self.kernels[where] += 1
+        for t in inputs:
+            key = storage_key(t)
+            made = self._made.get(key)
+            if made is not None and made[2] == self.region:
+                continue  # made by this chain: fused
+            self._write(key)
+            if key not in self._read:
+                self._read.add(key)
+                self.bytes[where] += _nbytes(t)
+        for t in outputs:
+            key = storage_key(t)
+            self._made[key] = [_nbytes(t), where, self.region, False]
+            if where[1] and where[2]:
+                self._write(key)
+
+    def _write(self, key: Any) -> None:
+        made = self._made.get(key)
+        if made is not None and not made[3]:
+            made[3] = True
+            self.bytes[made[1]] += made[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The watcher
+# ---------------------------------------------------------------------------------------------------
 class StepWatcher(TorchDispatchMode):
     """Watches every op of the traced step: the largest tensor it creates (bytes, op); which storages derive
     from parameters only (casts, transposes and views of weights, e.g. autocast's bf16 weight copies: those
     are weights, not activations, and do not grow with the batch); how many ops run (kernel launches); the
-    bytes the non-matmul ops read and write (memory-bound time); and, per block in the forward, the bytes
-    of matmul and attention outputs (what selective checkpointing keeps).
+    bytes the non-matmul ops read and write (memory-bound time); per block in the forward, the bytes of
+    matmul and attention outputs (what selective checkpointing keeps); and every op that allocates as an
+    OpRecord of its scope (`op_groups()`), with the FusionModel's fused bytes and kernels.
 
-    `running_block()` is the index of the innermost block whose forward is running, or None; `forward` is
-    set False by the trace before backward."""
+    The scope of a forward op is the running block (`running_block()`, the index of the innermost block whose
+    forward is running, or None: then BEFORE until a block has run, else AFTER); of a backward op, the scope
+    of the forward op that made the autograd node running it (each node is labelled when a later forward op
+    reads a tensor it made). `forward` is set False by the trace before backward."""
 
     def __init__(self, param_storages: set[Any], param_shapes: set[tuple[int, ...]], num_blocks: int,
                  running_block: Callable[[], int | None]) -> None:
@@ -49,21 +314,58 @@ class StepWatcher(TorchDispatchMode):
         self.traffic_bytes = 0
         self.weight_traffic_bytes = 0
         self.selective_bytes = [0] * num_blocks
+        self.num_blocks = num_blocks
         self._matmul = matmul_ops()
+        self._records: dict[int, dict[tuple, list]] = defaultdict(dict)  # scope -> key -> [count, flops, bytes]
+        self._scope_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # forward tensor -> the scope that made it
+        self._node_scope: dict[int, int] = {}  # id(autograd node) -> scope
+        self._nodes: list[Any] = []  # the labelled nodes, alive so that their ids stay theirs
+        self._compile_masked: set[tuple] = set()  # attention shapes whose forward compile would mask
+        self._after_blocks = False
+        self._backward_started = False
+        self.fusion = FusionModel()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tensors_in, tensors_out = _tensors((args, kwargs)), _tensors(out)
+        scope = self._scope(tensors_in)
         inputs = [storage_key(t) for t in tensors_in]
         from_weights = bool(inputs) and all(k in self.weight_storages for k in inputs)
         allocated = self._allocated(func, inputs, tensors_out, from_weights)
+        if self.forward:
+            for t in tensors_out:
+                self._scope_of[t] = scope
         if allocated:
             self.num_ops += 1
             if func.overloadpacket in self._matmul:
                 self._count_matmul(allocated)
             else:
                 self._count_traffic(allocated, tensors_in, tensors_out, from_weights)
+            self._record(func, args, kwargs or {}, out, scope, (tensors_in, inputs), tensors_out, allocated,
+                         from_weights)
         return out
+
+    def _scope(self, tensors_in: list[torch.Tensor]) -> int:
+        """The scope of the op now running; in forward, labels the autograd nodes of its inputs first."""
+        if not self.forward:
+            if not self._backward_started:
+                self._backward_started = True
+                self.fusion.backward = True
+                self.fusion.boundary()
+            node = torch._C._current_autograd_node()
+            return self._node_scope.get(id(node), AFTER) if node is not None else AFTER
+        for t in tensors_in:
+            node = t.grad_fn
+            if node is not None and id(node) not in self._node_scope:
+                made = self._scope_of.get(t)
+                if made is not None:
+                    self._node_scope[id(node)] = made
+                    self._nodes.append(node)
+        block = self.running_block()
+        if block is not None:
+            self._after_blocks = True
+            return block
+        return AFTER if self._after_blocks else BEFORE
 
     def _allocated(self, func: Any, inputs: list[Any], tensors_out: list[torch.Tensor], from_weights: bool) -> int:
         """Bytes of the op's new outputs (views of an input allocate nothing); outputs made from weights alone
@@ -86,16 +388,100 @@ class StepWatcher(TorchDispatchMode):
         if self.forward and block is not None:
             self.selective_bytes[block] += allocated
 
-    def _count_traffic(self, allocated: int, tensors_in: list[torch.Tensor], tensors_out: list[torch.Tensor],
-                       from_weights: bool) -> None:
-        """A memory-bound op's bytes read and written, and whether they are weight traffic.
-
-        Weight traffic: casts of the weights (autocast's copies, forward) and, in backward, ops whose inputs
+    def _weight_traffic(self, tensors_in: list[torch.Tensor], tensors_out: list[torch.Tensor],
+                        from_weights: bool) -> bool:
+        """Weight traffic: casts of the weights (autocast's copies, forward) and, in backward, ops whose inputs
         and outputs all have a parameter's shape (gradient casts and accumulation). Inputs count too, so that
         an activation whose shape happens to match a weight's (tokens = hidden in a flattened 2-D layer) is
         not taken for one unless everything it touches is."""
+        return from_weights or (not self.forward and all(tuple(t.shape) in self.param_shapes for t in tensors_in)
+                                and all(tuple(t.shape) in self.param_shapes for t in tensors_out))
+
+    def _count_traffic(self, allocated: int, tensors_in: list[torch.Tensor], tensors_out: list[torch.Tensor],
+                       from_weights: bool) -> None:
+        """A memory-bound op's bytes read and written, and whether they are weight traffic."""
         moved = allocated + sum(_nbytes(t) for t in tensors_in)
         self.traffic_bytes += moved
-        if from_weights or (not self.forward and all(tuple(t.shape) in self.param_shapes for t in tensors_in)
-                            and all(tuple(t.shape) in self.param_shapes for t in tensors_out)):
+        if self._weight_traffic(tensors_in, tensors_out, from_weights):
             self.weight_traffic_bytes += moved
+
+    # ---- op records ------------------------------------------------------------------------------
+    def _is_weight(self, t: torch.Tensor) -> bool:
+        return storage_key(t) in self.weight_storages
+
+    def _weight_shaped(self, t: torch.Tensor) -> bool:
+        return tuple(t.shape) in self.param_shapes or tuple(t.shape[::-1]) in self.param_shapes
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any, scope: int,
+                inputs: tuple[list[torch.Tensor], list[Any]], tensors_out: list[torch.Tensor], allocated: int,
+                from_weights: bool) -> None:
+        """The op as OpRecord fields of its scope, and its part in the FusionModel."""
+        tensors_in, keys_in = inputs
+        name = func.overloadpacket.__name__
+        floating = [t for t in tensors_in if t.is_floating_point()]
+        dtype = str(floating[0].dtype).replace("torch.", "") if floating else ""
+        moved = allocated + sum(_nbytes(t) for t in tensors_in)
+        if name in _GEMMS or name in _GROUPED or name in ("convolution", "convolution_backward", _GROUPED_BACKWARD) \
+                or name in _ATTENTION or name in _ATTENTION_BACKWARD:
+            records = _ComputeOp(self._is_weight, self._weight_shaped, not self.forward).of(
+                name, func, args, kwargs, out)
+            for i, (kind, shape, flops, grow, dims) in enumerate(records):
+                shape = self._grouped_count(kind, shape, tensors_out)
+                shape = self._compile_mask(kind, shape)
+                self._add(scope, (kind, not self.forward, shape, dtype, grow, dims), flops,
+                          moved if i == 0 else 0)
+            self.fusion.compute_op(tensors_in)
+            return
+        weight = self._weight_traffic(tensors_in, tensors_out, from_weights)
+        kind = "weight" if weight else memory_kind(name)
+        self._add(scope, (kind, not self.forward, (), dtype, -1, ()), 0.0, moved)
+        made = [t for t in tensors_out if storage_key(t) not in keys_in]
+        self.fusion.memory_op(scope, kind, tensors_in, made)
+
+    def _grouped_count(self, kind: str, shape: tuple, tensors_out: list[torch.Tensor]) -> tuple:
+        """A grouped weight gradient's number of groups, from its (groups, M, N) output."""
+        if kind == "grouped_gemm" and shape[0] == 1 and tensors_out and tensors_out[0].dim() == 3:
+            e = int(tensors_out[0].shape[0])
+            return (e, shape[1], shape[2], max(1, shape[3] // e))
+        return shape
+
+    def _compile_mask(self, kind: str, shape: tuple) -> tuple:
+        """Attention whose forward torch.compile would mask (causal 2): its backward too."""
+        if kind != "attention":
+            return shape
+        if self.forward and shape[7] == 2:
+            self._compile_masked.add(shape[:7])
+        elif not self.forward and shape[7] == 1 and not shape[9] and shape[:7] in self._compile_masked:
+            return shape[:7] + (2,) + shape[8:]
+        return shape
+
+    def _add(self, scope: int, key: tuple, flops: float, nbytes: int) -> None:
+        entry = self._records[scope].setdefault(key, [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += flops
+        entry[2] += nbytes
+
+    def op_groups(self) -> tuple[OpGroup, ...]:
+        """The records of the step: one group for the blocks with equal records, one before and one after."""
+        by_content: dict[tuple[OpRecord, ...], list[int]] = {}
+        for i in range(self.num_blocks):
+            by_content.setdefault(self._scope_records(i), []).append(i)
+        groups = [OpGroup(where="blocks", blocks=tuple(ids), ops=ops) for ops, ids in by_content.items()]
+        for scope, where in ((BEFORE, "before"), (AFTER, "after")):
+            if self._records.get(scope):
+                groups.append(OpGroup(where=where, blocks=(), ops=self._scope_records(scope)))
+        return tuple(groups)
+
+    def _scope_records(self, scope: int) -> tuple[OpRecord, ...]:
+        """A scope's records, in a fixed order, and the FusionModel's "fused" and "fused_weight" ones."""
+        ops = [OpRecord(kind=k, backward=bw, shape=shape, dtype=dt, count=c, flops=f, bytes=b, batch_dim=grow,
+                        weight_dims=dims)
+               for (k, bw, shape, dt, grow, dims), (c, f, b) in self._records[scope].items()]
+        for backward in (False, True):
+            for weight in (False, True):
+                where = (scope, backward, weight)
+                if self.fusion.kernels.get(where) or self.fusion.bytes.get(where):
+                    ops.append(OpRecord(kind="fused_weight" if weight else "fused", backward=backward, shape=(),
+                                        dtype="", count=self.fusion.kernels.get(where, 0), flops=0.0,
+                                        bytes=self.fusion.bytes.get(where, 0)))
+        return tuple(sorted(ops, key=lambda r: (r.kind, r.backward, r.shape, r.dtype, r.batch_dim, r.weight_dims)))

@@ -5,45 +5,50 @@ the saved ones, and training resumed from the checkpoint gives the losses of the
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import autopar
 from tests._training import make_model, make_optimizer
-from tests.distributed._launch import ROOT, torchrun
+from tests.distributed._launch import ROOT, process_env, torchrun
 
 pytestmark = pytest.mark.slow
 
 WORKER = "tests/distributed/_ckpt_worker.py"
 
 
-def _single_process(args: list[str]) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.run([sys.executable, str(ROOT / WORKER), *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+def _single_process(args: list[str], *, cache_dir: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / WORKER), *args], env=process_env(cache_dir), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ckpt")
+    cache = tmp / "autopar-cache"  # this fixture's own: no plan cached by another test or by the user
     out = {}
+
+    def ranks(world_size: int, mode: str, plan: dict, ckpt: str, result: str) -> None:
+        torchrun(WORKER, world_size, [mode, json.dumps(plan), str(tmp / ckpt), str(tmp / result)], cache_dir=cache)
+
+    def one_process(plan: dict, ckpt: str, result: str) -> None:
+        _single_process(["load", json.dumps(plan), str(tmp / ckpt), str(tmp / result)], cache_dir=cache)
+
     # Saved under FSDP on 4 ranks; loaded under TP on 2 ranks and in one process.
-    torchrun(WORKER, 4, ["save", json.dumps({"dp_shard": 4, "micro_batch_size": 2}), str(tmp / "fsdp"), str(tmp / "s.pt")])
-    torchrun(WORKER, 2, ["load", json.dumps({"tp": 2, "micro_batch_size": 8}), str(tmp / "fsdp"), str(tmp / "tp.pt")])
-    _single_process(["load", json.dumps({"micro_batch_size": 8}), str(tmp / "fsdp"), str(tmp / "one.pt")])
+    ranks(4, "save", {"dp_shard": 4, "micro_batch_size": 2}, "fsdp", "s.pt")
+    ranks(2, "load", {"tp": 2, "micro_batch_size": 8}, "fsdp", "tp.pt")
+    one_process({"micro_batch_size": 8}, "fsdp", "one.pt")
     # Saved by a pipeline (a tied weight with a copy on each stage); loaded in one process.
     plan = {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2, "grad_accum": 4}
-    torchrun(WORKER, 2, ["save", json.dumps(plan), str(tmp / "pp"), str(tmp / "pps.pt")])
-    _single_process(["load", json.dumps({"micro_batch_size": 8}), str(tmp / "pp"), str(tmp / "ppone.pt")])
+    ranks(2, "save", plan, "pp", "pps.pt")
+    one_process({"micro_batch_size": 8}, "pp", "ppone.pt")
     # And the other way: the FSDP checkpoint (one tied weight) into a pipeline (a copy per stage).
-    torchrun(WORKER, 2, ["load", json.dumps(plan), str(tmp / "fsdp"), str(tmp / "topp.pt")])
+    ranks(2, "load", plan, "fsdp", "topp.pt")
     for name in ("s", "tp", "one", "pps", "ppone", "topp"):
         out[name] = torch.load(tmp / f"{name}.pt", weights_only=False)
     out["dir"] = tmp

@@ -1,0 +1,285 @@
+"""Seconds of the traced ops (autopar.profile's OpRecords) on one GPU, per op class: GEMMs by their M, N, K,
+convolutions as their implicit GEMMs, attention by its query and key lengths and head dims, grouped GEMMs by
+their mean group, memory-bound ops by their bytes; scaled to a plan's micro-batch and split by its tensor
+parallelism. Every rate is the device's datasheet peak (or HBM bandwidth) times a calibration factor; each
+factor says its source in autopar/cost/calibration.py. An op's time is the larger of its FLOPs over its rate
+and its bytes over the achieved bandwidth (a roofline: depthwise convolutions and thin GEMMs are memory-bound).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..plans import Plan
+from ..profile.model_profile import OpGroup, OpRecord
+from ..topology import DeviceSpec
+from .calibration import Calibration, matmul_arch
+
+COMPUTE_KINDS = ("gemm", "conv", "attention", "grouped_gemm")
+FUSED_KINDS = ("fused", "fused_weight")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one plan's ops run at on one GPU: peaks, GEMM shape factors, bandwidths."""
+
+    bf16: bool  # tensor-core bf16 GEMMs (else fp32 SIMT GEMMs)
+    compiled: bool
+    peak: float  # datasheet dense FLOP/s of the plan's GEMMs (bf16 or fp32)
+    conv_peak: float  # the same for convolutions (fp32: TF32, cuDNN's default)
+    gemm_eff: float  # best-GEMM fraction of peak, this architecture's
+    gemm_half: float  # reduction depth at which a GEMM's rate halves; elements
+    out_half: float  # output elements at which a GEMM's rate halves (the last wave's idle SMs)
+    misaligned: float  # rate of an eager GEMM with a leading dimension not a multiple of 8 / aligned
+    fp32_eff: float
+    conv_eff: float  # cuDNN's implicit GEMM rate / a dense GEMM's of the same shape (channels-last)
+    conv_nchw: float  # contiguous (NCHW) / channels-last convolution rate (1 compiled)
+    attention_eff: float
+    attention_half_dim: float
+    attention_half_keys: float
+    masked_attention: float
+    fp32_attention_eff: float
+    grouped_eff: float
+    hbm: float  # achieved bytes/s of eager memory-bound kernels
+    fused_hbm: float  # achieved bytes/s of inductor's fused kernels
+
+    @classmethod
+    def of(cls, device: DeviceSpec, plan: Plan, cal: Calibration) -> "Rates":
+        arch = matmul_arch(device)
+        bf16 = plan.precision == "bf16"
+        peak = device.peak_flops("bf16" if bf16 else "fp32")
+        conv_peak = peak if bf16 or not device.supports("tf32") else device.peak_flops("tf32")
+        return cls(bf16=bf16, compiled=plan.compile, peak=peak, conv_peak=conv_peak,
+                   gemm_eff=cal.matmul_efficiency * arch.efficiency_ratio,
+                   gemm_half=cal.matmul_half_width * arch.half_width_ratio,
+                   out_half=cal.matmul_rows_half * 2048,  # the factor is stated as rows of a 2048-wide output
+                   misaligned=1.0 if plan.compile else cal.misaligned_gemm_factor,
+                   fp32_eff=cal.fp32_matmul_efficiency, conv_eff=cal.conv_efficiency,
+                   # compiled, inductor makes convolutions channels-last (torch._inductor.config.layout_optimization)
+                   conv_nchw=1.0 if plan.compile else cal.conv_nchw_factor,
+                   attention_eff=cal.attention_efficiency * cal.matmul_efficiency * arch.efficiency_ratio,
+                   attention_half_dim=cal.attention_half_head_dim, attention_half_keys=cal.attention_half_keys,
+                   masked_attention=cal.masked_attention_factor, fp32_attention_eff=cal.fp32_attention_efficiency,
+                   grouped_eff=cal.grouped_gemm_efficiency,
+                   hbm=device.hbm_bytes_per_s * cal.memory_efficiency,
+                   fused_hbm=device.hbm_bytes_per_s * cal.fused_memory_efficiency)
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """What tensor parallelism splits of a group's ops: the GEMMs of the layers it splits column-wise (their
+    out features) and row-wise (their in features), by (in, out) features as autopar.layout pairs them;
+    attention's heads and the batch of other activation GEMMs (attention's scores) in blocks that it splits;
+    the vocabulary of the head (vocab-parallel) outside the blocks."""
+
+    tp: int = 1
+    colwise: frozenset[tuple[int, int]] = frozenset()
+    rowwise: frozenset[tuple[int, int]] = frozenset()
+    heads: bool = False
+    vocab: int | None = None
+
+
+@dataclass(frozen=True)
+class OpsTime:
+    """Seconds of one micro-batch's ops of a group, and its kernel launches."""
+
+    compute_forward_s: float = 0.0  # GEMMs, convolutions, attention, grouped GEMMs
+    compute_backward_s: float = 0.0
+    memory_forward_s: float = 0.0  # memory-bound ops (eager), or what fusion leaves of them (compiled)
+    memory_backward_s: float = 0.0
+    launches: float = 0.0  # kernels: every traced op eager; compute ops and fused kernels compiled
+
+    def __add__(self, other: "OpsTime") -> "OpsTime":
+        return OpsTime(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def times(self, k: float) -> "OpsTime":
+        return OpsTime(*(a * k for a in self._values()))
+
+    def _values(self) -> tuple[float, ...]:
+        return (self.compute_forward_s, self.compute_backward_s, self.memory_forward_s, self.memory_backward_s,
+                self.launches)
+
+    @property
+    def compute_s(self) -> float:
+        return self.compute_forward_s + self.compute_backward_s
+
+    @property
+    def memory_s(self) -> float:
+        return self.memory_forward_s + self.memory_backward_s
+
+
+def gemm_fraction(depth: float, out: float, eff: float, half: float, out_half: float) -> float:
+    """Fraction of the datasheet peak one bf16 GEMM reaches: eff x depth / (depth + half) x out / (out + out_half).
+    depth: the reduction dimension; every output tile pays fixed costs (loading the first operands, the
+    epilogue) that the reduction amortises. out: output elements; too few output tiles leave SMs idle in the
+    last wave (NVIDIA Deep Learning Performance Guide, "Matrix multiplication background": tile and wave
+    quantization)."""
+    return eff * depth / (depth + half) * out / (out + out_half)
+
+
+@functools.lru_cache(maxsize=4096)
+def group_time(group: OpGroup, batch_scale: float, split: TPSplit, rates: Rates, traffic_scale: float) -> OpsTime:
+    """One micro-batch of `group`'s ops: the records' batch-growing dims times `batch_scale` (the micro-batch
+    over the traced sample), split by `split`; memory-bound bytes times `traffic_scale` (0.5: an fp32 trace
+    for a bf16 plan). Cached: the search asks for the same groups under many plans."""
+    total = OpsTime()
+    for r in group.ops:
+        total = total + _record_time(r, batch_scale, split, rates, traffic_scale)
+    return total
+
+
+def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffic_scale: float) -> OpsTime:
+    if r.kind in COMPUTE_KINDS:
+        shape, flops, nbytes = _scaled(r, scale, split)
+        seconds = r.count * _compute_s(r.kind, shape, flops / r.count, nbytes / r.count, r.batch_dim, rates)
+        launches = float(r.count)
+        return OpsTime(compute_backward_s=seconds, launches=launches) if r.backward else \
+            OpsTime(compute_forward_s=seconds, launches=launches)
+    fused = r.kind in FUSED_KINDS
+    if fused != rates.compiled:
+        return OpsTime()
+    grows = r.kind not in ("weight", "fused_weight")  # weight-shaped traffic is paid once per micro-batch
+    seconds = r.bytes * (scale if grows else 1.0) * traffic_scale / (rates.fused_hbm if fused else rates.hbm)
+    return OpsTime(memory_backward_s=seconds, launches=r.count) if r.backward else \
+        OpsTime(memory_forward_s=seconds, launches=r.count)
+
+
+def _scaled(r: OpRecord, scale: float, split: TPSplit) -> tuple[list[float], float, float]:
+    """The record's shape, FLOPs and bytes for the plan's micro-batch on one TP rank."""
+    shape = [float(s) for s in r.shape]
+    flops, nbytes = r.flops, float(r.bytes)
+    if r.batch_dim >= 0:
+        fixed = min(nbytes, _fixed_bytes(r) * r.count)
+        shape[r.batch_dim] *= scale
+        flops, nbytes = flops * scale, fixed + (nbytes - fixed) * scale
+    dim = _tp_dim(r, split)
+    if dim is not None:
+        shape[dim] /= split.tp
+        flops, nbytes = flops / split.tp, nbytes / split.tp
+    return shape, flops, nbytes
+
+
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _fixed_bytes(r: OpRecord) -> float:
+    """The bytes of a compute op that do not grow with the batch: the operand (or, for a weight gradient, the
+    output) without the batch's dimension: a GEMM's weight, a convolution's filter."""
+    elem = _ELEMENT_BYTES.get(r.dtype, 2)
+    s, grow = r.shape, r.batch_dim
+    if r.kind in ("gemm", "grouped_gemm"):
+        groups = s[0] if r.kind == "grouped_gemm" else 1
+        other = {1: s[2] * s[3], 2: s[1] * s[3], 3: s[1] * s[2]}.get(grow, 0)  # (M, N, K): the other two
+        return float(elem * groups * other)
+    if r.kind == "conv":  # (M, N, K, groups): the filter is N x K (forward) or M x N (weight gradient) a group
+        return float(elem * s[3] * (s[1] * s[2] if grow == 0 else s[0] * s[1]))
+    return 0.0
+
+
+def _tp_dim(r: OpRecord, split: TPSplit) -> int | None:
+    """The index in `r.shape` that tensor parallelism divides, or None."""
+    if split.tp <= 1:
+        return None
+    if r.kind == "attention":
+        return 1 if split.heads and r.shape[1] % split.tp == 0 else None
+    if r.kind != "gemm":
+        return None
+    if r.weight_dims:
+        sizes = tuple(r.shape[i] for i in r.weight_dims)
+        for features, side in ((split.colwise, 1), (split.rowwise, 0)):
+            for f in features:
+                if sorted(f) == sorted(sizes):
+                    return next(i for i in r.weight_dims if r.shape[i] == f[side])
+        if split.vocab is not None and split.vocab in sizes:
+            return next(i for i in r.weight_dims if r.shape[i] == split.vocab)
+        return None
+    if split.heads:  # activation x activation in a split block: attention's scores and values, over the heads
+        return 0 if r.shape[0] % split.tp == 0 and r.shape[0] > 1 else r.batch_dim if r.batch_dim >= 0 else None
+    return None
+
+
+def _compute_s(kind: str, shape: list[float], flops: float, nbytes: float, grow: int, rates: Rates) -> float:
+    """Seconds of one compute op: its FLOPs at its class's rate, or its bytes at the bandwidth if longer."""
+    if kind == "gemm":
+        rate = _gemm_rate(shape, grow, rates)
+    elif kind == "conv":
+        rate = _conv_rate(shape, rates)
+    elif kind == "grouped_gemm":
+        rate = _grouped_rate(shape, rates)
+    else:
+        flops, rate = _attention(shape, flops, rates)
+    return max(flops / rate if flops else 0.0, nbytes / rates.hbm)
+
+
+def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
+    """(batch, M, N, K): depth K, output batch x M x N. Eager, a leading dimension (M, N or K other than the one
+    the batch grows) that is not a multiple of 8 elements (16 bytes of bf16; GPT-2's vocabulary of 50257) runs
+    cuBLAS's unaligned kernels (`misaligned_gemm_factor`); compiled, inductor pads it
+    (torch._inductor.config.shape_padding). fp32: SIMT GEMMs at fp32_matmul_efficiency, less the fill loss."""
+    b, m, n, k = shape
+    out = b * m * n
+    if not rates.bf16:
+        return rates.peak * rates.fp32_eff * out / (out + rates.out_half)
+    frac = gemm_fraction(k, out, rates.gemm_eff, rates.gemm_half, rates.out_half)
+    leading = [d for i, d in ((1, m), (2, n), (3, k)) if i != grow]
+    if any(round(d) % 8 for d in leading):
+        frac *= rates.misaligned
+    return rates.peak * frac
+
+
+def _conv_rate(shape: list[float], rates: Rates) -> float:
+    """(M, N, K, groups, channels_last): cuDNN's implicit GEMM at a dense GEMM's rate for its depth and output
+    (all groups' outputs fill the SMs together) times conv_efficiency, and conv_nchw_factor for contiguous
+    (NCHW) tensors, which cuDNN transposes around its NHWC tensor-core kernels."""
+    m, n, k, groups, channels_last = shape
+    eff = rates.gemm_eff if rates.bf16 else rates.fp32_eff
+    frac = gemm_fraction(k, m * n * groups, eff, rates.gemm_half, rates.out_half) * rates.conv_eff
+    return rates.conv_peak * frac * (1.0 if channels_last else rates.conv_nchw)
+
+
+def _grouped_rate(shape: list[float], rates: Rates) -> float:
+    """(groups, M, N, K): the mean group's depth, every group's output together, times grouped_gemm_efficiency."""
+    e, m, n, k = shape
+    if not rates.bf16:
+        return rates.peak * rates.fp32_eff
+    return rates.peak * gemm_fraction(k, e * m * n, rates.gemm_eff, rates.gemm_half, rates.out_half) * \
+        rates.grouped_eff
+
+
+def _attention(shape: list[float], flops: float, rates: Rates) -> tuple[float, float]:
+    """(FLOPs executed, rate) of a fused attention kernel, (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim,
+    causal, window, masked). Executed: the traced FLOPs (the full score matrix) times the keys each query
+    sees (causal: the lower triangle, torch's top-left alignment; a window: at most window + 1). Rate: peak x
+    attention_efficiency x d / (d + attention_half_head_dim) x keys / (keys + attention_half_keys) (a flash
+    kernel's tile loop: its fixed costs per tile are amortised over the head dim and the keys), times
+    masked_attention_factor with an explicit mask or bias (the memory-efficient or cuDNN kernel reading it).
+    Compiled, a call whose mask only torch.compile adds (causal 2: Hugging Face under torch < 2.14) is masked
+    and not causal. fp32: fp32 peak x fp32_attention_efficiency."""
+    _, _, _, sq, sk, d, _, causal, window, masked = shape
+    if causal == 2 and rates.compiled:
+        causal, masked = 0, 1
+    keys = _keys_per_query(sq, sk, bool(causal), window)
+    executed = flops * keys / sk
+    if not rates.bf16:
+        return executed, rates.peak * rates.fp32_attention_eff
+    eff = rates.attention_eff * d / (d + rates.attention_half_dim) * keys / (keys + rates.attention_half_keys)
+    return executed, rates.peak * eff * (rates.masked_attention if masked else 1.0)
+
+
+def _keys_per_query(sq: float, sk: float, causal: bool, window: float) -> float:
+    """The mean number of keys a query attends to."""
+    if causal:
+        keys = (sq + 1) / 2 if sq <= sk else (sk * (sk + 1) / 2 + (sq - sk) * sk) / sq
+    else:
+        keys = sk
+    if window > 0:
+        keys = min(keys, window + 1 if causal else 2 * window + 1)
+    return max(keys, 1.0)
+
+
+def op_seconds(record: OpRecord, rates: Rates) -> float:
+    """Seconds of one record's ops as traced (its batch, no tensor parallelism): what bench/microbench_ops.py
+    compares measured kernels with when it fits the factors."""
+    t = _record_time(record, 1.0, TPSplit(), rates, 1.0)
+    return t.compute_s + t.memory_s

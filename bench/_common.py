@@ -1,0 +1,43 @@
+"""What the benchmarks share: the Hugging Face model shapes they measure (random init), their token batches,
+and where results go. Imported as `bench._common` by scripts run as `python -m bench.<name>` from the
+repository root (bench/README.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+MODELS = {
+    # name: (global batch, sequence length)
+    "gpt2-355m": (16, 1024),
+    "llama-1b": (16, 2048),
+    "gpt2-tiny": (8, 64),  # a CPU smoke test of the benchmarks
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    """A model of MODELS, randomly initialised on the current default device (`with torch.device(...)`)."""
+    import transformers  # optional (autopar[hf]): only the benchmarks of Hugging Face models need it
+
+    if name == "gpt2-tiny":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=64, vocab_size=30000,
+                                      attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(cfg)
+    if name == "gpt2-355m":
+        cfg = transformers.GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                   intermediate_size=8192, vocab_size=32000, max_position_embeddings=2048,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def token_batch(name: str, batch: int, device: str = "meta") -> dict:
+    """`batch` sequences of the model's length, all token 0, as inputs and labels."""
+    ids = torch.zeros(batch, MODELS[name][1], dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids}

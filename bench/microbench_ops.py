@@ -1,0 +1,455 @@
+"""Micro-benchmarks of the op classes autopar's time model prices (autopar/cost/ops.py), and a fit of its factors.
+
+Measures, on one GPU: bf16 GEMMs over a grid of (M, N, K) (and a few fp32 and misaligned ones), convolutions
+(ResNet-50 and ConvNeXt-T shapes at batch 64, channels-last and contiguous, forward and backward), SDPA (head
+dims 64 and 128, sequences 256-8192, causal or not, and with a float mask; and with Hugging Face's boolean mask,
+eager and compiled), torch._grouped_mm where it exists, and elementwise ops' bandwidth. Writes one JSON file of records (a header, then one record per measurement).
+`--fit FILE` fits the calibration factors the time model uses to those records, through the model's own
+formulas (autopar.cost.ops.op_seconds), and prints them with what each was fitted from.
+
+    python -m bench.microbench_ops --out DIR                 # on the GPU: DIR/microbench_ops.json (< 4 min)
+    python -m bench.microbench_ops --fit DIR/microbench_ops.json
+    python -m bench.microbench_ops --device cpu --quick --out /tmp/mb   # a smoke test of the script on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import autopar
+from autopar.cost import Calibration
+from autopar.cost.calibration import matmul_arch
+from autopar.cost.ops import Rates, op_seconds
+from autopar.profile.model_profile import OpRecord
+from autopar.topology import DeviceSpec
+
+# ---------------------------------------------------------------------------------------------------
+# The shapes
+# ---------------------------------------------------------------------------------------------------
+GEMM_M = (256, 1024, 4096, 16384)
+GEMM_N = (1024, 4096, 16384)
+GEMM_K = (64, 256, 1024, 4096, 8192)
+# square, GPT-2's misaligned vocabulary (and its padded width), and small outputs over deep reductions (the fill loss)
+GEMM_EXTRA = ((8192, 8192, 8192), (16384, 50257, 1024), (16384, 50264, 1024), (2048, 2048, 2048),
+              (256, 1024, 65536), (512, 512, 65536), (128, 2048, 65536), (1024, 1024, 32768), (256, 256, 131072))
+FP32_GEMMS = ((4096, 4096, 1024), (8192, 4096, 4096), (1024, 1024, 1024))
+# (C_in, C_out, H, kernel, stride, groups) at batch 64: ResNet-50 and ConvNeXt-T layers
+CONVS = ((3, 64, 224, 7, 2, 1), (64, 64, 56, 1, 1, 1), (64, 64, 56, 3, 1, 1), (64, 256, 56, 1, 1, 1),
+         (128, 128, 28, 3, 1, 1), (512, 128, 28, 1, 1, 1), (256, 256, 14, 3, 1, 1), (1024, 256, 14, 1, 1, 1),
+         (512, 512, 7, 3, 1, 1), (2048, 512, 7, 1, 1, 1), (3, 96, 224, 4, 4, 1), (96, 96, 56, 7, 1, 96),
+         (384, 384, 14, 7, 1, 384), (96, 192, 56, 2, 2, 1))
+ATTENTION_DIMS = (64, 128)
+ATTENTION_SEQS = (256, 512, 1024, 2048, 4096, 8192)
+ATTENTION_TOKENS = 32768  # batch x sequence of each attention call
+HF_ATTENTION = ((32, 12, 512, 64), (8, 25, 1024, 64))  # (batch, heads, seq, head dim): BERT-base, GPT-2-1.5B
+COMPILE_RESERVE_S = 45.0  # a compiled measurement starts only with this much of the budget left (inductor compiles)
+GROUPED = ((8, 2048, 4096, 14336), (8, 2048, 14336, 4096), (64, 512, 2048, 1408), (64, 512, 1408, 2048))
+ELEMENTWISE_NUMEL = (2**24, 2**26, 2**28)
+MIN_SECONDS = 20e-6  # shorter kernels are left out of the fit
+
+QUICK = dict(GEMM_M=(64, 256), GEMM_N=(128,), GEMM_K=(64, 256), GEMM_EXTRA=((256, 250, 128),),
+             FP32_GEMMS=((128, 128, 128),), CONVS=((3, 16, 32, 3, 1, 1), (16, 16, 16, 3, 1, 16)),
+             ATTENTION_DIMS=(64,), ATTENTION_SEQS=(128, 256), ATTENTION_TOKENS=512, HF_ATTENTION=((2, 2, 64, 16),),
+             GROUPED=((4, 64, 128, 64),), ELEMENTWISE_NUMEL=(2**16,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------------
+class Timer:
+    """Median seconds of `fn` over enough repetitions for about `target_s` (CUDA events on a GPU), within a
+    total budget: past it, measurements are skipped (returns None)."""
+
+    def __init__(self, device: torch.device, budget_s: float, quick: bool) -> None:
+        self.device, self.deadline, self.quick = device, time.perf_counter() + budget_s, quick
+
+    def remaining(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def __call__(self, fn: Callable[[], Any], target_s: float = 0.02) -> float | None:
+        if time.perf_counter() > self.deadline:
+            return None
+        fn()  # warm-up (and cuBLAS / cuDNN heuristics)
+        one = self._once(fn)
+        reps = 1 if self.quick else max(3, min(50, int(target_s / max(one, 1e-6))))
+        return statistics.median(self._once(fn) for _ in range(3 if not self.quick else 1)) if reps <= 3 else \
+            self._once(fn, reps)
+
+    def _once(self, fn: Callable[[], Any], reps: int = 1) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / reps
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+
+def _nbytes(*ts: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The measurements: each yields records {"kind", "shape", "dtype", "flops", "bytes", "seconds", ...}
+# ---------------------------------------------------------------------------------------------------
+def bench_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    out = []
+    shapes = [(m, n, k) for m in s["GEMM_M"] for n in s["GEMM_N"] for k in s["GEMM_K"]] + list(s["GEMM_EXTRA"])
+    for dtype, grid in ((torch.bfloat16, shapes), (torch.float32, s["FP32_GEMMS"])):
+        for m, n, k in grid:
+            a = torch.randn(m, k, device=dev, dtype=dtype)
+            b = torch.randn(k, n, device=dev, dtype=dtype)
+            sec = timer(lambda: a @ b)
+            if sec is not None:
+                out.append(dict(kind="gemm", shape=[1, m, n, k], dtype=str(dtype)[6:], flops=2.0 * m * n * k,
+                                bytes=_nbytes(a, b) + m * n * a.element_size(), seconds=sec, batch_dim=1))
+            del a, b
+    return out
+
+
+def bench_convs(timer: Timer, dev: torch.device, s: dict, batch: int) -> list[dict]:
+    """Forward, and backward (input and weight gradients together), channels-last and contiguous, in bf16."""
+    out = []
+    for c_in, c_out, h, k, stride, groups in s["CONVS"]:
+        for channels_last in (1, 0):
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+            x = torch.randn(batch, c_in, h, h, device=dev, dtype=torch.bfloat16).to(memory_format=fmt)
+            w = torch.randn(c_out, c_in // groups, k, k, device=dev, dtype=torch.bfloat16).to(memory_format=fmt)
+            y = F.conv2d(x, w, stride=stride, groups=groups)
+            g = torch.randn_like(y)
+            forward = timer(lambda: F.conv2d(x, w, stride=stride, groups=groups))
+            backward = timer(lambda: torch.ops.aten.convolution_backward(
+                g, x, w, None, [stride] * 2, [0, 0], [1, 1], False, [0, 0], groups, [True, True, False]))
+            m_out = batch * y.shape[2] * y.shape[3]
+            kd = c_in // groups * k * k
+            flops = 2.0 * m_out * (c_out // groups) * kd * groups
+            base = dict(dtype="bfloat16", channels_last=channels_last, layer=[c_in, c_out, h, k, stride, groups])
+            if forward is not None:
+                out.append(dict(base, kind="conv", phase="forward", shape=[m_out, c_out // groups, kd, groups,
+                                                                            channels_last],
+                                flops=flops, bytes=_nbytes(x, w, y), seconds=forward))
+            if backward is not None:
+                m_in = batch * h * h
+                out.append(dict(base, kind="conv", phase="backward", flops=2 * flops, seconds=backward,
+                                bytes=2 * _nbytes(x, w, y),
+                                parts=[[m_in, c_in // groups, max(1, round(flops / (2.0 * m_in * (c_in // groups)
+                                                                                    * groups))), groups,
+                                        channels_last],
+                                       [c_out // groups, kd, m_out, groups, channels_last]]))
+            del x, w, y, g
+    return out
+
+
+def bench_attention(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """SDPA forward + backward, (batch, 16 heads, seq, d), bf16: causal, not, and not causal with a float mask."""
+    out = []
+    dtype = torch.bfloat16
+    for d in s["ATTENTION_DIMS"]:
+        for seq in s["ATTENTION_SEQS"]:
+            b, h = max(1, s["ATTENTION_TOKENS"] // seq), 16
+            q, k, v = (torch.randn(b, h, seq, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+            g = torch.randn(b, h, seq, d, device=dev, dtype=dtype)
+            variants = [(1, None), (0, None)]
+            if seq <= 4096:
+                variants.append((0, torch.zeros(1, 1, seq, seq, device=dev, dtype=dtype)))
+            for causal, mask in variants:
+                def step(causal=causal, mask=mask):
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=bool(causal))
+                    o.backward(g)
+                sec = timer(step, target_s=0.05)
+                if sec is None:
+                    continue
+                traced = 2.0 * b * h * seq * seq * (d + d) + 2.0 * b * h * seq * seq * (3 * d + 2 * d)
+                out.append(dict(kind="attention", shape=[b, h, h, seq, seq, d, d, causal, 0, int(mask is not None)],
+                                dtype="bfloat16", flops=traced, bytes=8 * _nbytes(q), seconds=sec))
+            del q, k, v, g
+    return out
+
+
+def bench_attention_compiled(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """SDPA forward + backward with a boolean (batch, 1, q, k) mask, as a Hugging Face model builds it when its mask
+    is not skipped (padding, or under torch.compile with torch < 2.14), eager and compiled (inductor on a GPU):
+    what `masked_attention_factor` and the compiled-mask rule price. Shapes: BERT-base and GPT-2-1.5B's."""
+    out = []
+    backend = "inductor" if dev.type == "cuda" else "aot_eager"
+    for b, h, seq, d in s["HF_ATTENTION"]:
+        q, k, v = (torch.randn(b, h, seq, d, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = torch.randn(b, h, seq, d, device=dev, dtype=torch.bfloat16)
+        mask = torch.ones(seq, seq, device=dev, dtype=torch.bool).tril().expand(b, 1, seq, seq)
+
+        def attend(q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        for compiled in (0, 1):
+            if compiled and not timer.quick and timer.remaining() < COMPILE_RESERVE_S:
+                continue
+            fn = torch.compile(attend, backend=backend, dynamic=False) if compiled else attend
+
+            def step(fn=fn):
+                fn(q, k, v, mask).backward(g)
+            sec = timer(step, target_s=0.05)
+            if sec is not None:
+                traced = 2.0 * b * h * seq * seq * 2 * d + 2.0 * b * h * seq * seq * 5 * d
+                out.append(dict(kind="attention", shape=[b, h, h, seq, seq, d, d, 0, 0, 1], dtype="bfloat16",
+                                flops=traced, bytes=8 * _nbytes(q), seconds=sec, compiled=compiled, hf_mask=1))
+        del q, k, v, g, mask
+    return out
+
+
+def bench_grouped(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """torch._grouped_mm (tokens sorted by expert x experts' weights), bf16, tokens split evenly."""
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is None:
+        return []
+    out = []
+    for e, m, n, k in s["GROUPED"]:
+        a = torch.randn(e * m, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(e, n, k, device=dev, dtype=torch.bfloat16).transpose(-2, -1)  # (E, K, N), K-major
+        offs = torch.arange(m, e * m + 1, m, device=dev, dtype=torch.int32)
+        try:
+            sec = timer(lambda: grouped(a, w, offs=offs))
+        except Exception as exc:  # no kernel for this device or version
+            return [dict(kind="grouped_gemm", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")]
+        if sec is not None:
+            out.append(dict(kind="grouped_gemm", shape=[e, m, n, k], dtype="bfloat16", flops=2.0 * e * m * n * k,
+                            bytes=_nbytes(a, w) + e * m * n * 2, seconds=sec, batch_dim=1))
+        del a, w
+    return out
+
+
+def bench_elementwise(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """Bytes read and written per second of eager memory-bound ops on large tensors."""
+    out = []
+    for numel in s["ELEMENTWISE_NUMEL"]:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(numel, device=dev, dtype=dtype)
+            y = torch.randn(numel, device=dev, dtype=dtype)
+            rows = x.view(-1, 4096)
+            for name, fn, moved in (("add", lambda: x + y, 3), ("gelu", lambda: F.gelu(x), 2),
+                                    ("copy", lambda: x.clone(), 2),
+                                    ("layer_norm", lambda: F.layer_norm(rows, (4096,)), 2)):
+                sec = timer(fn)
+                if sec is not None:
+                    out.append(dict(kind="elementwise", op=name, shape=[], dtype=str(dtype)[6:], flops=0.0,
+                                    bytes=moved * _nbytes(x), seconds=sec))
+            del x, y, rows
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fit: the time model's factors, through autopar.cost.ops
+# ---------------------------------------------------------------------------------------------------
+def _record(r: dict, shape: list | None = None, flops: float | None = None) -> OpRecord:
+    return OpRecord(kind=r["kind"], backward=False, shape=tuple(shape if shape is not None else r["shape"]),
+                    dtype=r["dtype"], count=1, flops=r["flops"] if flops is None else flops, bytes=int(r["bytes"]),
+                    batch_dim=r.get("batch_dim", -1))
+
+
+def _predicted(r: dict, device: DeviceSpec, cal: Calibration) -> float:
+    """The model's seconds for a measured record (its rates for a bf16, eager plan; fp32 GEMMs: an fp32 plan)."""
+    plan = autopar.Plan(precision="fp32" if r["dtype"] == "float32" else "bf16")
+    rates = Rates.of(device, plan, cal)
+    if r["kind"] == "conv" and r.get("phase") == "backward":
+        return sum(op_seconds(_record(r, shape=p, flops=r["flops"] / 2), rates) for p in r["parts"])
+    return op_seconds(_record(r), rates)
+
+
+def _log_error(records: list[dict], device: DeviceSpec, cal: Calibration) -> float:
+    errs = [math.log(_predicted(r, device, cal) / r["seconds"]) ** 2 for r in records]
+    return sum(errs) / max(len(errs), 1)
+
+
+def _fit_factors(records: list[dict], device: DeviceSpec, cal: Calibration, names: tuple[str, ...],
+                 bounds: dict[str, tuple[float, float]], sweeps: int = 4) -> Calibration:
+    """Coordinate descent in log space (golden-section search per factor) on the mean squared log error of
+    the model's predicted seconds against the measured ones."""
+    if not records:
+        return cal
+    for _ in range(sweeps):
+        for name in names:
+            lo, hi = (math.log(b) for b in bounds[name])
+            for _ in range(30):
+                a, b = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
+                ea = _log_error(records, device, cal.replace(**{name: math.exp(a)}))
+                eb = _log_error(records, device, cal.replace(**{name: math.exp(b)}))
+                lo, hi = (lo, b) if ea < eb else (a, hi)
+            cal = cal.replace(**{name: math.exp((lo + hi) / 2)})
+    return cal
+
+
+def _fit_scale_and_two(records: list[dict], device: DeviceSpec, cal: Calibration, scale: str,
+                       shape: dict[str, tuple[float, float]], rounds: int = 7, points: int = 9) -> Calibration:
+    """A rate factor `scale` (predicted seconds go as 1 / scale while compute-bound: its best value in closed
+    form) and two shape factors (a grid in log space, zoomed in `rounds` times), on the mean squared log error."""
+    base = getattr(cal, scale)
+    records = [r for r in records  # compute-bound ones (where the rate, not the bytes, gives the time)
+               if _predicted(r, device, cal) > 1.8 * _predicted(r, device, cal.replace(**{scale: 2 * base}))]
+    if not records:
+        return cal
+    (a, (a_lo, a_hi)), (b, (b_lo, b_hi)) = shape.items()
+    ranges = [math.log(a_lo), math.log(a_hi), math.log(b_lo), math.log(b_hi)]
+    best = (float("inf"), cal)
+    for _ in range(rounds):
+        la, ha, lb, hb = ranges
+        for i in range(points):
+            for j in range(points):
+                va, vb = la + (ha - la) * i / (points - 1), lb + (hb - lb) * j / (points - 1)
+                trial = cal.replace(**{scale: 1.0, a: math.exp(va), b: math.exp(vb)})
+                logs = [math.log(_predicted(r, device, trial) / r["seconds"]) for r in records]
+                mean = sum(logs) / len(logs)
+                err = sum((x - mean) ** 2 for x in logs) / len(logs)
+                if err < best[0]:
+                    best = (err, trial.replace(**{scale: math.exp(mean)}))
+        ca, cb = math.log(getattr(best[1], a)), math.log(getattr(best[1], b))
+        wa, wb = 2 * (ha - la) / (points - 1), 2 * (hb - lb) / (points - 1)
+        ranges = [ca - wa, ca + wa, cb - wb, cb + wb]
+    return best[1]
+
+
+def fit(path: str, as_device: str | None = None) -> tuple[Calibration, list[str]]:
+    """The factors fitted to a microbench JSON, and one line per factor: its value, from what, its error."""
+    lines = [json.loads(x) for x in open(path)]
+    header, records = lines[0], [r for r in lines[1:] if "seconds" in r]
+    tiny = [r for r in records if r["seconds"] < MIN_SECONDS and r["kind"] != "elementwise"]
+    records = [r for r in records if r not in tiny]
+    device = autopar.Topology.from_spec(f"1x{as_device}").device if as_device else DeviceSpec.from_dict(header["spec"])
+    arch = matmul_arch(device)
+    cal, notes = Calibration(), []
+
+    def kinds(kind: str, **match: Any) -> list[dict]:
+        return [r for r in records if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
+
+    aligned = [r for r in kinds("gemm", dtype="bfloat16") if all(d % 8 == 0 for d in r["shape"][1:])]
+    misaligned = [r for r in kinds("gemm", dtype="bfloat16") if r not in aligned]
+    # the GEMM factors are stated Hopper-equivalent (autopar.cost.calibration.MatmulArch)
+    cal = _fit_scale_and_two(aligned, device, cal, "matmul_efficiency",
+                             {"matmul_half_width": (1.0, 2048.0), "matmul_rows_half": (1.0, 4096.0)})
+    cal = cal.replace(matmul_efficiency=min(cal.matmul_efficiency, 1.0 / arch.efficiency_ratio))  # at most peak
+    notes.append(_note(cal, aligned, device, ("matmul_efficiency", "matmul_half_width", "matmul_rows_half"),
+                       f"{len(aligned)} bf16 GEMMs"))
+    for name, recs, bounds in (
+            ("misaligned_gemm_factor", misaligned, (0.02, 1.0)),
+            ("fp32_matmul_efficiency", kinds("gemm", dtype="float32"), (0.1, 1.0)),
+            ("conv_efficiency", kinds("conv", channels_last=1), (0.05, 1.5)),
+            ("conv_nchw_factor", kinds("conv", channels_last=0), (0.05, 1.5)),
+            ("grouped_gemm_efficiency", kinds("grouped_gemm"), (0.05, 1.5))):
+        cal = _fit_factors(recs, device, cal, (name,), {name: bounds}, sweeps=1)
+        notes.append(_note(cal, recs, device, (name,), f"{len(recs)} records"))
+    hf = [r for r in kinds("attention") if r.get("hf_mask")]
+    records = [r for r in records if not r.get("hf_mask")]
+    unmasked = [r for r in kinds("attention") if not r["shape"][9]]
+    names = ("attention_efficiency", "attention_half_keys", "attention_half_head_dim")
+    cal = _fit_scale_and_two(unmasked, device, cal, "attention_efficiency",
+                             {"attention_half_keys": (1.0, 4096.0), "attention_half_head_dim": (0.5, 512.0)})
+    notes.append(_note(cal, unmasked, device, names, f"{len(unmasked)} SDPA calls (fwd + bwd)"))
+    masked = [r for r in kinds("attention") if r["shape"][9]]
+    cal = _fit_factors(masked, device, cal, ("masked_attention_factor",), {"masked_attention_factor": (0.05, 1.5)},
+                       sweeps=1)
+    notes.append(_note(cal, masked, device, ("masked_attention_factor",), f"{len(masked)} masked SDPA calls"))
+    for r in hf:  # the Hugging Face mask layout, eager and compiled, against the model's masked price
+        b, h, _, sq, _, d = r["shape"][:6]
+        notes.append(f"SDPA with a boolean (batch, 1, q, k) mask, {'compiled' if r['compiled'] else 'eager'}, "
+                     f"{b} x {h} heads x {sq} x {d}: {r['seconds'] * 1e3:.2f} ms, model "
+                     f"{_predicted(r, device, cal) * 1e3:.2f} ms")
+    bandwidth = [r["bytes"] / r["seconds"] / device.hbm_bytes_per_s for r in kinds("elementwise")]
+    if bandwidth:
+        notes.append(f"elementwise ops on large tensors: {statistics.median(bandwidth):.3f} of the datasheet HBM "
+                     f"bandwidth (median of {len(bandwidth)}; min {min(bandwidth):.3f}, max {max(bandwidth):.3f}). "
+                     "For information: memory_efficiency is what a training step's memory-bound kernels reach, "
+                     "small ones and launch gaps included; fit it from measured steps, not from this.")
+    if tiny:
+        notes.append(f"left out of the fit: {len(tiny)} kernels shorter than {MIN_SECONDS * 1e6:.0f} us (a kernel's "
+                     "fixed cost, which the model does not price per kernel, dominates them)")
+    errors = [r for r in lines[1:] if "error" in r]
+    notes += [f"not measured: {r['kind']}: {r['error']}" for r in errors]
+    return cal, notes
+
+
+def _note(cal: Calibration, records: list[dict], device: DeviceSpec, names: tuple[str, ...], what: str) -> str:
+    if not records:
+        return f"{', '.join(names)}: no records, default kept"
+    errs = [_predicted(r, device, cal) / r["seconds"] - 1 for r in records]
+    values = ", ".join(f"{n}={getattr(cal, n):.4g}" for n in names)
+    return (f"{values}  (from {what}; predicted/measured - 1: median {statistics.median(errs):+.1%}, "
+            f"range {min(errs):+.1%} to {max(errs):+.1%})")
+
+
+# ---------------------------------------------------------------------------------------------------
+def measure(args: argparse.Namespace) -> int:
+    dev = torch.device(args.device)
+    shapes = {k: v for k, v in globals().items() if k.isupper() and k in QUICK}
+    if args.quick:
+        shapes.update(QUICK)
+    if dev.type == "cuda":
+        topo = autopar.Topology.detect()
+        spec, name = topo.device, torch.cuda.get_device_name()
+        torch.backends.cuda.matmul.allow_tf32 = False
+    else:
+        spec, name = autopar.Topology.cpu().device, "cpu"
+    timer = Timer(dev, args.budget_s, args.quick)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "microbench_ops.json")
+    header = dict(date=datetime.date.today().isoformat(), device=name, torch=torch.__version__,
+                  command="python -m bench.microbench_ops " + " ".join(sys.argv[1:]), spec=spec.to_dict())
+    t0 = time.perf_counter()
+    with open(path, "w") as f:
+        f.write(json.dumps(header) + "\n")
+        for section, fn in (("gemm", lambda: bench_gemms(timer, dev, shapes)),
+                            ("conv", lambda: bench_convs(timer, dev, shapes, 2 if args.quick else 64)),
+                            ("attention", lambda: bench_attention(timer, dev, shapes)),
+                            ("grouped_gemm", lambda: bench_grouped(timer, dev, shapes)),
+                            ("elementwise", lambda: bench_elementwise(timer, dev, shapes)),
+                            ("attention_hf_mask", lambda: bench_attention_compiled(timer, dev, shapes))):
+            s0 = time.perf_counter()
+            try:
+                recs = fn()
+            except Exception as exc:  # a section that cannot run here is recorded, the others still run
+                recs = [dict(kind=section, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")]
+            for r in recs:
+                f.write(json.dumps(r) + "\n")
+            print(f"{section}: {len(recs)} records in {time.perf_counter() - s0:.1f} s", flush=True)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".", help="directory for microbench_ops.json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="a few tiny shapes (a smoke test)")
+    ap.add_argument("--budget-s", type=float, default=180.0, help="measurements past this many seconds are skipped")
+    ap.add_argument("--fit", default=None, metavar="JSON", help="fit the factors to a file this wrote, and print them")
+    ap.add_argument("--as-device", default=None, help="with --fit: price with this device spec (e.g. H200)")
+    args = ap.parse_args()
+    if args.fit:
+        cal, notes = fit(args.fit, args.as_device)
+        default = Calibration()
+        changed = {f.name: getattr(cal, f.name) for f in dataclasses.fields(cal)
+                   if isinstance(getattr(cal, f.name), float) and getattr(cal, f.name) != getattr(default, f.name)}
+        print("\n".join(notes))
+        print("Calibration(" + ", ".join(f"{k}={v:.4g}" for k, v in changed.items()) + ")")
+        return 0
+    return measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

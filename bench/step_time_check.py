@@ -1,0 +1,218 @@
+"""The time model on CPU against what was measured: re-predicts every configuration of the H200 validation runs
+(bench/results/validate_h200_2026-11-29.jsonl) and of the tuning grids (tune_h200_2026-11-29.jsonl) from their
+recorded plans, and prints predicted vs measured step time; `--zoo` adds the model zoo's plans at realistic size
+(bench/zoo.py) with their predicted step over the time their traced FLOPs take at peak (tests/zoo/test_zoo_plan.py's
+ratio, wanted between 1x and 10x); `--zoo-measured` re-predicts the zoo's own H200 runs (bench/zoo_h200.py).
+
+    python -m bench.step_time_check [--zoo vit,whisper,...] [--zoo-measured bench/results/zoo_h200_DATE.jsonl]
+        [--no-grid] > bench/results/step_time_check_DATE.txt
+
+Profiles are traced here on fake tensors (Hugging Face GPT-2-355M and the Llama-1B shape, transformers needed),
+with the default calibration for the topology. Where the profile does not yet carry its op records (a trace that
+does not wire autopar.profile.watch's records into the profile), they are read from one more trace of the same
+step, so that this runs before and after that wiring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+import autopar
+from autopar.cost import predict_profile
+from autopar.planning import calibration_for, profile_variants
+from autopar.profile import find_blocks
+from autopar.profile.trace import StepTrace
+from bench._common import RESULTS, build, token_batch
+
+PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")
+
+
+def with_op_records(profile: autopar.ModelProfile, model: torch.nn.Module, sample: Any, *, loss_fn: Any = None
+                    ) -> autopar.ModelProfile:
+    """`profile` with the op records of its step (traced once more where the profile lacks them)."""
+    if getattr(profile, "op_groups", ()) or not profile.traced:
+        return profile
+    units = find_blocks(model, None)[1]
+    trace = StepTrace(model, sample, units, loss_fn=loss_fn, precision=profile.profile_precision)
+    trace.run()
+    return dataclasses.replace(profile, op_groups=trace.watcher.op_groups())
+
+
+def traced(model: torch.nn.Module, sample: Any, topology: autopar.Topology, *, loss_fn: Any = None
+           ) -> tuple[autopar.ModelProfile, dict]:
+    profile, variants = profile_variants(model, sample, topology, loss_fn=loss_fn, warn=False)
+    profile = with_op_records(profile, model, sample, loss_fn=loss_fn)
+    return profile, {k: with_op_records(v, model, sample, loss_fn=loss_fn) for k, v in variants.items()}
+
+
+def plan_from_short(short: str) -> dict:
+    """The plan options of a tuner row's short description ("1gpu mb16 acc2 bf16 compile", "ac:selective")."""
+    kw: dict = {"precision": "bf16"}
+    for tok in short.split()[1:]:
+        if tok.startswith("mb"):
+            kw["micro_batch_size"] = int(tok[2:])
+        elif tok.startswith("acc"):
+            kw["grad_accum"] = int(tok[3:])
+        elif tok.startswith("ac:"):
+            kw["checkpointing"] = tok[3:]
+        elif tok == "compile":
+            kw["compile"] = True
+        elif tok in ("bf16", "fp32"):
+            kw["precision"] = tok
+    return kw
+
+
+def measured_runs(validate: str, grid: str | None) -> list[tuple[str, dict, float, str]]:
+    """(model, plan options, measured step s, source) of every measured configuration, later records winning."""
+    runs: dict = {}
+    for line in open(validate):
+        rec = json.loads(line)
+        if rec.get("status") == "ok" and "step_s" in rec:
+            kw = {k: rec[k] for k in PLAN_KEYS if k in rec}
+            runs[(rec["model"], json.dumps(kw, sort_keys=True))] = (rec["step_s"], "validate")
+    if grid:
+        for line in open(grid):
+            rec = json.loads(line)
+            if rec.get("what") == "grid" and not rec.get("summary") and rec.get("status") == "ok":
+                kw = plan_from_short(rec["plan"])
+                kw = {k: v for k, v in kw.items() if not (k == "precision" and v == "bf16")}
+                runs.setdefault((rec["model"], json.dumps(kw, sort_keys=True)), (rec["measured_step_s"], "grid"))
+    return [(m, json.loads(k), s, src) for (m, k), (s, src) in runs.items()]
+
+
+def check_measured(args: argparse.Namespace) -> list[str]:
+    topo = autopar.Topology.from_spec("1xH200")
+    cal = calibration_for(topo)
+    profiles: dict = {}
+    out = [f"{'model':10} {'source':8} {'plan':44} {'measured ms':>11} {'pred ms':>8} {'err':>7} | "
+           f"{'compute':>7} {'memory':>7} {'launch':>7} {'recomp':>7}"]
+    errs: dict = {"validate": [], "grid": []}
+    for name, kw, measured, source in measured_runs(args.validate, None if args.no_grid else args.grid):
+        if name not in profiles:
+            with torch.device("meta"):
+                model = build(name)
+            profiles[name] = traced(model, token_batch(name, 1), topo)
+        profile, variants = profiles[name]
+        pred = predict_profile(profile, autopar.Plan(**{"precision": "bf16", **kw}), topo, cal, variants=variants)
+        err = pred.step_s / measured - 1
+        errs[source].append(err)
+        t = pred.time
+        desc = " ".join(f"{k}={v}" for k, v in sorted(kw.items()))
+        out.append(f"{name:10} {source:8} {desc:44} {measured * 1e3:11.1f} {pred.step_s * 1e3:8.1f} {err:+7.1%} | "
+                   f"{t.compute_s * 1e3:7.1f} {t.memory_s * 1e3:7.1f} {t.launch_s * 1e3:7.1f} "
+                   f"{t.recompute_s * 1e3:7.1f}")
+    for source, v in errs.items():
+        if v:
+            out.append(f"  {source:8} step error {min(v):+.1%} to {max(v):+.1%}, median |error| "
+                       f"{statistics.median(abs(x) for x in v):.1%}, over {len(v)} configurations")
+    return out
+
+
+def check_zoo(names: list[str]) -> list[str]:
+    from bench.zoo import build_model, family, make_sample  # the zoo needs transformers (and timm/torchvision)
+    from tests.zoo.test_zoo_plan import TOPOLOGIES, peak_time_ratio
+
+    out = [f"{'family':12} {'topology':11} {'plan':40} {'pred ms':>8} {'x FLOPs at peak':>15} | "
+           f"{'compute':>7} {'memory':>7} {'launch':>7}"]
+    for name in names:
+        f = family(name)
+        why = f.unavailable()
+        if why is not None:
+            out.append(f"{name:12} skipped: {why}")
+            continue
+        model, sample = build_model(f, "realistic"), make_sample(f, "realistic")
+        t0 = time.perf_counter()
+        try:
+            profile, variants = traced(model, sample, autopar.Topology.from_spec(TOPOLOGIES[0]), loss_fn=f.loss_fn)
+        except Exception as exc:  # a family the trace cannot run: said, and the others still run
+            out.append(f"{name:12} not traced: {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+            continue
+        for spec in TOPOLOGIES:  # both have bf16: the same traces
+            topo = autopar.Topology.from_spec(spec)
+            ranked = autopar.candidates(profile, topology=topo, variants=variants, allow_train_step=False,
+                                        global_batch_size=f.realistic_batch * topo.world_size)
+            best = next(c for c in ranked if c.feasible)
+            pred = best.prediction
+            ratio = peak_time_ratio(pred.step_s, profile, best.plan, topo)
+            p = best.plan
+            desc = (f"mb{p.micro_batch_size} {p.precision} ac:{p.checkpointing} compile={p.compile} "
+                    f"fsdp{p.dp_shard} tp{p.tp} pp{p.pp}")
+            out.append(f"{name:12} {spec:11} {desc:40} {pred.step_s * 1e3:8.1f} {ratio:15.2f} | "
+                       f"{pred.time.compute_s * 1e3:7.1f} {pred.time.memory_s * 1e3:7.1f} "
+                       f"{pred.time.launch_s * 1e3:7.1f}   ({time.perf_counter() - t0:.0f} s)")
+            print(out[-1], file=sys.stderr, flush=True)
+    return out
+
+
+def check_zoo_measured(path: str) -> list[str]:
+    """The zoo's H200 runs (bench/zoo_h200.py records: the hand recipe, one GPU, bf16 autocast, eager or
+    compiled) re-predicted with the model as it is now."""
+    from bench.zoo import build_model, family, make_sample  # the zoo needs transformers
+
+    out = [f"{'family':12} {'mode':13} {'batch':>5} {'measured ms':>11} {'then ms':>8} {'now ms':>8} {'err':>7} | "
+           f"{'compute':>7} {'memory':>7} {'launch':>7}"]
+    traces: dict = {}
+    errs = []
+    for line in open(path):
+        rec = json.loads(line)
+        if rec.get("status") != "ok" or rec.get("mode") not in ("hand", "hand_compile"):
+            continue
+        name = rec["family"]
+        f = family(name)
+        if name not in traces:
+            model, sample = build_model(f, "realistic"), make_sample(f, "realistic", rec["batch"])
+            traces[name] = traced(model, sample, autopar.Topology.from_spec("1xH200"), loss_fn=f.loss_fn)
+        profile, variants = traces[name]
+        topo = autopar.Topology.from_spec("1xH200")
+        plan = autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=rec["mode"] == "hand_compile")
+        pred = predict_profile(profile, plan, topo, calibration_for(topo), variants=variants)
+        err = pred.step_s / rec["step_s"] - 1
+        errs.append(err)
+        then = rec.get("predicted_step_s")
+        t = pred.time
+        out.append(f"{name:12} {rec['mode']:13} {rec['batch']:5} {rec['step_s'] * 1e3:11.1f} "
+                   f"{then * 1e3 if then else float('nan'):8.1f} {pred.step_s * 1e3:8.1f} {err:+7.1%} | "
+                   f"{t.compute_s * 1e3:7.1f} {t.memory_s * 1e3:7.1f} {t.launch_s * 1e3:7.1f}")
+        print(out[-1], file=sys.stderr, flush=True)
+    if errs:
+        out.append(f"  step error {min(errs):+.1%} to {max(errs):+.1%}, median |error| "
+                   f"{statistics.median(abs(x) for x in errs):.1%}, over {len(errs)} runs")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--validate", default=str(RESULTS / "validate_h200_2026-11-29.jsonl"))
+    ap.add_argument("--grid", default=str(RESULTS / "tune_h200_2026-11-29.jsonl"))
+    ap.add_argument("--no-grid", action="store_true", help="the validation configurations only")
+    ap.add_argument("--no-measured", action="store_true", help="the zoo only")
+    ap.add_argument("--zoo", default="", help="comma-separated zoo families (bench/zoo.py), e.g. vit,whisper")
+    ap.add_argument("--zoo-measured", default=None, metavar="JSONL",
+                    help="bench/zoo_h200.py records to re-predict (e.g. bench/results/zoo_h200_2026-12-01.jsonl)")
+    args = ap.parse_args()
+    lines = [f"# step time: the cost model as of {datetime.date.today()} (torch {torch.__version__}, default "
+             "calibration) against the H200 measurements of 2026-11-29 (torch 2.11)",
+             f"# python -m bench.step_time_check {' '.join(sys.argv[1:])}".rstrip()]
+    if not args.no_measured:
+        lines += check_measured(args)
+    if args.zoo_measured:
+        lines += ["", f"## zoo runs on the H200 ({args.zoo_measured}), re-predicted ('then': as recorded)"]
+        lines += check_zoo_measured(args.zoo_measured)
+    if args.zoo:
+        lines += ["", "## zoo (realistic size, the search's first feasible plan)"]
+        lines += check_zoo([n for n in args.zoo.split(",") if n])
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

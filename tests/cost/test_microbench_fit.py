@@ -1,0 +1,77 @@
+"""bench/microbench_ops.py: its fit recovers the time model's factors from records the model itself priced with
+known factors, and the script runs end to end on CPU (--device cpu --quick, then --fit)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import autopar
+from autopar.cost import Calibration
+from bench import microbench_ops as mb
+
+TRUTH = Calibration(matmul_efficiency=0.7, matmul_half_width=60.0, matmul_rows_half=100.0, misaligned_gemm_factor=0.2,
+                    fp32_matmul_efficiency=0.6, conv_efficiency=0.6, conv_nchw_factor=0.5, attention_efficiency=0.65,
+                    attention_half_keys=200.0, attention_half_head_dim=40.0, masked_attention_factor=0.5,
+                    grouped_gemm_efficiency=0.7)
+H200 = autopar.Topology.from_spec("1xH200").device
+
+
+def _records() -> list[dict]:
+    out = []
+    for m in (1024, 4096, 16384):
+        for n in (1024, 4096, 16384):
+            for k in (64, 256, 1024, 4096):
+                out.append(dict(kind="gemm", shape=[1, m, n, k], dtype="bfloat16", flops=2.0 * m * n * k,
+                                bytes=2 * (m * k + k * n + m * n), batch_dim=1))
+    for m, n, k in ((256, 1024, 65536), (512, 512, 65536), (128, 2048, 65536), (256, 256, 131072)):
+        out.append(dict(kind="gemm", shape=[1, m, n, k], dtype="bfloat16", flops=2.0 * m * n * k,
+                        bytes=2 * (m * k + k * n + m * n), batch_dim=1))
+    out.append(dict(kind="gemm", shape=[1, 16384, 50257, 1024], dtype="bfloat16", flops=2.0 * 16384 * 50257 * 1024,
+                    bytes=2 * (16384 * 1024 + 1024 * 50257 + 16384 * 50257), batch_dim=1))
+    out.append(dict(kind="gemm", shape=[1, 8192, 4096, 4096], dtype="float32", flops=2.0 * 8192 * 4096 * 4096,
+                    bytes=4 * (8192 * 4096 * 3), batch_dim=1))
+    for cl in (1, 0):
+        for m, n, k in ((64 * 56 * 56, 64, 576), (64 * 28 * 28, 128, 1152), (64 * 14 * 14, 256, 2304)):
+            out.append(dict(kind="conv", shape=[m, n, k, 1, cl], dtype="bfloat16", flops=2.0 * m * n * k,
+                            bytes=2 * m * (n + k // 9), channels_last=cl, phase="forward"))
+    for d in (64, 128):
+        for seq in (512, 1024, 2048, 4096, 8192):
+            for causal, masked in ((1, 0), (0, 0), (0, 1)):
+                b, h = max(1, 32768 // seq), 16
+                out.append(dict(kind="attention", shape=[b, h, h, seq, seq, d, d, causal, 0, masked], dtype="bfloat16",
+                                flops=2.0 * b * h * seq * seq * 7 * d, bytes=8 * 2 * b * h * seq * d))
+    out.append(dict(kind="grouped_gemm", shape=[8, 2048, 4096, 14336], dtype="bfloat16",
+                    flops=2.0 * 8 * 2048 * 4096 * 14336, bytes=2 * 8 * 14336 * 4096, batch_dim=1))
+    for r in out:
+        r["seconds"] = mb._predicted(r, H200, TRUTH)
+    return out
+
+
+def test_the_fit_recovers_the_factors_the_records_were_priced_with(tmp_path):
+    path = tmp_path / "microbench_ops.json"
+    header = dict(date="test", device="NVIDIA H200", torch="test", command="test", spec=H200.to_dict())
+    path.write_text("\n".join(json.dumps(x) for x in [header, *_records()]) + "\n")
+    cal, notes = mb.fit(str(path))
+    for name in ("matmul_efficiency", "matmul_half_width", "matmul_rows_half", "misaligned_gemm_factor",
+                 "fp32_matmul_efficiency", "conv_efficiency", "conv_nchw_factor", "attention_efficiency",
+                 "attention_half_keys", "attention_half_head_dim", "masked_attention_factor",
+                 "grouped_gemm_efficiency"):
+        assert getattr(cal, name) == pytest.approx(getattr(TRUTH, name), rel=0.05), (name, notes)
+
+
+def test_the_script_runs_on_cpu_and_fits_what_it_wrote(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "bench.microbench_ops", "--device", "cpu", "--quick", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(x) for x in (tmp_path / "microbench_ops.json").read_text().splitlines()]
+    assert lines[0]["device"] == "cpu" and {r["kind"] for r in lines[1:]} >= {"gemm", "conv", "attention",
+                                                                                "elementwise"}
+    fitted = subprocess.run([sys.executable, "-m", "bench.microbench_ops", "--fit",
+                             str(tmp_path / "microbench_ops.json"), "--as-device", "H200"],
+                            capture_output=True, text=True, timeout=300)
+    assert fitted.returncode == 0, fitted.stderr
+    assert "Calibration(" in fitted.stdout
