@@ -37,31 +37,24 @@ class Calibration:
     bench/results/kernels_h200_2026-11-29.jsonl); the others come from the sources named."""
 
     # --- memory ---------------------------------------------------------------------------------------
-    context_bytes: float = 0.75 * GiB  # CUDA context and the libraries' handles, outside the caching allocator (cuBLAS
-    # workspaces are inside it, in the reserve); bytes; H200, torch 2.11 + CUDA 13, measured: device memory in use
-    # less torch.cuda.memory_reserved() = 0.749 GiB in all 14 runs of bench/results/zoo_h200_2026-12-01.jsonl
+    context_bytes: float = 0.55 * GiB  # CUDA context, cuBLAS/cuDNN workspaces; bytes; typical H100/H200 torch 2.x
     reserve_bytes: float = 0.5 * GiB  # allocator reserve over the allocated peak, at the least (where no large
     # tensor is made, e.g. a pipeline stage without the head); bytes; H200, measured: the smallest reserve of the
     # bf16 validation steps (0.52 GiB, Llama-1B at 2 x 2048 tokens); above it the reserve follows the largest
-    # tensor (largest_reserve_factor). The H200 zoo runs without a large tensor (ViT, ResNet, ConvNeXt, CLIP eager
-    # and compiled, GPT-2 and BERT compiled) reserved 0.11-0.53 GiB over their peaks (zoo_h200_2026-12-01.jsonl)
+    # tensor (largest_reserve_factor)
     fragmentation_fraction: float = 0.0  # reserve growing with the allocated peak; fraction; H200, measured (none
     # beyond largest_reserve_factor's)
-    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the bytes of the largest tensor
-    # freed before the peak, whose block the allocator keeps cached (the logits in the compute dtype where the
-    # largest tensor is the loss's upcast copy of them, else the largest tensor; autopar.cost.memory); ratio; H200,
-    # measured: 0.52 (GPT-2), 0.93 (Llama-1B shape), 2.2 (BERT) eager, 0.14-0.67 compiled
-    # (bench/results/zoo_h200_2026-12-01.jsonl)
+    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the largest tensor's bytes (the
+    # fp32 logits); ratio; H200, measured: (max_memory_reserved - max_memory_allocated) / those bytes = 0.91-1.27
+    # over the 7 bf16 validation runs (bench/results/validate_h200_2026-11-29.jsonl and raw_2026-11-29/call2;
+    # the fp32 run: 0.1)
     transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count;
     # anchor fit (fp32 runs) and the exact check on CPU (tests/cost/test_exact.py)
     upcast_transient_factor: float = 2.0  # the same where the largest tensor is an upcast copy (the loss's
     # logits.float() under autocast); count; the exact check of the H200 configurations (6.13 GiB of temporaries,
     # twice the fp32 logits, for Hugging Face GPT-2-355M at 16 x 1024 tokens)
-    compile_activation_factor: float = 0.58  # only for profiles without the compiled partition (BlockProfile.
-    # compiled_saved_bytes, autopar.profile.remat, which replaces it): compiled/eager saved activations; ratio;
-    # anchor fit (GPT-2 and Llama shapes)
-    compile_transient_factor: float = 0.61  # only for those profiles too: compiled/eager short-lived bytes (the
-    # fused loss); ratio; anchor fit
+    compile_activation_factor: float = 0.58  # compiled/eager saved activations; ratio; anchor fit
+    compile_transient_factor: float = 0.61  # compiled loss fuses logits and their gradient; ratio; anchor fit
     autocast_activation_factor: float = 1.0  # saved bytes of a GPU autocast run / the bf16 trace's; ratio; 1: the
     # trace applies CUDA autocast's float32 casts (autopar.profile.cuda_autocast.CudaAutocastPolicy); H200 runs within -0.4 to
     # +4.2% of the trace's prediction

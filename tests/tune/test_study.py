@@ -327,9 +327,10 @@ def test_tune_command_shows_progress_and_ends_with_the_table(probe_result, tmp_p
     assert code == 0
     err = captured.err.splitlines()  # not a terminal: one line per event
     assert sum(" running " in line for line in err) == 4 == len(runner.ran)
-    assert "[autopar tune] [....................] 1/4 running tp2 mb8 fp32 sp | best - |" in captured.err
+    # the space's order is the cost model's (its best predicted first): one line per trial in that order
+    assert "[autopar tune] [....................] 1/4 running fsdp2 mb4 fp32 no-reshard | best - |" in captured.err
     assert any(line.startswith("[autopar tune] [#####") and "2/4 running" in line and "| best " in line for line in err)
-    assert "[autopar tune] trial 3: oom     pp2 mb8 gpipe fp32: torch.OutOfMemoryError" in captured.err
+    assert "[autopar tune] trial 3: oom     pp2 mb4 acc2 zero_bubble/v2 fp32: torch.OutOfMemoryError" in captured.err
     assert "trial budget reached (4 of 4 measured)" in captured.err
     assert "pred tok/s" in captured.out and "best (*)" in captured.out and (tmp_path / "best.yaml").is_file()
 
