@@ -24,6 +24,7 @@ from .search import search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
+from .strategies.tensor_parallel import tensor_parallel_refusal
 from .topology import Topology
 
 __all__ = ["wrap", "plan", "applied", "plan_of", "data_shard"]
@@ -82,7 +83,8 @@ def plan(
         warnings.warn("autopar: " + _untraced_message(structure, safe, exc), stacklevel=2)
         return safe
     return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
-                   variants=variants, uses_train_step=uses_train_step)
+                   variants=variants, uses_train_step=uses_train_step,
+                   tp_refusal=tensor_parallel_refusal(model, profile))
 
 
 def _safe_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
@@ -115,7 +117,7 @@ def _untraced_message(profile: ModelProfile, safe: Plan, exc: TraceError) -> str
 
 
 def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
-            variants: Any = None, uses_train_step: bool = False) -> Plan:
+            variants: Any = None, uses_train_step: bool = False, tp_refusal: str | None = None) -> Plan:
     """The fastest plan the cost model predicts to fit (autopar.search), or a clear error."""
     if not profile.traced:
         raise PlanError("choosing a plan needs a traced profile (FLOPs and activation bytes); pass a plan instead.")
@@ -126,7 +128,8 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
             "give a topology for this job (Topology.detect() under torchrun, or a spec with that many GPUs)."
         )
     ranked = search(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
-                    variants=variants, calibration=calibration_for(topology), allow_train_step=uses_train_step)
+                    variants=variants, calibration=calibration_for(topology), allow_train_step=uses_train_step,
+                    tp_refusal=tp_refusal)
     if not ranked:
         raise PlanError(
             f"the global batch of {global_batch_size} samples does not split over {world_size} data-parallel ranks: "
@@ -285,7 +288,8 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
             return _Decision(hit, "from the plan cache", note)
         variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile)
         chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                         variants=variants, uses_train_step=uses_train_step)
+                         variants=variants, uses_train_step=uses_train_step,
+                         tp_refusal=tensor_parallel_refusal(model, profile))
         return _Decision(chosen, "chosen by the cost model", note)
     except Exception as exc:  # sent to the other ranks so that none waits forever
         return _Decision(None, "", error=exc)

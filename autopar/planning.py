@@ -26,6 +26,7 @@ from .exact import exact_memory
 from .plans import Plan
 from .profile import ModelProfile, profile_model
 from .search import Candidate, Drop, DropKind, rank_key, search
+from .strategies.tensor_parallel import tensor_parallel_refusal
 from .topology import Topology, resolve_topology
 
 GiB = 2**30
@@ -122,7 +123,7 @@ def candidates(
     headroom: float = 0.95,
     verify: int = 0,
     model_fn: Callable[[], nn.Module] | nn.Module | None = None,
-    eager: bool = False,
+    eager: bool = True,
 ) -> list[Candidate]:
     """Every plan the search considers for this model on this hardware, predicted and ranked: the ones
     that fit first, fastest first, then the ones dropped, each with its reason.
@@ -132,8 +133,9 @@ def candidates(
     does unless told otherwise. `headroom`: the share of a GPU's memory a plan may fill.
     `verify=N` runs the exact memory check (autopar.exact) on the N best candidates (a few seconds
     to minutes each, no memory used) and drops those it finds too big; it builds the model with
-    `model_fn()` (or copies a meta-device model) and needs `sample`. `eager=True` also ranks eager plans
-    where compiled ones are searched (the tuner's space; autopar.search.search).
+    `model_fn()` (or copies a meta-device model) and needs `sample`. Eager plans are ranked beside compiled
+    ones (compile is chosen where the prediction says it pays); `eager=False` keeps compiled ones only
+    (autopar.search.search).
     """
     topo = resolve_topology(topology)
     world = world_size or topo.world_size
@@ -143,8 +145,10 @@ def candidates(
     if not 0 < headroom <= 1:
         raise PlanError(f"headroom is the share of a GPU's memory a plan may fill, in (0, 1]; got {headroom}.")
     cal = calibration or calibration_for(topo)
+    tp_refusal = tensor_parallel_refusal(model_or_profile, profile) if isinstance(model_or_profile, nn.Module) else None
     ranked = search(profile, topo, world_size=world, global_batch_size=global_batch_size, variants=var,
-                    calibration=cal, allow_train_step=allow_train_step, headroom=headroom, eager=eager)
+                    calibration=cal, allow_train_step=allow_train_step, headroom=headroom, eager=eager,
+                    tp_refusal=tp_refusal)
     if verify:
         if model_fn is None:
             if not isinstance(model_or_profile, nn.Module) or not all(

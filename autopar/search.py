@@ -9,9 +9,11 @@ step time. `autopar.candidates` returns the ranking; `wrap` and `autopar.plan` a
 A dropped candidate says why as a `Drop` (a `DropKind` and its numbers; `describe()` gives the text).
 
 Pruned as dominated, never predicted for time:
-- fp32 where bf16 exists (slower and larger), eager where compile is available (unless `eager=True`:
-  the tuner measures both), tensor parallelism without sequence parallelism (the same communication,
-  more activation memory): not enumerated.
+- fp32 where bf16 exists (slower and larger), tensor parallelism without sequence parallelism (the same
+  communication, more activation memory): not enumerated. Eager plans are not pruned: every compiled
+  plan has its eager twin, ranked beside it by the prediction, so compile is chosen only where the cost
+  model predicts it pays (on a tie, eager ranks first: nothing to compile, nothing to fail). `eager=False`
+  keeps compiled plans only (the tuner's `--compiled-only`).
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
   (none < selective < full) and `reshard_after_forward` (False < True), one is dropped when another
   with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
@@ -168,11 +170,11 @@ def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_si
 
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
                     allow_train_step: bool = False, offload: bool = False, compile_available: bool = True,
-                    eager: bool = False) -> Iterator[Plan]:
+                    eager: bool = True) -> Iterator[Plan]:
     """Every plan the search considers (see the module docstring). Plans that need autopar.train_step and
     autopar.dataloader (accumulation, pipelines, tensor parallelism) only with `allow_train_step`; CPU
-    offload only with `offload`; eager plans beside compiled ones (where compile is available) with `eager`
-    (the tuner measures both: compilation can fail or lose on a given model, which the cost model cannot see).
+    offload only with `offload`; eager plans beside compiled ones (where compile is available) unless
+    `eager=False` (compiled ones only: compile is not always faster, on a GPU or in the cost model).
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
@@ -180,11 +182,12 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # A plain loop gives every process its own batch: only pure data parallelism keeps that true (tensor-
     # parallel peers must read the same samples, which autopar.dataloader / data_shard arrange).
     tps = tensor_parallel_degrees(profile, topology, world_size) if allow_train_step else [1]
-    # Pruned as dominated: fp32 where bf16 exists (slower and larger), eager where compile is available
-    # (compile is never slower or larger in the cost model; `compile=False` plans stay valid choices), and
-    # tensor parallelism without sequence parallelism (the same communication, more activation memory).
+    # Pruned as dominated: fp32 where bf16 exists (slower and larger), and tensor parallelism without
+    # sequence parallelism (the same communication, more activation memory). Eager is not: compiled BERT
+    # and ViT ran no faster than eager on an H200 and compiled GPT-2 1.5B slower
+    # (bench/results/zoo_h200_2026-12-01.jsonl), so the prediction decides between the two.
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
-    compiles = ([True, False] if eager else [True]) if topology.is_gpu and compile_available else [False]
+    compiles = ([False, True] if eager else [True]) if topology.is_gpu and compile_available else [False]
     blocks = len(profile.blocks)
     fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}
     for tp in tps:
@@ -227,7 +230,8 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
 
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
            variants: Mapping[str, ModelProfile] | None = None, calibration: Calibration | None = None,
-           allow_train_step: bool = False, headroom: float = 0.95, eager: bool = False) -> list[Candidate]:
+           allow_train_step: bool = False, headroom: float = 0.95, eager: bool = True,
+           tp_refusal: str | None = None) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
     Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, and
@@ -237,7 +241,11 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     has no `Candidate.prediction` (None); its plan's `prediction` holds the memory (`memory_bytes`,
     `allocated_bytes`) where it was predicted, and `drop` says why it was dropped.
 
-    `eager`: also rank eager plans where compiled ones are enumerated (enumerate_plans; the tuner's space).
+    `eager`: rank eager plans beside compiled ones where compile is enumerated (the default); False keeps
+    the compiled ones only (enumerate_plans).
+
+    `tp_refusal`: why tensor parallelism cannot split the model (autopar.strategies.tensor_parallel's
+    `tensor_parallel_refusal`, which needs the model): its plans are dropped as unrunnable with that reason.
 
     `variants` may be any mapping (e.g. one that traces a precision on first use): only the precisions
     some plan needs are read."""
@@ -257,6 +265,9 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
         for plans in groups.values():
             fits: list[Plan] = []
             for plan in plans:
+                if plan.tp > 1 and tp_refusal is not None:
+                    out.append(Candidate(plan, None, False, Drop.unrunnable(tp_refusal)))
+                    continue
                 if plan.pp > 1:
                     try:
                         check_pipeline(plan, profile)
@@ -299,13 +310,13 @@ def _no_more_work(q: Plan, plan: Plan) -> bool:
             and (q.checkpointing, q.reshard_after_forward) != (plan.checkpointing, plan.reshard_after_forward))
 
 
-def rank_key(c: Candidate) -> tuple[bool, int, float]:
-    """The order of `search`'s list: feasible first, by step time; then those that do not fit, by memory
-    needed; then the dominated; then those the model cannot run."""
+def rank_key(c: Candidate) -> tuple[bool, int, float, bool]:
+    """The order of `search`'s list: feasible first, by step time (on a tie, eager before compiled); then
+    those that do not fit, by memory needed; then the dominated; then those the model cannot run."""
     if c.feasible:
         assert c.prediction is not None
-        return (False, 0, c.prediction.step_s)
+        return (False, 0, c.prediction.step_s, c.plan.compile)
     if c.drop is not None and c.drop.kind is DropKind.DOMINATED:
-        return (True, 1, 0.0)
+        return (True, 1, 0.0, False)
     need = (c.plan.prediction or {}).get("memory_bytes")
-    return (True, 0, float(need)) if need is not None else (True, 2, 0.0)
+    return (True, 0, float(need), False) if need is not None else (True, 2, 0.0, False)

@@ -100,7 +100,9 @@ def zoo_run(rec: dict[str, Any], traces: Traces) -> Run | None:
         plan = autopar.Plan.from_dict(rec["plan"])
     else:
         plan = autopar.Plan(micro_batch_size=batch, precision="bf16", compile=rec["mode"] == "hand_compile")
-    make = lambda: (build_model(family, "realistic"), make_sample(family, "realistic", batch), family.loss_fn)  # noqa: E731
+    def make() -> tuple[torch.nn.Module, Any, Any]:
+        return build_model(family, "realistic"), make_sample(family, "realistic", batch), family.loss_fn
+
     pred = traces.predict(f"zoo:{family.name}:{batch}", make, plan)
     measured = rec["peak_reserved_bytes"] + rec["context_bytes"] if rec.get("context_bytes") is not None else None
     return Run(name=family.name, plan=f"{rec['mode']}: {autopar.planning.short_name(plan)}",
@@ -156,7 +158,7 @@ def runs_of(path: Path, traces: Traces) -> tuple[list[Run], list[str]]:
             continue
         try:
             run = zoo_run(rec, traces) if "family" in rec else tune_run(rec, traces) if "what" in rec else None
-        except Exception as exc:  # a model that cannot be traced here: reported, the others still run
+        except Exception as exc:  # a model that cannot be traced here (any cause): reported, the others still run
             skipped.append(f"{name} {rec.get('mode')}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
             continue
         if run is not None:

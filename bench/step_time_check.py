@@ -168,9 +168,20 @@ def check_zoo_measured(path: str) -> list[str]:
             continue
         name = rec["family"]
         f = family(name)
+        why = f.unavailable()
+        if why is not None:
+            out.append(f"{name:12} {rec['mode']:13} skipped: {why}")
+            continue
         if name not in traces:
             model, sample = build_model(f, "realistic"), make_sample(f, "realistic", rec["batch"])
-            traces[name] = traced(model, sample, autopar.Topology.from_spec("1xH200"), loss_fn=f.loss_fn)
+            try:
+                traces[name] = traced(model, sample, autopar.Topology.from_spec("1xH200"), loss_fn=f.loss_fn)
+            except autopar.ProfileError as exc:  # TraceError included: the model cannot be predicted
+                traces[name] = exc
+        if isinstance(traces[name], Exception):
+            out.append(f"{name:12} {rec['mode']:13} not traced: {type(traces[name]).__name__}: "
+                       f"{str(traces[name]).splitlines()[0][:100]}")
+            continue
         profile, variants = traces[name]
         topo = autopar.Topology.from_spec("1xH200")
         plan = autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=rec["mode"] == "hand_compile")

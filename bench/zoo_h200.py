@@ -261,6 +261,13 @@ class Predictor:
         return prediction_fields(prediction.summary(), self.context_bytes)
 
 
+def compile_counts() -> dict[str, int]:
+    """torch.compile's graphs and graph breaks so far in this process (dynamo's counters)."""
+    counters = torch._dynamo.utils.counters
+    return {"compiled_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
 # ---- the three modes -----------------------------------------------------------------------------------
 class Measurement:
     """One (family, mode) measured in this process: builds the model, runs the mode, returns the record."""
@@ -283,8 +290,10 @@ class Measurement:
             sample = real_sample(self.family, self.opts)
             model = build_on_device(self.family, self.opts)
             rec["parameters"] = sum(p.numel() for p in model.parameters())
+            graphs_before = compile_counts()
             step = self._wrap(model, sample, rec) if mode == "wrap" else self._hand(model, sample, rec, mode)
             rec.update(time_steps(step, self.opts))
+            rec.update({k: v - graphs_before[k] for k, v in compile_counts().items()})
             rec.update(memory(self.opts))
             throughput(rec, batch, tokens_per_sample(sample))
             rec["status"] = "ok"

@@ -71,7 +71,9 @@ def test_spec_on_a_cluster_prints_the_table_and_writes_a_plan(capsys, tmp_path):
     for column in ("plan", "memory/GPU", "step", "tokens/s", "MFU"):
         assert column in header
     rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
-    assert [r.split()[0] for r in rows] == ["1", "2"]  # a plain loop on 8 GPUs: FSDP 8 or replication 8
+    # a plain loop on 8 GPUs: FSDP 8 or replication 8, each eager or compiled
+    assert [r.split()[0] for r in rows] == ["1", "2", "3"]
+    assert {r.split()[1] for r in rows} <= {"fsdp8", "rep8"}
     assert "dropped:" in out and "dominated" in out
     assert f"wrote {out_file}" in out and "autopar.wrap(model, sample=batch, plan=" in out
     plan = Plan.load(out_file)

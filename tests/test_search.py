@@ -69,7 +69,10 @@ def test_every_plan_has_the_world_and_the_global_batch(eight):
     for p in plans:
         assert p.world_size == 16 and p.global_batch_size == 48
         assert p.model_fingerprint == eight.fingerprint and p.topology_fingerprint == topo.fingerprint()
-        assert p.precision == "bf16" and p.compile and not p.cpu_offload
+        assert p.precision == "bf16" and not p.cpu_offload
+    # every compiled plan has its eager twin (compile is chosen by the prediction, never assumed to pay)
+    assert sorted(p.key() for p in plans if not p.compile) == sorted(p.replace(compile=False).key()
+                                                                      for p in plans if p.compile)
     # HSDP (replicated across nodes, sharded within) only where there are several nodes
     assert any(p.dp_replicate > 1 and p.dp_shard > 1 for p in plans)
     assert not any(p.dp_replicate > 1 and p.dp_shard > 1 for p in _plans(eight, "8xH100-SXM", 48))
@@ -222,27 +225,53 @@ def _without_compile(plan: Plan) -> tuple:
     return tuple(sorted((k, v) for k, v in plan.strategy().items() if k != "compile"))
 
 
-def test_eager_true_adds_the_eager_twin_of_every_compiled_plan_ranked_after_it(six):
-    """On GPUs where compile is enumerated, the default space is compiled plans only; `eager=True` (the
-    tuner's space) adds each plan's compile=False twin, ranked against its compiled twin by the prediction.
-    `autopar.candidates` passes `eager` through."""
+def test_eager_twins_are_ranked_beside_compiled_plans_by_default(six):
+    """On GPUs where compile is enumerated, the default space holds each compiled plan's compile=False twin,
+    ranked against it by the prediction (compile only where the cost model predicts it pays; eager first on
+    a tie); `eager=False` (the tuner's --compiled-only) keeps compiled plans only. `autopar.candidates`
+    searches the default space."""
     import autopar
 
     topo = Topology.from_spec("1xH200")
-    compiled = _plans(six, "1xH200", 4, allow_train_step=True)
+    compiled = _plans(six, "1xH200", 4, allow_train_step=True, eager=False)
     assert compiled and all(p.compile for p in compiled)
-    both = _plans(six, "1xH200", 4, allow_train_step=True, eager=True)
+    both = _plans(six, "1xH200", 4, allow_train_step=True)
     assert sorted(p.key() for p in both) == sorted([p.key() for p in compiled]
                                                    + [p.replace(compile=False).key() for p in compiled])
 
-    assert all(c.plan.compile for c in search(six, topo, global_batch_size=4, allow_train_step=True))
-    for ranked in (search(six, topo, global_batch_size=4, allow_train_step=True, eager=True),
-                   autopar.candidates(six, topology=topo, global_batch_size=4, eager=True)):
+    assert all(c.plan.compile for c in search(six, topo, global_batch_size=4, allow_train_step=True, eager=False))
+    for ranked in (search(six, topo, global_batch_size=4, allow_train_step=True),
+                   autopar.candidates(six, topology=topo, global_batch_size=4)):
         feasible = [c for c in ranked if c.feasible]
         eager = [c for c in feasible if not c.plan.compile]
         compiled_by_key = {_without_compile(c.plan): (i, c) for i, c in enumerate(feasible) if c.plan.compile}
         assert eager and len(eager) == len(compiled_by_key)  # every feasible compiled plan has its eager twin
-        for c in eager:  # ranked by their predictions (this tiny model is launch-bound: compile need not pay)
+        for c in eager:  # ranked by their predictions; eager first where they tie
             i, twin = compiled_by_key[_without_compile(c.plan)]
             assert (feasible.index(c) > i) == (c.prediction.step_s > twin.prediction.step_s)
-    assert all(c.plan.compile for c in autopar.candidates(six, topology=topo, global_batch_size=4))
+    assert all(c.plan.compile for c in autopar.candidates(six, topology=topo, global_batch_size=4, eager=False))
+
+
+def _scaled_compile(real, factor: float):
+    """predict_profile with every time term of a compiled plan scaled by `factor` (eager plans as predicted)."""
+    def predict(profile, plan, *args, **kwargs):
+        pred = real(profile, plan, *args, **kwargs)
+        if not plan.compile:
+            return pred
+        time = pred.time
+        scaled = {f.name: getattr(time, f.name) * factor for f in dataclasses.fields(time)}
+        return dataclasses.replace(pred, time=dataclasses.replace(time, **scaled))
+    return predict
+
+
+def test_the_first_plan_is_eager_where_compile_is_predicted_not_to_pay(six, monkeypatch):
+    """The plan is the fastest predicted, eager or compiled: where the cost model predicts every compiled
+    step slower than its eager twin's, the first plan is eager; where faster, compiled."""
+    import autopar.search as search_module
+
+    topo = Topology.from_spec("1xH200")
+    real = search_module.predict_profile
+    for factor, want_compile in ((4.0, False), (0.25, True)):
+        monkeypatch.setattr(search_module, "predict_profile", _scaled_compile(real, factor))
+        best = search(six, topo, global_batch_size=4, allow_train_step=True)[0]
+        assert best.feasible and best.plan.compile is want_compile

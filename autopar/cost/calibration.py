@@ -37,24 +37,31 @@ class Calibration:
     bench/results/kernels_h200_2026-11-29.jsonl); the others come from the sources named."""
 
     # --- memory ---------------------------------------------------------------------------------------
-    context_bytes: float = 0.55 * GiB  # CUDA context, cuBLAS/cuDNN workspaces; bytes; typical H100/H200 torch 2.x
+    context_bytes: float = 0.75 * GiB  # CUDA context and the libraries' handles, outside the caching allocator (cuBLAS
+    # workspaces are inside it, in the reserve); bytes; H200, torch 2.11 + CUDA 13, measured: device memory in use
+    # less torch.cuda.memory_reserved() = 0.749 GiB in all 14 runs of bench/results/zoo_h200_2026-12-01.jsonl
     reserve_bytes: float = 0.5 * GiB  # allocator reserve over the allocated peak, at the least (where no large
     # tensor is made, e.g. a pipeline stage without the head); bytes; H200, measured: the smallest reserve of the
     # bf16 validation steps (0.52 GiB, Llama-1B at 2 x 2048 tokens); above it the reserve follows the largest
-    # tensor (largest_reserve_factor)
+    # tensor (largest_reserve_factor). The H200 zoo runs without a large tensor (ViT, ResNet, ConvNeXt, CLIP eager
+    # and compiled, GPT-2 and BERT compiled) reserved 0.11-0.53 GiB over their peaks (zoo_h200_2026-12-01.jsonl)
     fragmentation_fraction: float = 0.0  # reserve growing with the allocated peak; fraction; H200, measured (none
     # beyond largest_reserve_factor's)
-    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the largest tensor's bytes (the
-    # fp32 logits); ratio; H200, measured: (max_memory_reserved - max_memory_allocated) / those bytes = 0.91-1.27
-    # over the 7 bf16 validation runs (bench/results/validate_h200_2026-11-29.jsonl and raw_2026-11-29/call2;
-    # the fp32 run: 0.1)
+    largest_reserve_factor: float = 1.0  # allocator reserve over the allocated peak / the bytes of the largest tensor
+    # freed before the peak, whose block the allocator keeps cached (the logits in the compute dtype where the
+    # largest tensor is the loss's upcast copy of them, else the largest tensor; autopar.cost.memory); ratio; H200,
+    # measured: 0.52 (GPT-2), 0.93 (Llama-1B shape), 2.2 (BERT) eager, 0.14-0.67 compiled
+    # (bench/results/zoo_h200_2026-12-01.jsonl)
     transient_factor: float = 1.33  # copies of the largest tensor (the logits) alive beyond those saved; count;
     # anchor fit (fp32 runs) and the exact check on CPU (tests/cost/test_exact.py)
     upcast_transient_factor: float = 2.0  # the same where the largest tensor is an upcast copy (the loss's
     # logits.float() under autocast); count; the exact check of the H200 configurations (6.13 GiB of temporaries,
     # twice the fp32 logits, for Hugging Face GPT-2-355M at 16 x 1024 tokens)
-    compile_activation_factor: float = 0.58  # compiled/eager saved activations; ratio; anchor fit
-    compile_transient_factor: float = 0.61  # compiled loss fuses logits and their gradient; ratio; anchor fit
+    compile_activation_factor: float = 0.58  # only for profiles without the compiled partition (BlockProfile.
+    # compiled_saved_bytes, autopar.profile.remat, which replaces it): compiled/eager saved activations; ratio;
+    # anchor fit (GPT-2 and Llama shapes)
+    compile_transient_factor: float = 0.61  # only for those profiles too: compiled/eager short-lived bytes (the
+    # fused loss); ratio; anchor fit
     autocast_activation_factor: float = 1.0  # saved bytes of a GPU autocast run / the bf16 trace's; ratio; 1: the
     # trace applies CUDA autocast's float32 casts (autopar.profile.cuda_autocast.CudaAutocastPolicy); H200 runs within -0.4 to
     # +4.2% of the trace's prediction
@@ -87,10 +94,25 @@ class Calibration:
     # its SDPA kernels in 34.55 ms where the model gives 22.1 ms unmasked (bench/results/kernels_h200_2026-11-29)
     fp32_attention_efficiency: float = 0.40  # fp32 attention's executed-FLOPs rate / fp32 peak (the memory-efficient
     # kernel: SIMT); ratio; H200 kernel profile, GPT-2-355M fp32 at 4 x 1024: 0.722 TFLOP executed in 27.29 ms
-    conv_efficiency: float = 0.8  # cuDNN's implicit-GEMM convolution rate / a dense GEMM's of the same M, N, K,
-    # channels-last; ratio; assumed (cuDNN's NHWC tensor-core kernels), bench/microbench_ops.py --fit measures it
-    conv_nchw_factor: float = 0.6  # a convolution on contiguous (NCHW) bf16 tensors / channels-last; ratio;
-    # assumed (cuDNN transposes to NHWC around its tensor-core kernels); bench/microbench_ops.py --fit
+    conv_efficiency: float = 0.633  # cuDNN's implicit-GEMM convolution rate / a dense GEMM's of the same M, N, K,
+    # channels-last; ratio; H200 micro-benchmarks (bench/results/microbench_ops_h200_2026-12-01.json), fitted as
+    # bench.microbench_ops --fit does (log error) to the 13 dense channels-last convolutions there longer than
+    # 30 us (shorter ones sit on the host's ~20 us launch floor); the fit file's 0.5946 took in those and the
+    # depthwise ones, which the model now prices on their own (depthwise_conv_efficiency)
+    conv_nchw_factor: float = 0.478  # a dense convolution on contiguous (NCHW) bf16 tensors / channels-last; ratio;
+    # the same fit over the 18 dense NCHW records longer than 30 us (the fit file's 0.4511 with all of them)
+    depthwise_conv_efficiency: float = 0.172  # a depthwise convolution's forward FLOP/s (cuDNN's direct CUDA-core
+    # kernel: no tensor-core tile fits one channel a group) / the fp32 datasheet peak, channels-last; ratio; H200
+    # micro-benchmark (bench/results/microbench_ops_h200_2026-12-01.json): 96 channels, 7 x 7, 56 x 56, batch 64:
+    # 1.505 GFLOP in 130.5 us (the one depthwise forward there above the 20 us launch floor)
+    depthwise_conv_backward_efficiency: float = 0.107  # the same for each of its backward's two parts (input and
+    # weight gradients); ratio; the same record's backward: 3.01 GFLOP in 421.1 us
+    depthwise_nchw_factor: float = 0.236  # a depthwise convolution on contiguous (NCHW) tensors / channels-last;
+    # ratio; the same micro-benchmarks: 130.5/535.5 us (forward), 421.1/1925.7 and 93.7/383.1 us (backward)
+    misaligned_conv_factor: float = 0.093  # a dense convolution's forward whose input channels a group are not a
+    # multiple of 8 (an image's 3 channels: ResNet's 7 x 7 stem, ConvNeXt's 4 x 4 patch embedding) / an aligned
+    # one; ratio; the same fit over those two layers' 4 forwards there (438.5/625.6 us and 130.1/105.9 us,
+    # channels-last/NCHW; model within -43% to +46% of each)
     grouped_gemm_efficiency: float = 0.8  # torch._grouped_mm's rate / a dense GEMM's of its mean group's shape;
     # ratio; assumed (CUTLASS grouped GEMMs on Hopper); bench/microbench_ops.py --fit measures it
     misaligned_gemm_factor: float = 0.16  # eager bf16 GEMM with a dimension not a multiple of 8 / aligned; ratio;
@@ -107,9 +129,20 @@ class Calibration:
     # 4 x 2048 tokens: 79.4 GB in 19.6 ms of memory-bound kernels
     compile_traffic_factor: float = 0.4  # without op records only (profiles from before them): compiled / eager
     # memory-bound time; ratio; anchor fit (0.4: the 7 compiled anchors within 12%)
-    launch_s: float = 35e-6  # CPU time per traced op of an eager step (dispatch, autograd, the model's Python);
-    # seconds; H200 host, measured: Hugging Face GPT-2-355M and Llama-1B steps at 1-2 samples of 1024-2048 tokens
-    # are CPU-bound at 29-44 us per traced op (bench/results/tune_h200_2026-11-29.jsonl)
+    # Eager host time (autopar.cost.time.HostCosts): the four below are fitted together (grid, then coordinate
+    # descent) to the measured eager steps of all 20 traced families of bench/results/zoo_h200_2026-12-01.jsonl
+    # and the 18 eager Hugging Face GPT-2-355M / Llama-1B runs of validate_ and tune_h200_2026-11-29.jsonl at once
+    # (objective: mean squared log step error, 0.0143 at 35/35/6/6 us -> 0.0124; backward / forward ratio 0.5,
+    # 0.6, 0.7, 0.8, 1.0 give 0.0130, 0.0125, 0.0124, 0.0126, 0.0136), the backward costs tied to the forward's
+    # by one ratio (0.7); prior: bench/results/microbench_ops_h200_2026-12-01.json's smallest ops, one aten call
+    # from a Python loop without autograd, take 19-21 us (the floor a forward op from the model's Python sits on)
+    launch_s: float = 45e-6  # CPU time per kernel of an eager step's forward (the model's Python, dispatch, autocast,
+    # recording the autograd node); seconds; H200 host, the joint fit above
+    backward_launch_s: float = 31.5e-6  # CPU time per kernel of an eager step's backward, which autograd's C++
+    # engine issues without the model's Python (0.7 x launch_s); seconds; H200 host, the joint fit above
+    view_host_s: float = 2.5e-6  # CPU time per forward op that launches no kernel: views, reshapes, transposes,
+    # expands (the trace's "view" records) and autocast's weight casts ("weight_cast"); seconds; the joint fit above
+    backward_view_host_s: float = 1.75e-6  # the same per backward view (0.7 x view_host_s); seconds; the joint fit
     compiled_kernel_launch_s: float = 57e-6  # CPU time per kernel of a compiled step (compute ops and fused kernels,
     # autopar.profile.watch.FusionModel: inductor's wrapper, autograd, guards); seconds; H200 host, measured:
     # compiled Hugging Face GPT-2-355M and Llama-1B at one sample a micro-batch are CPU-bound at 56 and 57 us a
@@ -311,6 +344,9 @@ def fit(cal: Calibration, runs: Sequence[tuple[TimeTerms, float]], *, min_runs: 
     if scale["memory"] > 0:
         changes["memory_efficiency"] = min(1.0, cal.memory_efficiency / scale["memory"])
     changes["launch_s"] = cal.launch_s * scale["launch"]
+    changes["view_host_s"] = cal.view_host_s * scale["launch"]
+    changes["backward_launch_s"] = cal.backward_launch_s * scale["launch"]
+    changes["backward_view_host_s"] = cal.backward_view_host_s * scale["launch"]
     return cal.replace(source=f"fitted to {len(runs)} measured steps", fitted_runs=cal.fitted_runs + len(runs),
                        **changes)
 

@@ -1,11 +1,13 @@
 """Per-rank peak memory of a plan, in parts, from the model's profile, the hardware and the plan.
 
 Every term is bytes on one GPU (the most loaded rank: the first pipeline stage, which holds the most
-micro-batches in flight). Sources: the ZeRO paper (Rajbhandari et al. 2020) for model states, Korthikanti
-et al. 2022 for how tensor/sequence parallelism and recomputation divide activations, the profile's own
-trace of the model for the activation bytes themselves, and measurements on an H200 (shared/anchors) for
-what the allocator and compile add. `Calibration` holds the measured factors; its defaults are the
-anchors' values and `autopar.cost.calibration` refits them from runs.
+micro-batches in flight). Sources: the ZeRO paper (Rajbhandari et al. 2020) for model states (of the
+parameters that require grad: frozen ones have neither gradients nor optimizer state), Korthikanti et al.
+2022 for how tensor/sequence parallelism and recomputation divide activations, the profile's own trace of
+the model for the activation bytes themselves (eager, and what inductor's partitioner would save compiled:
+autopar.profile.remat), and measurements on an H200 for the CUDA context and what the caching allocator
+reserves (bench/results/zoo_h200_2026-12-01.jsonl; bench/memory_check.py re-predicts them). `Calibration`
+holds the measured factors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class MemoryPrediction:
     activations_bytes: float  # activations saved for backward at the peak, every micro-batch in flight
     transient_bytes: float  # short-lived buffers at the peak: logits, loss and their gradients
     overhead_bytes: float  # what the caching allocator reserves beyond the allocated peak, and the CUDA context
+    buffers_bytes: float = 0.0  # the model's buffers (BatchNorm running statistics, position ids): on every GPU
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -42,8 +45,8 @@ class MemoryPrediction:
     @property
     def allocated_bytes(self) -> float:
         """The peak of allocated memory (torch.cuda.max_memory_allocated)."""
-        return (self.parameters_bytes + self.gradients_bytes + self.optimizer_bytes + self.gathered_bytes
-                + self.activations_bytes + self.transient_bytes)
+        return (self.parameters_bytes + self.buffers_bytes + self.gradients_bytes + self.optimizer_bytes
+                + self.gathered_bytes + self.activations_bytes + self.transient_bytes)
 
     @property
     def peak_bytes(self) -> float:
@@ -98,122 +101,227 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *,
                key=lambda m: m.peak_bytes)
 
 
+@dataclass(frozen=True)
+class _RankParams:
+    """Parameters on one rank (counts, before FSDP's sharding)."""
+
+    params: float  # every parameter the rank holds (weights are kept for frozen ones too)
+    trainable: float  # of those, the ones that require grad: only they have gradients and optimizer state
+    outside: float  # of `params`, those outside the blocks (embeddings, head) on this stage
+    largest_unit: float  # the largest block's parameters on this rank (what FSDP gathers at once)
+
+    @classmethod
+    def of(cls, profile: ModelProfile, plan: Plan, blocks: list[int], first: bool, last: bool) -> "_RankParams":
+        """The stage's blocks, their matmul weights split by TP; the modules around the blocks on the first/last
+        stage (the vocabulary split by TP where it divides). Tied weights count once (the profile counts a
+        shared Parameter where it is first seen)."""
+        tp = plan.tp
+        on_rank = {i: profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks}
+        trainable = sum(on_rank[i] * _trainable_share(profile.blocks[i]) for i in blocks)
+        outside = float(profile.num_params - sum(b.num_params for b in profile.blocks))
+        outside_trainable = float(profile.num_trainable_params - sum(
+            b.num_params if b.num_trainable_params is None else b.num_trainable_params for b in profile.blocks))
+        share = 1.0
+        if plan.pp > 1:
+            # Embeddings on the first stage, head on the last; a head tied to the embedding is a full copy on
+            # both (autopar keeps tied copies in step across stages).
+            share = float(first or last) if profile.tied_params else 0.5 * first + 0.5 * last
+        if profile.vocab_size is not None and tp > 1 and profile.vocab_size % tp == 0:
+            share /= tp
+        return cls(params=sum(on_rank.values()) + outside * share,
+                   trainable=trainable + max(outside_trainable, 0.0) * share,
+                   outside=outside * share, largest_unit=max(on_rank.values(), default=0.0))
+
+
+def _trainable_share(b: BlockProfile) -> float:
+    if b.num_trainable_params is None or b.num_params == 0:
+        return 1.0
+    return b.num_trainable_params / b.num_params
+
+
 def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants: Mapping[str, ModelProfile] | None,
                  optimizer_state_bytes_per_param: int, pp_rank: int) -> MemoryPrediction:
+    # Issue 10's terms, where each is counted (bytes on this rank unless said):
+    # - convolution activations: the trace's saved tensors of each conv (its input, for the weight gradient), in
+    #   `activations`; bytes; the fake trace (autopar.profile.trace), no per-layer-type rule;
+    # - BatchNorm buffers: running statistics, `buffers`, replicated; bytes; the profile's buffer_bytes (the
+    #   batch statistics BatchNorm saves are activations, from the trace);
+    # - cuDNN/cuBLAS workspaces: inside the caching allocator's reserve, in `overhead`; bytes; H200 measured
+    #   (calibration.context_bytes, reserve_bytes: bench/results/zoo_h200_2026-12-01.jsonl);
+    # - MoE experts and routing buffers: experts are parameters (every expert on the rank, split by TP as matmul
+    #   weights; autopar has no expert parallelism), router logits, top-k indices and the permuted tokens are saved
+    #   activations; bytes; the trace;
+    # - frozen parameters (LoRA's base weights): weights kept, no gradient, no optimizer state; bytes; ZeRO's
+    #   accounting over `_RankParams.trainable` (the profile's per-block num_trainable_params);
+    # - tied weights: one Parameter counted once (where first seen); bytes; the profile's per-block counts;
+    # - compiled graphs' own buffers: what inductor's partitioner saves (`_compiled_ratio`, autopar.profile.remat),
+    #   the zero gradient AOTAutograd makes for an unused output (`_transient_bytes`); bytes; torch's partitioner
+    #   replayed, H200 zoo runs.
     blocks, first, last = stage_blocks(profile, plan, pp_rank)
-    tp, shard, compute = plan.tp, plan.dp_shard, _bytes(plan.precision)
-    vocab_split = profile.vocab_size is not None and tp > 1 and profile.vocab_size % tp == 0
+    rp = _RankParams.of(profile, plan, blocks, first, last)
+    shard, compute = plan.dp_shard, _bytes(plan.precision)
 
-    # Parameters on this rank (count): the stage's blocks, their matmul weights split by TP; the modules
-    # around the blocks on the first/last stage (the vocabulary split by TP where it divides).
-    block_params = sum(profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks)
-    outside = profile.num_params - sum(b.num_params for b in profile.blocks)
-    if plan.pp > 1:
-        # Embeddings on the first stage, head on the last; a head tied to the embedding is a full copy on
-        # both (autopar keeps tied copies in step across stages).
-        outside = outside * (float(first or last) if profile.tied_params else 0.5 * first + 0.5 * last)
-    if vocab_split:
-        outside /= tp
-    params = block_params + outside
-    largest_unit = max((profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks),
-                       default=0.0)
-
-    # Model states (ZeRO: 4 bytes weight + 4 gradient + K optimizer per parameter), sharded over dp_shard.
-    # The peak comes as backward starts (every activation saved, the loss's buffers alive): gradients
-    # exist then only if earlier micro-batches left them (accumulation, pipelines); otherwise a share of
-    # them (the head's, the first blocks') is counted (calibration.gradient_peak_fraction, measured).
+    # Model states (ZeRO: 4 bytes weight + 4 gradient + K optimizer per parameter), sharded over dp_shard;
+    # parameters that do not require grad (LoRA's base weights, a frozen backbone) have no gradient and no
+    # optimizer state. The peak comes as backward starts (every activation saved, the loss's buffers
+    # alive): gradients exist then only if earlier micro-batches left them (accumulation, pipelines);
+    # otherwise a share of them (the head's, the first blocks') is counted (calibration.gradient_peak_fraction).
     on_gpu = 0.0 if plan.cpu_offload else 1.0
-    parameters = 4 * params / shard * on_gpu  # fp32 master weights; bytes; ZeRO-3
+    parameters = 4 * rp.params / shard * on_gpu  # fp32 master weights; bytes; ZeRO-3
+    buffers = float(profile.buffer_bytes)  # BatchNorm running statistics and the like: replicated, not sharded
     # Under GPipe every forward runs before the first backward: no gradient exists at its peak.
     grads_live = 1.0 if plan.grad_accum > 1 and plan.pp_schedule != "gpipe" else cal.gradient_peak_fraction
-    gradients = 4 * params / shard * on_gpu * grads_live  # fp32 gradients alive at the peak; bytes; ZeRO-3
-    optimizer = optimizer_state_bytes_per_param * params / shard * on_gpu  # Adam m and v in fp32; bytes
+    all_gradients = 4 * rp.trainable / shard * on_gpu  # fp32 gradients; bytes; ZeRO-3
+    gradients = all_gradients * grads_live
+    optimizer = optimizer_state_bytes_per_param * rp.trainable / shard * on_gpu  # Adam m and v in fp32; bytes
+    gathered = _gathered_bytes(plan, rp, blocks, compute)
 
-    # Gathered weights: FSDP all-gathers a unit's weights in the compute dtype for its forward and again
-    # for its backward; at the peak (backward of a unit) the unit, the prefetched next one and the root's
-    # (embeddings, head) are gathered, with the unit's unsharded gradient (compute dtype) and its fp32
-    # reduce-scatter buffer. Without resharding after forward every block stays gathered. Without FSDP,
-    # bf16 autocast keeps a bf16 copy of every weight used in forward until its backward (saved for it).
-    if plan.uses_fsdp:
-        units = (len(blocks) if not plan.reshard_after_forward else 2) * largest_unit
-        gathered = compute * (units + outside) + (compute + 4) * largest_unit
-        if plan.cpu_offload:  # sharded states live in host memory; gathered copies come over PCIe
-            gathered += 4 * largest_unit
-    else:
-        gathered = 2 * params if plan.precision == "bf16" else 0.0
+    act = _Activations.of(profile, plan, cal, variants, blocks, (first, last), pp_rank)
+    transient, largest = _transient_bytes(act.prof, plan, cal, last)
 
-    # Activations saved for backward (the profile's trace, scaled from its sample to the micro-batch; a
-    # bf16 plan uses the bf16 trace, or half the fp32 one under FSDP's all-bf16 compute).
-    prof, scale_dtype = activation_profile(profile, plan, cal, variants)
-    scale = plan.micro_batch_size / prof.sample_batch_size * scale_dtype
-    per_block = []
-    for index, i in enumerate(blocks):
-        b = prof.blocks[i]
-        # Korthikanti et al.: TP splits what lies between a column and a row layer; the norm inputs and
-        # the column layers' inputs stay whole on every rank unless sequence parallelism splits them.
-        full = _tp_block_bytes(prof, b, plan)
-        checkpointed = plan.checkpointing != "none" and index % plan.checkpoint_every == 0
-        if not checkpointed:
-            per_block.append(full)
-        elif plan.checkpointing == "full":  # only the block's input is kept (2sbh of 34sbh at 16 bit)
-            per_block.append(_hidden_tensor(prof, plan, tp))
-        else:  # selective: matmul and attention outputs (split by TP) and the block's input
-            per_block.append(b.selective_saved_bytes / tp + _hidden_tensor(prof, plan, tp))
-    recompute_peak = 0.0
-    if plan.checkpointing != "none":  # one block's full activations exist again during its recompute
-        b = max((prof.blocks[i] for i in blocks), key=lambda blk: blk.saved_bytes, default=None)
-        if b is not None:
-            recompute_peak = _tp_block_bytes(prof, b, plan)
-    outside_saved = prof.saved_bytes_outside_blocks * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0)
-    blocks_saved = scale * sum(per_block) * in_flight_microbatches(plan, pp_rank)
-    compile_factor = cal.compile_activation_factor if plan.compile else 1.0
-
-    # Transient: the largest tensor the step makes (the logits, in fp32 for the loss) and its gradient,
-    # per micro-batch, on the stage with the head; split over the vocabulary under TP (vocab-parallel loss).
-    transient = largest = 0.0
-    if last:
-        # (from the trace in the plan's precision: the fp32 trace of a GQA model runs the math attention
-        # kernel, whose attention matrix a GPU's fused kernel never makes)
-        largest = prof.largest_transient_bytes * plan.micro_batch_size / prof.sample_batch_size \
-            / (tp if vocab_split else 1)
-        # an upcast copy (the loss's logits.float() under autocast) lives beside the tensor it copies
-        copies = cal.upcast_transient_factor if prof.largest_transient_op == "_to_copy" else cal.transient_factor
-        transient = copies * largest
-        if plan.compile:
-            transient *= cal.compile_transient_factor
-
-    # The peak is the largest of three moments (measured with the exact check, autopar.exact):
+    # The peak is the largest of these moments (measured with the exact check, autopar.exact):
     # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
     # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
     #     activations exist again;
-    # (c) the optimizer step: no activations, every gradient (sharded like the weights) alive.
-    moment_a = (blocks_saved + scale * outside_saved) * compile_factor + transient
-    moment_b = (blocks_saved + scale * recompute_peak) * compile_factor
-    # (d) the last block's backward: nearly every gradient alive, that block's activations (recomputed
-    #     under checkpointing) still held.
-    states = parameters + gradients + optimizer + gathered
-    step_states = parameters + 4 * params / shard * on_gpu + optimizer
-    first_block = per_block[0] * scale if per_block else 0.0
-    moment_d = (scale * recompute_peak + first_block if plan.checkpointing != "none" else first_block) \
-        * compile_factor
+    # (d) the last block's backward / the optimizer step: nearly every gradient alive, that block's activations
+    #     (recomputed under checkpointing) still held.
+    moment_a = act.blocks + act.outside + transient
+    moment_b = act.blocks + act.recompute
+    moment_d = act.recompute + act.first_block if plan.checkpointing != "none" else act.first_block
+    states = parameters + buffers + gradients + optimizer + gathered
+    step_states = parameters + buffers + all_gradients + optimizer
     if states + max(moment_a, moment_b) >= step_states + moment_d:
         activations = max(moment_a, moment_b) - (transient if moment_a >= moment_b else 0.0)
         transient = transient if moment_a >= moment_b else 0.0
     else:  # the end of backward / the optimizer step: gradients all alive, little gathered or saved
-        unit = 0.0 if not plan.uses_fsdp else (compute + 4) * largest_unit  # the last unit's gathered weights
-        gradients, gathered, activations, transient = 4 * params / shard * on_gpu, unit, moment_d, 0.0
+        unit = 0.0 if not plan.uses_fsdp else (compute + 4) * rp.largest_unit  # the last unit's gathered weights
+        gradients, gathered, activations, transient = all_gradients, unit, moment_d, 0.0
 
-    allocated = parameters + gradients + optimizer + gathered + activations + transient
-    # Allocator and context: the caching allocator's reserve over the allocated peak, a fixed part, a part
-    # growing with the peak (fragmentation) and the freed blocks of the largest tensor (the fp32 logits) it
-    # keeps cached (measured on the H200: 0.5-3.4 GiB reserved over allocated, about that tensor's size),
-    # plus a fixed CUDA context.
-    # (at least reserve_bytes, where no large tensor is made: a pipeline stage without the head)
-    overhead = cal.context_bytes + cal.fragmentation_fraction * allocated \
-        + max(cal.reserve_bytes, cal.largest_reserve_factor * largest)
+    allocated = parameters + buffers + gradients + optimizer + gathered + activations + transient
     return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                             gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
-                            overhead_bytes=overhead)
+                            overhead_bytes=_overhead_bytes(act.prof, plan, cal, allocated, largest),
+                            buffers_bytes=buffers)
+
+
+def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: int) -> float:
+    """Weights gathered (or cast) for compute. FSDP all-gathers a unit's weights in the compute dtype for its
+    forward and again for its backward; at the peak (backward of a unit) the unit, the prefetched next one and
+    the root's (embeddings, head) are gathered, with the unit's unsharded gradient (compute dtype) and its fp32
+    reduce-scatter buffer; without resharding after forward every block stays gathered. Without FSDP, bf16
+    autocast keeps a bf16 copy of every weight used in forward until its backward (saved for it), frozen
+    weights' too (their casts are saved by the GEMMs that need them for the input gradients)."""
+    if plan.uses_fsdp:
+        units = (len(blocks) if not plan.reshard_after_forward else 2) * rp.largest_unit
+        gathered = compute * (units + rp.outside) + (compute + 4) * rp.largest_unit
+        if plan.cpu_offload:  # sharded states live in host memory; gathered copies come over PCIe
+            gathered += 4 * rp.largest_unit
+        return gathered
+    return 2 * rp.params if plan.precision == "bf16" else 0.0
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """Activation bytes on one rank at the micro-batch (the profile's trace scaled from its sample; a bf16 plan
+    reads the bf16 trace, or half the fp32 one under FSDP's all-bf16 compute)."""
+
+    prof: ModelProfile  # the profile in the plan's precision
+    blocks: float  # saved by the stage's blocks, every micro-batch in flight
+    outside: float  # saved outside the blocks (embeddings, head, loss)
+    recompute: float  # one block's full activations while it recomputes (checkpointing)
+    first_block: float  # the stage's first block's (what the last backward holds)
+
+    @classmethod
+    def of(cls, profile: ModelProfile, plan: Plan, cal: "Calibration", variants: Mapping[str, ModelProfile] | None,
+           blocks: list[int], ends: tuple[bool, bool], pp_rank: int) -> "_Activations":
+        """`ends`: whether the rank holds the embeddings (first stage) and the head (last stage)."""
+        prof, scale_dtype = activation_profile(profile, plan, cal, variants)
+        scale = plan.micro_batch_size / prof.sample_batch_size * scale_dtype
+        tp = plan.tp
+        per_block = []
+        for index, i in enumerate(blocks):
+            b = prof.blocks[i]
+            # Korthikanti et al.: TP splits what lies between a column and a row layer; the norm inputs and the
+            # column layers' inputs stay whole on every rank unless sequence parallelism splits them.
+            checkpointed = plan.checkpointing != "none" and index % plan.checkpoint_every == 0
+            if not checkpointed:
+                per_block.append(_tp_block_bytes(prof, b, plan) * _compiled_ratio(b, plan, cal))
+            elif plan.checkpointing == "full":  # only the block's input is kept (2sbh of 34sbh at 16 bit)
+                per_block.append(_hidden_tensor(prof, plan, tp))
+            else:  # selective: matmul and attention outputs (split by TP) and the block's input
+                per_block.append(b.selective_saved_bytes / tp + _hidden_tensor(prof, plan, tp))
+        recompute = 0.0
+        if plan.checkpointing != "none":  # one block's full activations exist again during its recompute
+            b = max((prof.blocks[i] for i in blocks), key=lambda blk: blk.saved_bytes, default=None)
+            if b is not None:
+                recompute = _tp_block_bytes(prof, b, plan) * _compiled_ratio(b, plan, cal)
+        first, last = ends
+        outside = _outside_saved(prof, plan, cal) * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0)
+        return cls(prof=prof, blocks=scale * sum(per_block) * in_flight_microbatches(plan, pp_rank),
+                   outside=scale * outside, recompute=scale * recompute,
+                   first_block=scale * per_block[0] if per_block else 0.0)
+
+
+def _compiled_ratio(b: BlockProfile, plan: Plan, cal: "Calibration") -> float:
+    """A block's saved bytes under the plan / eagerly: under torch.compile what inductor's partitioner keeps
+    (the profile's `compiled_saved_bytes`, autopar.profile.remat), or for a profile without it the calibrated
+    ratio (compile_activation_factor); 1 eagerly."""
+    if not plan.compile:
+        return 1.0
+    if b.compiled_saved_bytes is None:
+        return cal.compile_activation_factor
+    return b.compiled_saved_bytes / b.saved_bytes if b.saved_bytes else 1.0
+
+
+def _outside_saved(prof: ModelProfile, plan: Plan, cal: "Calibration") -> float:
+    """Bytes saved outside the blocks on the profile's sample (compiled: the partitioner's)."""
+    if not plan.compile:
+        return float(prof.saved_bytes_outside_blocks)
+    if prof.compiled_saved_bytes_outside_blocks is None:
+        return prof.saved_bytes_outside_blocks * cal.compile_activation_factor
+    return float(prof.compiled_saved_bytes_outside_blocks)
+
+
+def _transient_bytes(prof: ModelProfile, plan: Plan, cal: "Calibration", last: bool) -> tuple[float, float]:
+    """(the short-lived bytes at the peak, the largest tensor's bytes) per micro-batch, on the stage with the
+    head; split over the vocabulary under TP (vocab-parallel loss). From the trace in the plan's precision (the
+    fp32 trace of a GQA model runs the math attention kernel, whose attention matrix a GPU's fused kernel
+    never makes).
+
+    Eagerly: the largest tensor (the logits, in fp32 for the loss) and its gradient: an upcast copy (the loss's
+    logits.float() under autocast) lives beside the tensor it copies (upcast_transient_factor copies, else
+    transient_factor). Compiled: inductor fuses the upcast and the loss, so no fp32 copy is made; at backward's
+    start the logits' gradient and the zero gradient AOTAutograd makes for the logits output (a model output no
+    loss reads) exist, each in the compute dtype: together the fp32 copy's bytes where the largest tensor is an
+    upcast copy, else one largest tensor (its gradient). Profiles without the partition (compiled_saved_bytes)
+    keep the calibrated compile_transient_factor."""
+    if not last:
+        return 0.0, 0.0
+    vocab_split = prof.vocab_size is not None and plan.tp > 1 and prof.vocab_size % plan.tp == 0
+    largest = prof.largest_transient_bytes * plan.micro_batch_size / prof.sample_batch_size \
+        / (plan.tp if vocab_split else 1)
+    upcast = prof.largest_transient_op == "_to_copy"
+    if not plan.compile:
+        return (cal.upcast_transient_factor if upcast else cal.transient_factor) * largest, largest
+    if prof.compiled_saved_bytes_outside_blocks is None:
+        copies = cal.upcast_transient_factor if upcast else cal.transient_factor
+        return copies * largest * cal.compile_transient_factor, largest
+    return largest, largest
+
+
+def _overhead_bytes(prof: ModelProfile, plan: Plan, cal: "Calibration", allocated: float, largest: float) -> float:
+    """What must fit beyond the allocated peak: the CUDA context (measured: device memory in use that the caching
+    allocator does not hold) and the allocator's reserve over the peak. The reserve is the block of the largest
+    tensor freed before the peak, which the allocator keeps cached (it returns no segment without memory
+    pressure) while the smaller tensors allocated after it split it and new segments are reserved: where the
+    largest tensor is the loss's upcast copy, the tensor it copied (the logits in the compute dtype: freed as
+    the loss starts eagerly, their gradient freed after the head's backward compiled), else the largest tensor
+    itself; at least reserve_bytes (block rounding: 2 MiB segments for small tensors, 20 MiB for 1-10 MiB ones,
+    2 MiB multiples above; a pipeline stage without the head), plus a part growing with the peak
+    (fragmentation_fraction)."""
+    freed = largest * (_bytes(plan.precision) / 4 if prof.largest_transient_op == "_to_copy" else 1.0)
+    return cal.context_bytes + cal.fragmentation_fraction * allocated \
+        + max(cal.reserve_bytes, cal.largest_reserve_factor * freed)
 
 
 @functools.lru_cache(maxsize=64)

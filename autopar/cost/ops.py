@@ -25,9 +25,12 @@ class Rates:
     """What one plan's ops run at on one GPU: peaks, GEMM shape factors, bandwidths."""
 
     bf16: bool  # tensor-core bf16 GEMMs (else fp32 SIMT GEMMs)
+    fp32_weights: bool  # a bf16-weights trace timed for bf16 autocast over fp32 weights (no FSDP mixed precision):
+    # ops autocast leaves alone that read the weights (grouped GEMMs) run in fp32, not as traced
     compiled: bool
     peak: float  # datasheet dense FLOP/s of the plan's GEMMs (bf16 or fp32)
     conv_peak: float  # the same for convolutions (fp32: TF32, cuDNN's default)
+    fp32_peak: float  # datasheet dense fp32 (SIMT) FLOP/s: GEMMs that run in fp32 under autocast
     gemm_eff: float  # best-GEMM fraction of peak, this architecture's
     gemm_half: float  # reduction depth at which a GEMM's rate halves; elements
     out_half: float  # output elements at which a GEMM's rate halves (the last wave's idle SMs)
@@ -35,6 +38,10 @@ class Rates:
     fp32_eff: float
     conv_eff: float  # cuDNN's implicit GEMM rate / a dense GEMM's of the same shape (channels-last)
     conv_nchw: float  # contiguous (NCHW) / channels-last convolution rate (1 compiled)
+    depthwise_forward: float  # a depthwise convolution's FLOP/s forward (CUDA cores, channels-last)
+    depthwise_backward: float  # ... of each of its backward's two parts
+    depthwise_nchw: float  # contiguous (NCHW) / channels-last depthwise rate (1 compiled)
+    misaligned_conv: float  # rate of a convolution whose input channels a group are not a multiple of 8 / aligned
     attention_eff: float
     attention_half_dim: float
     attention_half_keys: float
@@ -45,12 +52,15 @@ class Rates:
     fused_hbm: float  # achieved bytes/s of inductor's fused kernels
 
     @classmethod
-    def of(cls, device: DeviceSpec, plan: Plan, cal: Calibration) -> "Rates":
+    def of(cls, device: DeviceSpec, plan: Plan, cal: Calibration, *, trace_precision: str = "bf16") -> "Rates":
+        """`trace_precision`: the profile_precision of the trace whose records are timed ("bf16-pure": bf16
+        weights, so a plan that autocasts over fp32 weights runs some of its ops in fp32)."""
         arch = matmul_arch(device)
         bf16 = plan.precision == "bf16"
         peak = device.peak_flops("bf16" if bf16 else "fp32")
         conv_peak = peak if bf16 or not device.supports("tf32") else device.peak_flops("tf32")
-        return cls(bf16=bf16, compiled=plan.compile, peak=peak, conv_peak=conv_peak,
+        return cls(bf16=bf16, fp32_weights=bf16 and not plan.uses_fsdp and trace_precision == "bf16-pure", compiled=plan.compile, peak=peak, conv_peak=conv_peak,
+                   fp32_peak=device.peak_flops("fp32"),
                    gemm_eff=cal.matmul_efficiency * arch.efficiency_ratio,
                    gemm_half=cal.matmul_half_width * arch.half_width_ratio,
                    out_half=cal.matmul_rows_half * 2048,  # the factor is stated as rows of a 2048-wide output
@@ -58,6 +68,10 @@ class Rates:
                    fp32_eff=cal.fp32_matmul_efficiency, conv_eff=cal.conv_efficiency,
                    # compiled, inductor makes convolutions channels-last (torch._inductor.config.layout_optimization)
                    conv_nchw=1.0 if plan.compile else cal.conv_nchw_factor,
+                   depthwise_forward=device.peak_flops("fp32") * cal.depthwise_conv_efficiency,
+                   depthwise_backward=device.peak_flops("fp32") * cal.depthwise_conv_backward_efficiency,
+                   depthwise_nchw=1.0 if plan.compile else cal.depthwise_nchw_factor,
+                   misaligned_conv=cal.misaligned_conv_factor,
                    attention_eff=cal.attention_efficiency * cal.matmul_efficiency * arch.efficiency_ratio,
                    attention_half_dim=cal.attention_half_head_dim, attention_half_keys=cal.attention_half_keys,
                    masked_attention=cal.masked_attention_factor, fp32_attention_eff=cal.fp32_attention_efficiency,
@@ -89,6 +103,11 @@ class OpsTime:
     memory_forward_s: float = 0.0  # memory-bound ops (eager), or what fusion leaves of them (compiled)
     memory_backward_s: float = 0.0
     launches: float = 0.0  # kernels: every traced op eager; compute ops and fused kernels compiled
+    backward_launches: float = 0.0  # the backward's share of `launches`
+    views: float = 0.0  # eager ops the host issues without the model's Python per op (the trace's "view" records:
+    # views, reshapes, transposes; and "weight_cast": autocast's weight copies), at Calibration.view_host_s each;
+    # none compiled
+    backward_views: float = 0.0  # the backward's share of `views`
 
     def __add__(self, other: "OpsTime") -> "OpsTime":
         return OpsTime(*(a + b for a, b in zip(self._values(), other._values())))
@@ -98,7 +117,7 @@ class OpsTime:
 
     def _values(self) -> tuple[float, ...]:
         return (self.compute_forward_s, self.compute_backward_s, self.memory_forward_s, self.memory_backward_s,
-                self.launches)
+                self.launches, self.backward_launches, self.views, self.backward_views)
 
     @property
     def compute_s(self) -> float:
@@ -132,16 +151,26 @@ def group_time(group: OpGroup, batch_scale: float, split: TPSplit, rates: Rates,
 def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffic_scale: float) -> OpsTime:
     if r.kind in COMPUTE_KINDS:
         shape, flops, nbytes = _scaled(r, scale, split)
-        seconds = r.count * _compute_s(r.kind, shape, flops / r.count, nbytes / r.count, r.batch_dim, rates)
+        fp32 = r.kind == "grouped_gemm" and (r.dtype == "float32" or rates.fp32_weights)
+        seconds = r.count * _compute_s(r.kind, shape, flops / r.count, nbytes / r.count, r.batch_dim, rates,
+                                       r.backward, fp32)
         launches = float(r.count)
-        return OpsTime(compute_backward_s=seconds, launches=launches) if r.backward else \
+        return OpsTime(compute_backward_s=seconds, launches=launches, backward_launches=launches) if r.backward else \
             OpsTime(compute_forward_s=seconds, launches=launches)
+    if r.kind in ("view", "weight_cast"):  # eager only: inductor's graph runs no views and fuses the casts
+        if rates.compiled:
+            return OpsTime()
+        # a view: host time only; autocast's cast of a weight (issued by the dispatcher, no Python: host time as a
+        # view's) and its bytes, once per micro-batch
+        seconds = r.bytes * traffic_scale / rates.hbm
+        return OpsTime(memory_backward_s=seconds, views=r.count, backward_views=r.count) if r.backward else \
+            OpsTime(memory_forward_s=seconds, views=r.count)
     fused = r.kind in FUSED_KINDS
     if fused != rates.compiled:
         return OpsTime()
     grows = r.kind not in ("weight", "fused_weight")  # weight-shaped traffic is paid once per micro-batch
     seconds = r.bytes * (scale if grows else 1.0) * traffic_scale / (rates.fused_hbm if fused else rates.hbm)
-    return OpsTime(memory_backward_s=seconds, launches=r.count) if r.backward else \
+    return OpsTime(memory_backward_s=seconds, launches=r.count, backward_launches=r.count) if r.backward else \
         OpsTime(memory_forward_s=seconds, launches=r.count)
 
 
@@ -199,17 +228,43 @@ def _tp_dim(r: OpRecord, split: TPSplit) -> int | None:
     return None
 
 
-def _compute_s(kind: str, shape: list[float], flops: float, nbytes: float, grow: int, rates: Rates) -> float:
+def _compute_s(kind: str, shape: list[float], flops: float, nbytes: float, grow: int, rates: Rates,
+               backward: bool = False, fp32: bool = False) -> float:
     """Seconds of one compute op: its FLOPs at its class's rate, or its bytes at the bandwidth if longer."""
     if kind == "gemm":
         rate = _gemm_rate(shape, grow, rates)
     elif kind == "conv":
-        rate = _conv_rate(shape, rates)
+        rate = _conv_rate(shape, backward, rates)
     elif kind == "grouped_gemm":
-        rate = _grouped_rate(shape, rates)
+        rate = _grouped_rate(shape, rates, fp32)
+        nbytes *= 2.0 if rates.fp32_weights else 1.0  # fp32 operands (traced in bf16: the bf16-weights trace)
+    elif rates.compiled and rates.bf16 and not shape[7] and not shape[9]:
+        return _unfused_attention_s(shape, backward, rates)
     else:
         flops, rate = _attention(shape, flops, rates)
     return max(flops / rate if flops else 0.0, nbytes / rates.hbm)
+
+
+def _unfused_attention_s(shape: list[float], backward: bool, rates: Rates) -> float:
+    """Compiled, an attention call that is neither causal nor masked (BERT's, ViT's) runs unfused on the H200
+    (torch 2.11): batched GEMMs for the scores and the values, with the (q x k) scores and probabilities in
+    HBM between them, bf16 (compiled BERT and ViT held 5.6 and 1.3 GiB more than their fused saved sets, 4
+    bytes a score element: autopar.profile.remat; and ran no faster than eager, bench/results/
+    zoo_h200_2026-12-01.jsonl). Forward: S = Q K^T and O = P V (GEMMs); S written, read by the softmax, P
+    written and read by the second GEMM (8 bytes a score element). Backward: dP = dO V^T, dV = P^T dO, dQ =
+    dS K, dK = dS^T Q (GEMMs); dP written, P and dP read and dS written by the softmax's backward, dS read
+    twice and P once by the GEMMs (14 bytes). GEMMs at their shapes' rates; the traffic at inductor's fused
+    bandwidth (its kernels: the softmax and its backward)."""
+    b, h, _, sq, sk, d, dv = shape[:7]
+    bh = b * h
+    if backward:
+        gemms = [(sq, sk, dv), (sk, dv, sq), (sq, d, sk), (sk, d, sq)]
+        per_score = 14.0
+    else:
+        gemms = [(sq, sk, d), (sq, dv, sk)]
+        per_score = 8.0
+    seconds = sum(2.0 * bh * m * n * k / _gemm_rate([bh, m, n, k], 0, rates) for m, n, k in gemms)
+    return seconds + per_score * bh * sq * sk / rates.fused_hbm
 
 
 def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
@@ -228,21 +283,35 @@ def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
     return rates.peak * frac
 
 
-def _conv_rate(shape: list[float], rates: Rates) -> float:
-    """(M, N, K, groups, channels_last): cuDNN's implicit GEMM at a dense GEMM's rate for its depth and output
+def _conv_rate(shape: list[float], backward: bool, rates: Rates) -> float:
+    """(M, N, K, groups, channels_last[, input channels a group]): cuDNN's implicit GEMM at a dense GEMM's rate for its depth and output
     (all groups' outputs fill the SMs together) times conv_efficiency, and conv_nchw_factor for contiguous
-    (NCHW) tensors, which cuDNN transposes around its NHWC tensor-core kernels."""
-    m, n, k, groups, channels_last = shape
+    (NCHW) tensors, which cuDNN transposes around its NHWC tensor-core kernels. A depthwise convolution (fewer
+    than 8 channels a group on the GEMM's M or N side: no tensor-core tile) runs cuDNN's direct CUDA-core kernel
+    at depthwise_conv_(backward_)efficiency of the fp32 peak (depthwise_nchw_factor on NCHW tensors); a dense
+    one whose input channels a group are not a multiple of 8 (an image's 3: the stem, a patch embedding) at
+    misaligned_conv_factor forward (no vectorised loads; records without the channels count as aligned)."""
+    m, n, k, groups, channels_last = shape[:5]
+    if groups > 1 and min(m, n) < 8:
+        rate = rates.depthwise_backward if backward else rates.depthwise_forward
+        return rate * (1.0 if channels_last else rates.depthwise_nchw)
     eff = rates.gemm_eff if rates.bf16 else rates.fp32_eff
     frac = gemm_fraction(k, m * n * groups, eff, rates.gemm_half, rates.out_half) * rates.conv_eff
+    if len(shape) > 5 and round(shape[5]) % 8 and not backward:
+        frac *= rates.misaligned_conv
     return rates.conv_peak * frac * (1.0 if channels_last else rates.conv_nchw)
 
 
-def _grouped_rate(shape: list[float], rates: Rates) -> float:
-    """(groups, M, N, K): the mean group's depth, every group's output together, times grouped_gemm_efficiency."""
+def _grouped_rate(shape: list[float], rates: Rates, fp32: bool) -> float:
+    """(groups, M, N, K): the mean group's depth, every group's output together, times grouped_gemm_efficiency.
+    Under bf16 autocast over fp32 weights a grouped GEMM runs in fp32: torch._grouped_mm is on none of CUDA
+    autocast's lists (torch.amp docs), so it gets the fp32 expert weights (and transformers casts the tokens to
+    them), and torch's CUDA kernel takes fp32 through its mm-per-group fallback (aten GroupedBlas.cpp) at the
+    SIMT fp32 rate. Measured (bench/results/zoo_h200_2026-12-01.jsonl): Hugging Face Mixtral's 2-layer step at
+    4 x 2048 tokens took 793 ms, its expert GEMMs' 34.6 TFLOP at fp32_matmul_efficiency 706 ms of it."""
     e, m, n, k = shape
-    if not rates.bf16:
-        return rates.peak * rates.fp32_eff
+    if not rates.bf16 or fp32:
+        return rates.fp32_peak * rates.fp32_eff
     return rates.peak * gemm_fraction(k, e * m * n, rates.gemm_eff, rates.gemm_half, rates.out_half) * \
         rates.grouped_eff
 

@@ -76,6 +76,7 @@ class _StageWork:
 
     blocks: OpsTime
     outside: OpsTime
+    order: tuple[OpsTime, ...] = ()  # the stage's groups in the order they run (before, the blocks, after)
 
     @property
     def total(self) -> OpsTime:
@@ -107,7 +108,7 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
     if not prof.op_groups:
         return None
     blocks, first, last = stage
-    rates = Rates.of(topology.device, plan, cal)
+    rates = Rates.of(topology.device, plan, cal, trace_precision=prof.profile_precision)
     scale = plan.micro_batch_size / prof.sample_batch_size
     inside, outside = _tp_splits(profile, plan.tp)
     groups = [prof.ops_of("blocks", i) for i in blocks]
@@ -115,12 +116,59 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
     work = OpsTime()
     for group in {id(g): g for g in groups if g is not None}.values():
         work = work + group_time(group, scale, inside, rates, traffic_scale).times(counts[id(group)])
-    rest = OpsTime()
+    rest, ends = OpsTime(), {}
     for where, held in (("before", first), ("after", last)):
         group = prof.ops_of(where) if held else None
         if group is not None:
-            rest = rest + group_time(group, scale, outside, rates, traffic_scale)
-    return _StageWork(blocks=work, outside=rest)
+            ends[where] = group_time(group, scale, outside, rates, traffic_scale)
+            rest = rest + ends[where]
+    order = [ends["before"]] if "before" in ends else []
+    order += [group_time(g, scale, inside, rates, traffic_scale) for g in groups if g is not None]
+    order += [ends["after"]] if "after" in ends else []
+    return _StageWork(blocks=work, outside=rest, order=tuple(order))
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """CPU seconds the host spends per op of a step, forward (issued from the model's Python) and backward
+    (issued by autograd's C++ engine): per kernel launch and per view (no kernel); from the Calibration."""
+
+    launch_s: float  # per forward kernel (eager: launch_s; compiled: compiled_kernel_launch_s); seconds
+    backward_launch_s: float  # per backward kernel (eager: backward_launch_s; compiled: the same as forward)
+    view_s: float = 0.0  # per forward view (eager: view_host_s; none compiled); seconds
+    backward_view_s: float = 0.0  # per backward view (eager: backward_view_host_s); seconds
+
+    @classmethod
+    def of(cls, cal: Calibration, compiled: bool) -> "HostCosts":
+        """Compiled, inductor's Python wrapper launches the kernels of both graphs (the backward's from the
+        compiled autograd function), so one cost a kernel both ways."""
+        if compiled:
+            return cls(cal.compiled_kernel_launch_s, cal.compiled_kernel_launch_s)
+        return cls(cal.launch_s, cal.backward_launch_s, cal.view_host_s, cal.backward_view_host_s)
+
+    def forward_s(self, t: OpsTime) -> float:
+        return (t.launches - t.backward_launches) * self.launch_s + (t.views - t.backward_views) * self.view_s
+
+    def backward_s(self, t: OpsTime) -> float:
+        return t.backward_launches * self.backward_launch_s + t.backward_views * self.backward_view_s
+
+
+def _queued_s(order: tuple[OpsTime, ...], host: HostCosts, memory_scale: float) -> float:
+    """GPU seconds of one micro-batch's ops with the CPU launching them: the host issues each group's kernels
+    (`host`'s forward costs a kernel and a view) in the order they run, the forward's groups first to last, then
+    the backward's last to first (at `host`'s backward costs); the GPU runs a group's work once the host has
+    issued it and the GPU is done with the one before: end = max(GPU end before + the group's GPU time, host end
+    of issuing it). A queue fed at a group's grain: the host runs ahead during GPU-heavy groups (large GEMMs) and
+    the GPU waits through launch-bound ones (a CNN's late stages of small kernels, whose backward runs first),
+    which a whole-step max(host, GPU) hides."""
+    phases = [(t.compute_forward_s + t.memory_forward_s * memory_scale, host.forward_s(t)) for t in order]
+    phases += [(t.compute_backward_s + t.memory_backward_s * memory_scale, host.backward_s(t))
+               for t in reversed(order)]
+    issued = gpu = 0.0
+    for gpu_s, host_s in phases:
+        issued += host_s
+        gpu = max(gpu + gpu_s, issued)
+    return gpu
 
 
 def _flops_only_s(topology: Topology, plan: Plan, cal: Calibration, flops: float) -> float:
@@ -196,9 +244,14 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         per_memory = n_micro * (1.0 if plan.compile else cal.eager_traffic_factor) / tp_memory
         memory = total.memory_s * per_memory
         block_forward = (work.blocks.compute_forward_s * n_micro, work.blocks.memory_forward_s * per_memory)
-        # Launches: CPU time per kernel of every micro-batch: eager, every traced op (launch_s); compiled, the
-        # compute ops and the fused kernels (compiled_kernel_launch_s); seconds.
-        launch_total = total.launches * n_micro * (cal.compiled_kernel_launch_s if plan.compile else cal.launch_s)
+        # Launches: CPU time per kernel of every micro-batch: eager, every traced op (launch_s forward,
+        # backward_launch_s backward); compiled, the compute ops and the fused kernels (compiled_kernel_launch_s);
+        # seconds.
+        # Eager, the ops that launch no kernel (views) cost host time too (view_host_s each); the backward's
+        # kernels and views, issued by autograd's C++ engine, cost backward_launch_s and backward_view_host_s.
+        host = HostCosts.of(cal, plan.compile)
+        launch_total = (host.forward_s(total) + host.backward_s(total)) * n_micro
+        queued = n_micro * _queued_s(work.order, host, per_memory / n_micro)
     else:  # no op records: the FLOPs at the best GEMM's rate, the traced bytes over the bandwidth
         compute = _flops_only_s(topology, plan, cal, (block_flops + head_flops) / tp * scale)
         per_micro = (prof.traffic_bytes - prof.weight_traffic_bytes) * plan.micro_batch_size \
@@ -209,7 +262,8 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         block_forward = (compute * share / 3, memory * share / 3)
         launch_total = prof.num_ops * stage_share * n_micro * cal.launch_s * (
             cal.compile_launch_factor if plan.compile else 1.0)
-    launch = max(0.0, launch_total - (compute + memory))
+        queued = launch_total
+    launch = max(0.0, queued - (compute + memory))
 
     # Recompute: full checkpointing runs each checkpointed block's forward again (its compute and memory-bound
     # ops, at the same rates); selective checkpointing keeps the matmul and attention outputs and reruns the

@@ -17,6 +17,7 @@ from .._util.batch import first_tensor, sample_batch_size
 from ..errors import ProfileError, TraceError
 from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
 from .model_profile import BlockProfile, ModelProfile, model_fingerprint
+from .remat import CompiledSaved, CompiledSavedProbe
 from .trace import StepTrace, Trace, Units
 
 # Causes of a TraceError that no other precision can avoid: the step reads tensor values.
@@ -61,8 +62,9 @@ def profile_model(
         if warn:
             warnings.warn("autopar: " + notes[-1], stacklevel=2)
     params = _Params.of(model, units)
+    compiled = None
     if trace:
-        t, precision, fallback = _traced_step(model, sample, units, loss_fn=loss_fn, precision=precision)
+        t, precision, fallback, compiled = _traced_step(model, sample, units, loss_fn=loss_fn, precision=precision)
         if fallback is not None:
             notes.append(fallback)
             if warn:
@@ -79,7 +81,7 @@ def profile_model(
         blocks_path=blocks_path,
         block_class=block_classes.pop() if len(block_classes) == 1 else None,
         repeated=repeated,
-        blocks=_block_profiles(units, params, t),
+        blocks=_block_profiles(units, params, t, compiled),
         num_params=params.num_params,
         num_trainable_params=params.num_trainable,
         num_params_outside_blocks=params.num_params - sum(c for c, _ in params.per_block),
@@ -108,27 +110,40 @@ def profile_model(
         modules_before_blocks=t.before,
         modules_after_blocks=t.after,
         notes=tuple(notes),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in {id(b): b for b in model.buffers()}.values()),
+        compiled_saved_bytes_outside_blocks=compiled.outside_bytes if compiled is not None else None,
         **shape_facts(model, units if repeated else []),
     )
 
 
 def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callable | None, precision: str
-                 ) -> tuple[Trace, str, str | None]:
-    """(the trace, the precision traced, a note when that is not the one asked for). An fp32 step that cannot
-    be traced is tried with bf16 weights, then under bf16 autocast; a data-dependent step (one that reads
-    tensor values) is not retried: no precision changes that."""
+                 ) -> tuple[Trace, str, str | None, CompiledSaved | None]:
+    """(the trace, the precision traced, a note when that is not the one asked for, what a compiled step saves).
+    An fp32 step that cannot be traced is tried with bf16 weights, then under bf16 autocast; a data-dependent
+    step (one that reads tensor values) is not retried: no precision changes that."""
     try:
-        return StepTrace(model, sample, units, loss_fn=loss_fn, precision=precision).run(), precision, None
+        return _traced(model, sample, units, loss_fn, precision, None)
     except TraceError as exc:
         if precision != "fp32" or isinstance(exc.__cause__, _DATA_DEPENDENT):
             raise
         for fallback in ("bf16-pure", "bf16"):
             try:
-                t = StepTrace(model, sample, units, loss_fn=loss_fn, precision=fallback).run()
+                return _traced(model, sample, units, loss_fn, fallback, _fp32_untraceable_note(exc, fallback))
             except TraceError:
                 continue
-            return t, fallback, _fp32_untraceable_note(exc, fallback)
         raise
+
+
+def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str,
+            note: str | None) -> tuple[Trace, str, str | None, CompiledSaved | None]:
+    """One traced step in `precision`, with the probe that partitions its autograd graph as torch.compile
+    would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`)."""
+    probe = CompiledSavedProbe(loss_fn, len(units))
+    step = StepTrace(model, sample, units, loss_fn=probe, precision=precision)
+    probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
+    with probe.hooked(units):
+        t = step.run()
+    return t, precision, note, probe.result()
 
 
 def _fp32_untraceable_note(exc: TraceError, traced: str) -> str:
@@ -162,6 +177,7 @@ class _Params:
     tied: tuple[tuple[str, ...], ...]  # groups of names that share one Parameter
     per_block: tuple[tuple[int, int], ...]  # (parameters, bytes) per unit, tied ones counted where first seen
     matmul_per_block: tuple[int, ...]  # parameters of each unit's Linear-like layers
+    trainable_per_block: tuple[int, ...] = ()  # of per_block's parameters, those that require grad
 
     @classmethod
     def of(cls, model: nn.Module, units: Units) -> "_Params":
@@ -181,13 +197,15 @@ class _Params:
             num_lookup=sum(unique[i].numel() for i in embedding_weights - matmul_weights if i in unique),
             tied=tuple(tuple(names) for names in by_id.values() if len(names) > 1),
             per_block=_params_per_block(units),
+            trainable_per_block=tuple(c for c, _ in _params_per_block(units, trainable_only=True)),
             matmul_per_block=tuple(sum(p.numel() for m in module.modules() if is_matmul_layer(m)
                                        for p in m.parameters(recurse=False)) for _, module in units),
         )
 
 
-def _params_per_block(units: Units) -> tuple[tuple[int, int], ...]:
-    """(parameters, bytes) of each unit; a parameter shared by two units counts in the first."""
+def _params_per_block(units: Units, *, trainable_only: bool = False) -> tuple[tuple[int, int], ...]:
+    """(parameters, bytes) of each unit; a parameter shared by two units counts in the first (it is seen there
+    first whether or not it counts: `trainable_only` counts those that require grad)."""
     seen: set[int] = set()
     out = []
     for _, module in units:
@@ -195,21 +213,26 @@ def _params_per_block(units: Units) -> tuple[tuple[int, int], ...]:
         for p in module.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
+                if trainable_only and not p.requires_grad:
+                    continue
                 count += p.numel()
                 nbytes += p.numel() * p.element_size()
         out.append((count, nbytes))
     return tuple(out)
 
 
-def _block_profiles(units: Units, params: _Params, t: Trace) -> tuple[BlockProfile, ...]:
+def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledSaved | None
+                    ) -> tuple[BlockProfile, ...]:
     """One BlockProfile per unit. The counter's per-module FLOPs include backward, so a block's forward FLOPs
     are its total times the step's forward share (the same for every matmul-dominated block to within the
-    loss's FLOPs)."""
+    loss's FLOPs). `compiled`: what a compiled step saves per block (None: not partitioned)."""
     fwd_share = t.forward_flops / t.flops if t.flops else 1 / 3
     return tuple(
         BlockProfile(name=name, num_params=params.per_block[i][0], param_bytes=params.per_block[i][1],
                      forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved_bytes[i],
                      matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
-                     selective_saved_bytes=t.selective_bytes[i])
+                     selective_saved_bytes=t.selective_bytes[i],
+                     num_trainable_params=params.trainable_per_block[i] if params.trainable_per_block else None,
+                     compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None)
         for i, (name, _) in enumerate(units)
     )

@@ -84,6 +84,26 @@ def matmul_ops() -> set[Any]:
     return {getattr(aten, n) for n in names if hasattr(aten, n)}
 
 
+def fp32_grouped_mm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """torch._grouped_mm on float32 fake tensors, as a GPU runs it, or None for any other call. CUDA's kernel
+    takes float32 (aten GroupedBlas.cpp: one mm per group), but the meta kernel that fake tensors run refuses
+    anything but bf16, so an fp32 step, or a bf16-autocast one over fp32 weights (_grouped_mm is on no
+    autocast list: the MoE experts get the fp32 weights, and transformers casts the tokens to them), could not
+    be traced. Here the meta kernel runs on bf16 copies and the output is made float32: the caller (the
+    trace's StepWatcher, above the FakeTensorMode) records the call as it came, float32 operands and output."""
+    if getattr(func, "overloadpacket", None) is not getattr(torch.ops.aten, "_grouped_mm", None) or len(args) < 2:
+        return None
+    a, b = args[0], args[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.float32 in (a.dtype, b.dtype)
+            and (is_fake(a) or a.is_meta)):
+        return None
+    rest = dict(kwargs)
+    if rest.get("out_dtype") is not None:
+        rest["out_dtype"] = torch.bfloat16
+    out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *args[2:], **rest)
+    return out.to(torch.float32)
+
+
 def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                          enable_gqa: bool = False) -> torch.Tensor:

@@ -28,6 +28,9 @@ class BlockProfile:
     matmul_params: int = 0  # parameters of the block's Linear-like layers (what tensor parallelism splits)
     saved_hidden_bytes: int = 0  # of saved_bytes, tensors shaped like the hidden states (batch, seq, hidden)
     selective_saved_bytes: int = 0  # outputs of matmuls and attention in the forward (what selective AC keeps)
+    num_trainable_params: int | None = None  # of num_params, those that require grad (None: all of them)
+    compiled_saved_bytes: int | None = None  # what a torch.compile'd step saves for backward instead of saved_bytes
+    #                                          (autopar.profile.remat; None: not partitioned)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,8 @@ class ModelProfile:
     vocab_size: int | None = None
     ffn_dim: int | None = None
     notes: tuple[str, ...] = field(default=())
+    buffer_bytes: int = 0  # unique buffers (BatchNorm running statistics, position ids): on every GPU, not sharded
+    compiled_saved_bytes_outside_blocks: int | None = None  # saved_bytes_outside_blocks of a torch.compile'd step
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"

@@ -21,6 +21,7 @@ from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
 from .model_profile import MatmulCall, OpGroup
+from .shadow import InputShadows
 from .watch import StepWatcher, storage_key
 
 Units = list[tuple[str, nn.Module]]
@@ -98,7 +99,8 @@ class StepTrace:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
         self.state = _fake_state(model, self.fake_mode, device, pure)
-        self.sample = _fake_sample(sample, self.fake_mode, device, pure)
+        self.shadows = InputShadows()  # the sample's values, for the step's reads of them (labels.max())
+        self.sample = _fake_sample(sample, self.fake_mode, device, pure, self.shadows)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         # A bf16 profile is for GPU plans: where the trace runs on another device, CUDA autocast's float32 ops
         # are cast as a GPU run casts them.
@@ -139,7 +141,7 @@ class StepTrace:
 
     def _step(self) -> float:
         """Forward (with the loss) and backward; the forward's FLOPs."""
-        with self.fake_mode, self.flop_counter, self.watcher, self.sdpa:
+        with self.fake_mode, self.flop_counter, self.watcher, self.shadows, self.sdpa:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
                 with self.autocast, self.cuda_policy:
                     args, kwargs = split_sample(self.sample)
@@ -296,13 +298,16 @@ def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.devic
     return out
 
 
-def _fake_sample(sample: Any, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None
-                 ) -> Any:
-    """The sample with every tensor a fake one on `device` (floating ones in `dtype` when given)."""
+def _fake_sample(sample: Any, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None,
+                 shadows: InputShadows) -> Any:
+    """The sample with every tensor a fake one on `device` (floating ones in `dtype` when given), its real
+    value kept in `shadows`."""
     def convert(t: torch.Tensor) -> torch.Tensor:
         cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
         with fake_mode:
-            return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=cast, device=device)
+            fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=cast, device=device)
+        shadows.add(fake, t)
+        return fake
 
     return map_tensors(convert, sample)
 

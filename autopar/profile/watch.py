@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .flops import matmul_ops
+from .flops import fp32_grouped_mm, matmul_ops
 from .model_profile import OpGroup, OpRecord
 
 BEFORE, AFTER = -1, -2  # scopes of ops outside the blocks: before the first block runs, and the rest
@@ -131,13 +131,15 @@ def _channels_last(x: torch.Tensor) -> int:
 
 
 def _conv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, transposed: bool, groups: int) -> tuple:
-    """A convolution's forward as its implicit GEMM per group (M, N, K, groups, channels_last)."""
+    """A convolution's forward as its implicit GEMM per group (M, N, K, groups, channels_last, input channels a
+    group)."""
     k, cl = _prod(w.shape[2:]), _channels_last(x)
     if transposed:  # the input gradient of a convolution: rows over the input positions
         m, n, kd = x.shape[0] * _prod(x.shape[2:]), w.shape[1] * k, w.shape[0] // groups
     else:
         m, n, kd = x.shape[0] * _prod(out.shape[2:]), w.shape[0] // groups, w.shape[1] * k
-    shape = (int(m), int(n), int(kd), int(groups), cl)
+    c_in = w.shape[0] // groups if transposed else w.shape[1]
+    shape = (int(m), int(n), int(kd), int(groups), cl, int(c_in))
     return ("conv", shape, 2.0 * m * n * kd * groups, 0, ())
 
 
@@ -151,14 +153,15 @@ def _conv_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, _bias_s
     out_positions = _prod((x if transposed else grad).shape[2:])
     flops = 2.0 * x.shape[0] * out_positions * _prod(w.shape)
     c_out, c_in = (w.shape[1] * groups, w.shape[0]) if transposed else (w.shape[0], w.shape[1] * groups)
+    per = int(c_in // groups)  # the forward's input channels a group (what its loads are aligned by)
     records = []
     if mask[0]:
         m, n = x.shape[0] * _prod(x.shape[2:]), c_in // groups
         kd = max(1, round(flops / (2.0 * m * n * groups)))
-        records.append(("conv", (int(m), int(n), int(kd), int(groups), cl), flops, 0, ()))
+        records.append(("conv", (int(m), int(n), int(kd), int(groups), cl, per), flops, 0, ()))
     if mask[1]:
         m, n, kd = c_out // groups, c_in // groups * k, x.shape[0] * out_positions
-        records.append(("conv", (int(m), int(n), int(kd), int(groups), cl), flops, 2, ()))
+        records.append(("conv", (int(m), int(n), int(kd), int(groups), cl, per), flops, 2, ()))
     return records
 
 
@@ -295,7 +298,10 @@ class StepWatcher(TorchDispatchMode):
     are weights, not activations, and do not grow with the batch); how many ops run (kernel launches); the
     bytes the non-matmul ops read and write (memory-bound time); per block in the forward, the bytes of
     matmul and attention outputs (what selective checkpointing keeps); and every op that allocates as an
-    OpRecord of its scope (`op_groups()`), with the FusionModel's fused bytes and kernels.
+    OpRecord of its scope (`op_groups()`), with the FusionModel's fused bytes and kernels. Of the other ops,
+    casts of the weights and in-place ops are records too (kernels), and views, reshapes, transposes and
+    expands count in one record of kind "view" per scope and direction (count only, no bytes): no kernel,
+    but an eager op's host time all the same (Python binding, dispatcher, an autograd node: autopar.cost.ops).
 
     The scope of a forward op is the running block (`running_block()`, the index of the innermost block whose
     forward is running, or None: then BEFORE until a block has run, else AFTER); of a backward op, the scope
@@ -326,7 +332,8 @@ class StepWatcher(TorchDispatchMode):
         self.fusion = FusionModel()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
+        out = func(*args, **(kwargs or {})) if out is None else out
         tensors_in, tensors_out = _tensors((args, kwargs)), _tensors(out)
         scope = self._scope(tensors_in)
         inputs = [storage_key(t) for t in tensors_in]
@@ -343,7 +350,35 @@ class StepWatcher(TorchDispatchMode):
                 self._count_traffic(allocated, tensors_in, tensors_out, from_weights)
             self._record(func, args, kwargs or {}, out, scope, (tensors_in, inputs), tensors_out, allocated,
                          from_weights)
+        else:
+            self._count_unallocated(func, scope, tensors_in, tensors_out, inputs, from_weights)
         return out
+
+    def _count_unallocated(self, func: Any, scope: int, tensors_in: list[torch.Tensor],
+                           tensors_out: list[torch.Tensor], inputs: list[Any], from_weights: bool) -> None:
+        """An op that allocates no activation, as a record: a cast of the weights alone (autocast's bf16 copies,
+        a kernel each, issued by the dispatcher: no Python) as "weight_cast" traffic (paid once per micro-batch,
+        fused away compiled); an in-place op (a kernel) as its
+        memory-bound kind, its operands read and written; a view, reshape, transpose or expand as a "view"
+        (host time only). The trace's own calls are left out: prim ops (tensor.device) and detach (its
+        saved-tensor hooks)."""
+        name = func.overloadpacket.__name__
+        if func.namespace == "prim" or name in ("detach", "alias"):
+            return
+        backward = not self.forward
+        floating = [t for t in tensors_in if t.is_floating_point()]
+        dtype = str(floating[0].dtype).replace("torch.", "") if floating else ""
+        made = [t for t in tensors_out if storage_key(t) not in inputs]
+        if from_weights and made:
+            nbytes = sum(_nbytes(t) for t in tensors_in) + sum(_nbytes(t) for t in made)
+            self._add(scope, ("weight_cast", backward, (), dtype, -1, ()), 0.0, nbytes)
+        elif func._schema.is_mutable and tensors_out:  # a kernel: counted as the allocating ones are
+            nbytes = sum(_nbytes(t) for t in tensors_in)
+            self.num_ops += 1
+            self.traffic_bytes += nbytes
+            self._add(scope, (memory_kind(name), backward, (), dtype, -1, ()), 0.0, nbytes)
+        else:
+            self._add(scope, ("view", backward, (), "", -1, ()), 0.0, 0)
 
     def _scope(self, tensors_in: list[torch.Tensor]) -> int:
         """The scope of the op now running; in forward, labels the autograd nodes of its inputs first."""
@@ -355,6 +390,11 @@ class StepWatcher(TorchDispatchMode):
             node = torch._C._current_autograd_node()
             return self._node_scope.get(id(node), AFTER) if node is not None else AFTER
         for t in tensors_in:
+            if t._is_view() and not t._base.requires_grad:
+                # A view of what needs no gradient has no node a forward op made (at most it is a leaf itself:
+                # wav2vec2's `x = values[:, None]; x.requires_grad = True`), and reading its grad_fn takes the
+                # view's lock, which torch may hold while it runs this op (a deadlock): not read.
+                continue
             node = t.grad_fn
             if node is not None and id(node) not in self._node_scope:
                 made = self._scope_of.get(t)

@@ -15,7 +15,8 @@
      own unit, since a stage's forward stops early), with the MixedPrecisionPolicy; this also moves
      the parameters to the mesh's device
   7. materialise a meta-device model (`to_empty` + its own init; tied weights tied again)
-  8. without FSDP: move to the device, and bf16 through autocast around the forward
+  8. without FSDP: move to the device, compile the whole forward (step 5's other case), and bf16 through
+     autocast around the (compiled) forward
   9. pipeline: gate the kept blocks (outermost, after FSDP's hooks) and build the schedule
 """
 
@@ -151,8 +152,8 @@ def apply_plan(
     if checkpointed and _disable_kv_caches(model):
         notes.append("checkpointing: turned the model's key/value cache off (config.use_cache = False), "
                      "as Hugging Face does under its own gradient checkpointing.")
-    # 5. torch.compile: per block when FSDP or the pipeline wraps the blocks, else the whole model (after
-    #    step 8's move and autocast, which the compiled call picks up since compile wraps the module's call).
+    # 5. torch.compile: per block when FSDP or the pipeline wraps the blocks, else the whole model's forward
+    #    (in step 8, after the move and before autocast, which then wraps the compiled forward from outside).
     use_fsdp = plan.uses_fsdp
     compiled: list[str] = []
     if plan.compile and (use_fsdp or runtime is not None):
@@ -212,12 +213,16 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
         if any(t.device.type != device.type or (device.index is not None and t.device.index != device.index)
                for t in list(model.parameters()) + list(model.buffers())):
             model.to(device)
+        # compile before autocast: the autocast context (and the fp32 outputs) then wrap the compiled forward
+        # from outside, as `with torch.autocast(...): compiled(x)` does (on an H200, torch 2.11, compiled BERT with
+        # autocast entered inside the compiled call held 6.3 GiB more and ran 25% slower than this order:
+        # bench/results/zoo_h200_2026-12-01.jsonl, wrap against hand_compile)
+        if plan.compile and runtime is None:
+            compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
         if runtime is None:
             apply_autocast(model, precision=plan.precision, device_type=device.type)
         else:  # each pipeline stage's forward runs under autocast
             runtime.autocast = (device.type, plan.precision)
-        if plan.compile and runtime is None:
-            compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
     # 9. Pipeline: gates and schedule.
     if runtime is not None:
         install_stage_gates(model, runtime)

@@ -8,10 +8,16 @@
 
 The block's `forward` is replaced on the instance by a checkpointed call of the original, so parameter
 names, `state_dict` keys and module types stay exactly what the user had.
+
+The recomputation in backward runs the block's forward again in training mode: BatchNorm (and any norm
+tracking running statistics) would update its running mean, variance and batch count a second time. The
+recomputation restores them (`_KeepRunningStats`), so a checkpointed model's statistics after N
+steps are the unwrapped model's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -53,6 +59,44 @@ def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+def _running_stat_norms(block: nn.Module) -> list[nn.Module]:
+    """The block's norm layers that update running statistics in training mode (BatchNorm, InstanceNorm
+    with track_running_stats)."""
+    return [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+
+
+class _KeepRunningStats:
+    """The context the recomputation runs in: on leaving it (also when torch stops the recomputation early)
+    the norms' running statistics are what they were on entering it. It wraps the recomputation's own
+    context (selective checkpointing's), outside it: the copies are no ops of the recomputed region, whose
+    ops selective checkpointing matches one by one with the forward's."""
+
+    def __init__(self, norms: Sequence[nn.Module], inner: Any) -> None:
+        self.norms, self.inner = norms, inner
+        self.saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value on entering)
+
+    def __enter__(self) -> None:
+        with torch.no_grad():
+            self.saved = [(buf, buf.clone()) for m in self.norms for buf in
+                          (m.running_mean, m.running_var, m.num_batches_tracked) if buf is not None]
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for buf, value in self.saved:
+                    buf.copy_(value)
+            self.saved = []
+
+
+def _contexts(norms: Sequence[nn.Module], selective: bool) -> tuple[Any, Any]:
+    """checkpoint's context_fn for a block with running statistics: (forward context, recomputation context)."""
+    forward, recompute = _selective_context() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+    return forward, _KeepRunningStats(norms, recompute)
+
+
 def _checkpointed_forward(forward: Callable[..., Any], context_fn: Callable[[], Any] | None,
                           *args: Any, **kwargs: Any) -> Any:
     if context_fn is None:
@@ -87,6 +131,8 @@ def apply_checkpointing(blocks: Sequence[tuple[str, nn.Module]], *, mode: str, e
     for index, (name, block) in enumerate(blocks):
         if index % every:
             continue
-        block.forward = functools.partial(_checkpointed_forward, block.forward, context_fn)
+        norms = _running_stat_norms(block)  # their statistics must not be updated again by the recomputation
+        block_context = functools.partial(_contexts, norms, mode == "selective") if norms else context_fn
+        block.forward = functools.partial(_checkpointed_forward, block.forward, block_context)
         done.append(name)
     return done

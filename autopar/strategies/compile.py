@@ -1,7 +1,10 @@
 """torch.compile, in place: per block under FSDP (the sharding hooks stay outside the graphs, and the
-identical blocks share one compiled graph), the whole model otherwise (the loss and the logits fuse too).
+identical blocks share one compiled graph), the whole model's forward otherwise (the loss and the logits fuse
+too).
 
-`nn.Module.compile()` compiles in place, so the module keeps its type, names and `state_dict` keys.
+The module's `forward` is replaced by its compiled self, so the module keeps its type, names and `state_dict`
+keys, and its hooks (FSDP's, the pipeline's) and what wraps the forward afterwards (autocast) run outside the
+graph.
 """
 
 from __future__ import annotations
@@ -27,5 +30,7 @@ def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, 
         for _, block in blocks:
             block.forward = torch.compile(block.forward, backend=backend)
         return [name for name, _ in blocks]
-    model.compile(backend=backend)
+    # The whole model: its forward, so that what wraps the forward from outside (apply_autocast's autocast and
+    # fp32 outputs, applied after this) stays outside the graph, as in the usual `with autocast: compiled(x)`.
+    model.forward = torch.compile(model.forward, backend=backend)
     return ["<model>"]

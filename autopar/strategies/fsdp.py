@@ -4,16 +4,30 @@ A 1-D mesh shards parameters, gradients and optimizer state over all its ranks (
 (dp_replicate, dp_shard) is HSDP: sharded within a group, replicated across groups (with dp_shard = 1,
 plain replication, like DDP). CPU offload keeps the sharded parameters, gradients and optimizer state
 in host memory and runs the optimizer there.
+
+A parameter FSDP2 cannot shard (a 0-d one, such as CLIP's `logit_scale`: fully_shard refuses scalars) is
+left out of every unit (`ignored_params`) and kept replicated instead: moved to the mesh's device, made
+the same on every rank (broadcast from the mesh's first rank), and its gradient averaged over the mesh's
+ranks after each backward that FSDP would reduce in (`_ReplicatedParams`).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import PlanError
 from .precision import fsdp_policy
+
+
+def unshardable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of `model` that fully_shard refuses to shard (0-d ones), by name, each once."""
+    return [(name, p) for name, p in model.named_parameters() if p.dim() == 0]
 
 
 def apply_fsdp(
@@ -29,20 +43,112 @@ def apply_fsdp(
     """Shard `model` over `mesh`: one FSDP unit per block, the rest (embeddings, head) in the root unit.
 
     With `outer_units` (a pipeline stage, whose forward stops after its last block), the modules around
-    the blocks are units of their own and no unit wraps the whole model.
+    the blocks are units of their own and no unit wraps the whole model. Parameters FSDP2 cannot shard
+    stay out of every unit, replicated over `mesh` (see the module docstring).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    scalars = unshardable_params(model)
+    extra: dict = {}
+    if scalars:
+        if "ignored_params" not in inspect.signature(fully_shard).parameters:
+            raise PlanError(
+                f"{type(model).__name__} has 0-d parameters ({', '.join(n for n, _ in scalars[:3])}), which FSDP2 "
+                f"cannot shard, and this torch ({torch.__version__}) has no fully_shard(ignored_params=) to leave "
+                "them out: upgrade torch, or make them 1-D tensors of one element."
+            )
+        extra["ignored_params"] = {p for _, p in scalars}
     for index, (_, block) in enumerate(blocks):
         # The last block's parameters are needed again at once when backward starts: keep them gathered.
         reshard = reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=fsdp_policy(precision, root=False), offload_policy=offload)
+                    mp_policy=fsdp_policy(precision, root=False), offload_policy=offload, **extra)
     if outer_units is not None:
         for module in outer_units:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=fsdp_policy(precision, root=True), offload_policy=offload)
-        return
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                mp_policy=fsdp_policy(precision, root=True), offload_policy=offload)
+                        mp_policy=fsdp_policy(precision, root=True), offload_policy=offload, **extra)
+    else:
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=fsdp_policy(precision, root=True), offload_policy=offload, **extra)
+    if scalars:
+        _ReplicatedParams(model, [n for n, _ in scalars], mesh, root_unit=outer_units is None)
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank computes on for `mesh` (the current accelerator, or the CPU)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+class _ReplicatedParams:
+    """Parameters kept out of FSDP2, replicated over the data-parallel `mesh` (every dimension of it), as DDP
+    keeps its parameters: the same on every rank, their gradients averaged over the mesh's ranks.
+
+    The average runs in each parameter's post-accumulate-grad hook, after a backward, so it also holds in a
+    training loop of the user's own. Under gradient accumulation it runs where FSDP reduces: after every
+    micro-batch when the gradients are reduce-scattered each time, after the last one only when the loop
+    turns FSDP's gradient synchronisation off until then (`set_requires_gradient_sync` on the root unit,
+    which autopar.train_step does under plain replication). Either way the result is the average of the
+    summed gradients: a gradient averaged earlier is the same on every rank, and averaging it again keeps it.
+    """
+
+    def __init__(self, model: nn.Module, names: list[str], mesh: DeviceMesh, *, root_unit: bool):
+        self.names = names
+        self.params: list[nn.Parameter] = []
+        self.groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+        self.size = mesh.size()
+        self.sync = True
+        device = _mesh_device(mesh)
+        params = [model.get_parameter(name) for name in names]
+        if any(p.is_meta for p in params):
+            # Materialising gives the module new Parameter objects (to_empty), on the plan's device: take
+            # them, make them equal and hook them at the first forward.
+            self._pending = model.register_forward_pre_hook(self._attach_once)
+        else:
+            with torch.no_grad():
+                for p in params:
+                    if p.device != device:
+                        p.data = p.data.to(device)  # fully_shard does not move ignored parameters
+            self._attach(model)
+        if root_unit and hasattr(model, "set_requires_gradient_sync"):
+            self._wrap_sync_switch(model)
+
+    def _attach(self, model: nn.Module) -> None:
+        self.params = [model.get_parameter(name) for name in self.names]
+        self.broadcast()
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._average)
+
+    def _attach_once(self, module: nn.Module, args: tuple) -> None:
+        self._pending.remove()
+        self._attach(module)
+
+    def broadcast(self) -> None:
+        """Give every rank the mesh's first rank's values (along each dimension, from its group's rank 0)."""
+        with torch.no_grad():
+            for p in self.params:
+                for group in self.groups:
+                    if dist.get_world_size(group) > 1:
+                        dist.broadcast(p.data, group_src=0, group=group)
+
+    def _average(self, p: nn.Parameter) -> None:
+        if not self.sync or p.grad is None or self.size == 1:
+            return
+        with torch.no_grad():
+            for group in self.groups:
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
+            p.grad.div_(self.size)
+
+    def _wrap_sync_switch(self, model: nn.Module) -> None:
+        """Follow the root unit's gradient synchronisation switch (FSDP2 has no getter for it)."""
+        switch = model.set_requires_gradient_sync
+
+        def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+            self.sync = bool(requires_gradient_sync)
+            switch(requires_gradient_sync, recurse=recurse)
+
+        model.set_requires_gradient_sync = set_requires_gradient_sync

@@ -216,9 +216,68 @@ def tp_layout(model: nn.Module, profile: ModelProfile) -> TPLayout:
                     tied_head=tied, source=source, notes=tuple(notes))
 
 
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
+
+
+def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> tuple[str, tuple] | None:
+    """A parameter or buffer of an attention module, outside its split layers, with one entry per head (T5's
+    relative attention bias, Swin's relative position bias table): (name, shape), or None. Its attention adds it
+    to the scores of every head, and each rank would add all heads' values to its own share of the heads."""
+    named = dict(model.named_modules())
+    for pair in layout.pairs:
+        if not pair.attention or pair.parent not in named:
+            continue
+        parent = named[pair.parent]
+        heads = {profile.num_heads} - {None}
+        for module in parent.modules():
+            values = [getattr(module, a, None) for a in _HEAD_ATTRS]
+            heads |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
+        split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
+        for owner_name, owner in parent.named_modules():
+            if _is_norm(owner):  # q/k norms over a head's width act per head already
+                continue
+            for name, t in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
+                if id(t) not in split and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] in heads:
+                    full = ".".join(n for n in (pair.parent, owner_name, name) if n)
+                    return full, tuple(t.shape)
+    return None
+
+
+def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | None:
+    """Why tensor parallelism cannot split `model` correctly at any degree (one line), or None: no layers to
+    split, a 0-d parameter (FSDP2 keeps it out of its sharding as a plain replicated tensor, autopar.strategies.
+    fsdp; beside the tensor-parallel DTensors its gradient is not checked), or a per-head tensor of an attention
+    module that the split layers do not cover."""
+    try:
+        layout = tp_layout(model, profile)
+    except PlanError as exc:
+        return str(exc).rstrip(".")
+    return _refusal(model, profile, layout)
+
+
+def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str | None:
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        return (f"tensor parallelism would leave the 0-d parameter{'s' if len(scalars) > 1 else ''} "
+                f"{', '.join(scalars[:3])} of {profile.model_class} a plain tensor beside the tensor-parallel "
+                "DTensors, which autopar does not support: set tp=1 (data parallelism handles it)")
+    per_head = _unsplit_per_head_tensor(model, profile, layout)
+    if per_head is not None:
+        name, shape = per_head
+        return (f"tensor parallelism splits {profile.model_class}'s attention heads over the ranks, but not "
+                f"{name} {shape}, which holds a value per head that the attention adds to every head's scores: "
+                "set tp=1")
+    return None
+
+
 def check_tensor_parallel(model: nn.Module, profile: ModelProfile, tp: int) -> TPLayout:
-    """The layout, after checking that every split dim divides by `tp` (the message names the dim)."""
+    """The layout, after checking that tensor parallelism can split the model (`tensor_parallel_refusal`) and
+    that every split dim divides by `tp` (the message names the dim)."""
     layout = tp_layout(model, profile)
+    why = _refusal(model, profile, layout)
+    if why is not None:
+        raise PlanError(why + ".")
     named = dict(model.named_modules())
     if profile.num_heads and profile.num_heads % tp:
         raise PlanError(f"tp={tp} does not divide the {profile.num_heads} attention heads (num_heads): "

@@ -112,7 +112,8 @@ class StepModel:
         cap = 1.0 if self.topology.is_gpu else math.inf
         return cal.replace(matmul_efficiency=min(cap, cal.matmul_efficiency * s),
                            fp32_matmul_efficiency=min(cap, cal.fp32_matmul_efficiency * s),
-                           memory_efficiency=min(cap, cal.memory_efficiency * s), launch_s=cal.launch_s / s)
+                           memory_efficiency=min(cap, cal.memory_efficiency * s), launch_s=cal.launch_s / s,
+                           backward_launch_s=cal.backward_launch_s / s)
 
     def _best_scale(self, records: Sequence[Measured]) -> float:
         """One common scale of the rates: a golden-section search of log(s) in [1/SCALE_RANGE, SCALE_RANGE]."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar.profile.flops as flops
@@ -91,3 +92,16 @@ def test_flash_like_sdpa_covers_the_forward_only():
         assert torch._C._len_torch_function_stack() == 1
         Probe.apply(x).sum().backward()
     assert modes_in_backward == [0]
+
+
+def test_an_fp32_grouped_mm_runs_on_fake_tensors_with_a_float32_output():
+    """The fake kernel of torch._grouped_mm refuses float32; the stand-in gives the GPU's float32 (tokens, out)
+    result, and leaves bf16 calls (and other ops) to torch."""
+    grouped = torch.ops.aten._grouped_mm.default
+    with FakeTensorMode():
+        a, w = torch.randn(64, 32), torch.randn(4, 32, 48)
+        offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+        out = flops.fp32_grouped_mm(grouped, (a, w), {"offs": offs})
+        assert out is not None and out.dtype == torch.float32 and tuple(out.shape) == (64, 48)
+        assert flops.fp32_grouped_mm(grouped, (a.bfloat16(), w.bfloat16()), {"offs": offs}) is None
+        assert flops.fp32_grouped_mm(torch.ops.aten.mm.default, (a, a.t()), {}) is None

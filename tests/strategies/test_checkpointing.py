@@ -4,6 +4,7 @@ none > selective > full, and every=2 lies between none and full; the forward rea
 
 from __future__ import annotations
 
+import copy
 import gc
 
 import pytest
@@ -294,3 +295,86 @@ def test_disable_kv_cache_ignores_models_without_a_cache():
 
     assert disable_kv_cache(_model()) is False  # GPT's config has no use_cache
     assert disable_kv_cache(nn.Linear(2, 2)) is False
+
+
+# ---- BatchNorm's running statistics --------------------------------------------------------------------
+class _ConvBlock(nn.Module):
+    def __init__(self, channels: int, momentum: float | None) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x))) + x
+
+
+class _ConvNet(nn.Module):
+    """A tiny conv net with BatchNorm in every block (momentum None: a cumulative average, where the batch
+    count decides the statistics)."""
+
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.blocks = nn.ModuleList(_ConvBlock(8, momentum) for _ in range(3))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.stem(pixel_values)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x.mean(dim=(2, 3)))
+        return nn.functional.cross_entropy(logits, labels)
+
+
+def _conv_sample(step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return {"pixel_values": torch.randn(4, 3, 8, 8, generator=gen), "labels": torch.randint(0, 5, (4,), generator=gen)}
+
+
+def _train_conv(model: nn.Module, steps: int = 3) -> None:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    for step in range(steps):
+        model(**_conv_sample(step)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _assert_same_state(model: nn.Module, reference: nn.Module) -> None:
+    buffers, ref_buffers = dict(model.named_buffers()), dict(reference.named_buffers())
+    assert buffers.keys() == ref_buffers.keys()
+    for name, want in ref_buffers.items():  # running_mean, running_var, num_batches_tracked
+        torch.testing.assert_close(buffers[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"buffer {name}: {m}")
+    params = dict(model.named_parameters())
+    for name, want in reference.named_parameters():
+        torch.testing.assert_close(params[name].detach(), want.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"parameter {name}: {m}")
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_leaves_batchnorm_running_statistics_as_the_unwrapped_model(mode, momentum):
+    """The recomputed forward in backward runs BatchNorm in training mode again; it must not update the
+    running statistics a second time: after 3 steps buffers and parameters equal the unwrapped model's."""
+    torch.manual_seed(0)
+    model = _ConvNet(momentum)
+    reference = copy.deepcopy(model)
+    done = apply_checkpointing(list(model.blocks.named_children()), mode=mode)
+    assert len(done) == 3
+    _train_conv(model)
+    _train_conv(reference)
+    assert int(model.blocks[0].norm.num_batches_tracked) == 3
+    _assert_same_state(model, reference)
+
+
+def test_wrap_with_full_checkpointing_keeps_batchnorm_statistics(one_plain_process):
+    import autopar
+
+    torch.manual_seed(0)
+    model = _ConvNet()
+    reference = copy.deepcopy(model)
+    autopar.wrap(model, sample=_conv_sample(0), plan=autopar.Plan(micro_batch_size=4, checkpointing="full"),
+                 verbose=False)
+    assert len(autopar.applied(model).checkpointed) == 3
+    _train_conv(model)
+    _train_conv(reference)
+    _assert_same_state(model, reference)

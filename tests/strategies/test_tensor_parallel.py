@@ -8,15 +8,19 @@ Applying the styles on several ranks is covered by tests/distributed/test_parall
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autopar.errors import PlanError
 from autopar.models.gpt import lm_loss
 from autopar.profile import profile_model
-from autopar.strategies.tensor_parallel import TPPair, _divide_attrs, check_tensor_parallel, tp_layout
+from autopar.search import DropKind
+from autopar.strategies.tensor_parallel import (TPPair, _divide_attrs, check_tensor_parallel, tensor_parallel_refusal,
+                                                tp_layout)
 from tests._training import CFG, batch, make_model, sample_of
 
 L = CFG.num_layers
@@ -246,3 +250,74 @@ def test_names_fallback_finds_the_head_tied_to_the_embedding(gpt):
     expected = tp_layout(model, traced)
     assert (layout.embedding, layout.head, layout.tied_head) == (expected.embedding, expected.head,
                                                                  expected.tied_head) == ("tok_emb", "lm_head", True)
+
+
+# ---- models tensor parallelism cannot split correctly ---------------------------------------------------
+class _BiasedAttention(nn.Module):
+    """Attention with a learned bias per head and relative position, added to every head's scores (T5's
+    relative attention bias, Swin's relative position bias table): the split q/k/v give each rank its share
+    of the heads, and the whole bias no longer matches them."""
+
+    def __init__(self, hidden: int, heads: int, seq: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = heads, hidden // heads
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.o_proj = nn.Linear(hidden, hidden)
+        self.relative_bias = nn.Parameter(torch.zeros(2 * seq - 1, heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        pos = torch.arange(s)
+        bias = self.relative_bias[pos[None, :] - pos[:, None] + s - 1].permute(2, 0, 1)  # (heads, s, s)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def _gpt_with(make_attention=None, **extra_params) -> nn.Module:
+    model = make_model("gpt")
+    if make_attention is not None:
+        for block in model.blocks:
+            block.attn = make_attention()
+    for name, value in extra_params.items():
+        model.register_parameter(name, nn.Parameter(value))
+    return model
+
+
+def test_a_per_head_bias_the_split_layers_do_not_cover_is_refused():
+    model = _gpt_with(lambda: _BiasedAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    profile = _profile("gpt", model)
+    why = tensor_parallel_refusal(model, profile)
+    assert why is not None and "blocks.0.attn.relative_bias" in why and why.endswith("set tp=1")
+    shape = (2 * CFG.seq_len - 1, CFG.num_heads)
+    expected = f"not blocks.0.attn.relative_bias {shape}, which holds a value per head"
+    with pytest.raises(PlanError, match=re.escape(expected)):
+        check_tensor_parallel(model, profile, 2)
+
+
+def test_a_zero_dim_parameter_is_refused():
+    # CLIP's logit_scale: data parallelism keeps it out of FSDP2's sharding; beside TP's DTensors it is refused
+    model = _gpt_with(logit_scale=torch.tensor(2.0))
+    profile = _profile("gpt", model)
+    with pytest.raises(PlanError, match="0-d parameter logit_scale of GPT a plain tensor beside the tensor-parallel DTensors, which autopar does not support: set tp=1"):
+        check_tensor_parallel(model, profile, 2)
+
+
+def test_the_models_tensor_parallelism_splits_are_not_refused(gpt, llama, gpt2, bert):
+    for model, profile in (gpt, llama, gpt2, bert):
+        assert tensor_parallel_refusal(model, profile) is None
+
+
+def test_the_search_drops_tensor_parallel_plans_of_a_refused_model_with_the_reason():
+    import autopar
+
+    model = _gpt_with(logit_scale=torch.tensor(2.0))
+    x = sample_of("gpt", batch(0)[:2])
+    ranked = autopar.candidates(model, sample=x, topology="2xH100-SXM", loss_fn=lm_loss, global_batch_size=4)
+    tp = [c for c in ranked if c.plan.tp > 1]
+    assert tp and all(not c.feasible and c.drop.kind is DropKind.UNRUNNABLE and "0-d parameter" in c.reason
+                      for c in tp)
+    assert any(c.feasible for c in ranked)  # data parallelism remains
+    plain = autopar.candidates(make_model("gpt"), sample=x, topology="2xH100-SXM", loss_fn=lm_loss,
+                               global_batch_size=4)
+    assert any(c.plan.tp > 1 and c.feasible for c in plain)
