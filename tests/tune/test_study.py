@@ -542,10 +542,12 @@ def test_real_study_of_six_trials_survives_a_killed_tuner_and_caches_the_best(tm
             assert tuner.poll() is None, tuner.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the first two trials did not complete"
             time.sleep(0.5)
-        while not [t for t in _trials(study_path) if t.state == TrialState.RUNNING]:  # the 3rd trial starts
+        # the 3rd trial starts and its launcher runs: the tuner is killed at once (a fixed wait let a fast trial
+        # finish first, and the tuner record it, under load)
+        while not ([t for t in _trials(study_path) if t.state == TrialState.RUNNING] and _descendants(tuner.pid)):
+            assert tuner.poll() is None, "the study ended first: " + tuner.stdout.read().decode()[-3000:]
             assert time.monotonic() < deadline, "the third trial did not start"
-            time.sleep(0.2)
-        time.sleep(1.0)  # its launcher is running
+            time.sleep(0.05)
         doomed = _descendants(tuner.pid)
         tuner.kill()  # SIGKILL: no clean-up in the tuner
         tuner.wait()
