@@ -21,6 +21,7 @@ from autopar.cost.memory import predict_memory
 from autopar.exact import exact_memory
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import profile_model
+from tests._convnets import ConvBlock
 
 P = autopar.Plan
 HIDDEN, SEQ, RANK = 256, 128, 8
@@ -70,16 +71,6 @@ class LoraModel(nn.Module):
 
 def _lora_loss(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
-
-
-class ConvBlock(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.relu(self.bn(self.conv(x)))
 
 
 class BatchNormCNN(nn.Module):

@@ -8,12 +8,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import ModelProfile, extrapolate_profile
-from autopar.profile.watch import StepWatcher
-from tests.cost._op_records import profiled, records
+from tests.cost._op_records import profiled, records, watched
 
 COMPUTE = ("gemm", "conv", "attention", "grouped_gemm")
 CFG = GPTConfig(vocab_size=256, seq_len=32, num_layers=3, hidden_dim=32, num_heads=2)
@@ -72,27 +70,11 @@ def test_attention_records_its_lengths_head_dims_and_causality(gpt):
     assert bwd.flops == pytest.approx(fwd.flops * 2.5)
 
 
-def _watch(fn, *tensors, params=()):
-    """Run `fn` on fake tensors under a StepWatcher (one block: none), forward and backward; its op groups."""
-    with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(t).requires_grad_(t.requires_grad) for t in tensors]
-        weights = [mode.from_tensor(p).requires_grad_(True) for p in params]
-    from autopar.profile.watch import storage_key
-    watcher = StepWatcher({storage_key(w) for w in weights}, {tuple(w.shape) for w in weights if w.dim() >= 2}, 0,
-                          lambda: None)
-    with mode, watcher:
-        out = fn(*fakes, *weights)
-        watcher.forward = False
-        if out.requires_grad:
-            out.float().sum().backward()
-    return [r for g in watcher.op_groups() for r in g.ops]
-
-
 def test_cross_attention_and_grouped_query_attention():
     q = torch.randn(2, 4, 8, 16)
     k = torch.randn(2, 4, 24, 16)
     v = torch.randn(2, 4, 24, 16)
-    ops = _watch(lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[0],
+    ops = watched(lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[0],
                  q, k, v)
     (att,) = [r for r in ops if r.kind == "attention"]
     assert att.shape == (2, 4, 4, 8, 24, 16, 16, 0, 0, 0)
@@ -105,7 +87,7 @@ def test_convolution_as_implicit_gemms_forward_and_its_two_backward_gemms():
     x = torch.randn(2, 8, 10, 10, requires_grad=True)
     w = torch.randn(16, 8, 3, 3)
     dw = torch.randn(16, 1, 3, 3)
-    ops = _watch(lambda x, w, dw: F.conv2d(F.conv2d(x, w, padding=1), dw, padding=1, groups=16), x, params=(w, dw))
+    ops = watched(lambda x, w, dw: F.conv2d(F.conv2d(x, w, padding=1), dw, padding=1, groups=16), x, params=(w, dw))
     convs = {(r.backward, r.shape, r.batch_dim) for r in ops if r.kind == "conv"}
     assert (False, (200, 16, 72, 1, 0, 8), 0) in convs  # the last: the input channels a group
     assert (True, (200, 8, 144, 1, 0, 8), 0) in convs
@@ -118,7 +100,7 @@ def test_convolution_as_implicit_gemms_forward_and_its_two_backward_gemms():
 def test_channels_last_convolution_is_marked():
     x = torch.randn(2, 8, 10, 10).to(memory_format=torch.channels_last)
     w = torch.randn(16, 8, 3, 3).to(memory_format=torch.channels_last)
-    ops = _watch(lambda x, w: F.conv2d(x, w), x, params=(w,))
+    ops = watched(lambda x, w: F.conv2d(x, w), x, params=(w,))
     assert [r.shape[4] for r in ops if r.kind == "conv" and not r.backward] == [1]
 
 
@@ -127,7 +109,7 @@ def test_grouped_mm_records_its_mean_group():
     a = torch.randn(64, 32, dtype=torch.bfloat16)
     w = torch.randn(4, 32, 48, dtype=torch.bfloat16)
     offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
-    ops = _watch(lambda a, offs, w: torch._grouped_mm(a, w, offs=offs), a, offs, params=(w,))
+    ops = watched(lambda a, offs, w: torch._grouped_mm(a, w, offs=offs), a, offs, params=(w,))
     (g,) = [r for r in ops if r.kind == "grouped_gemm" and not r.backward]
     assert g.shape == (4, 16, 48, 32) and g.flops == 2 * 64 * 48 * 32 and g.batch_dim == 1
     # the weight gradient: per group (32 x 16) x (16 x 48), growing in its depth (the tokens)
@@ -145,7 +127,7 @@ def test_fusion_leaves_a_chain_of_elementwise_ops_its_inputs_and_what_is_read_af
         z = ((y * 2 + 1).relu() - 3)
         return z @ w
 
-    ops = _watch(lambda x, w: chain(x, w).detach(), x, params=(w,))
+    ops = watched(lambda x, w: chain(x, w).detach(), x, params=(w,))
     eager = sum(r.bytes for r in ops if r.kind in ("elementwise",))
     (fused,) = [r for r in ops if r.kind == "fused"]
     tensor = 64 * 64 * 4

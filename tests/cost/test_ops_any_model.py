@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autopar
 from autopar.cost import Calibration
 from autopar.cost.ops import OpsTime, Rates, TPSplit, _record_time, op_seconds
 from autopar.cost.time import HostCosts, _queued_s
 from autopar.profile.model_profile import OpRecord
-from autopar.profile.watch import StepWatcher, storage_key
+from tests.cost._op_records import watched
 
 H200 = autopar.Topology.from_spec("1xH200")
 CAL = Calibration()
@@ -101,27 +100,13 @@ def test_the_host_launching_a_launch_bound_group_first_in_backward_leaves_the_gp
     assert _queued_s((even, even), HostCosts(launch, launch), 1.0) == pytest.approx(6.0, rel=1e-9)
 
 
-def _watched(fn, *tensors, params=()):
-    """`fn` on fake tensors under a StepWatcher (no blocks), forward and backward; its records."""
-    with FakeTensorMode() as mode:
-        fakes = [mode.from_tensor(t).requires_grad_(t.requires_grad) for t in tensors]
-        weights = [mode.from_tensor(p).requires_grad_(True) for p in params]
-    watcher = StepWatcher({storage_key(w) for w in weights}, {tuple(w.shape) for w in weights if w.dim() >= 2}, 0,
-                          lambda: None)
-    with mode, watcher:
-        out = fn(*fakes, *weights)
-        watcher.forward = False
-        out.float().sum().backward()
-    return [r for g in watcher.op_groups() for r in g.ops]
-
-
 def test_views_and_weight_casts_are_counted_and_cost_eager_host_time_only():
     """x (8, 16) viewed, transposed and reshaped, times a bf16 round trip of a weight: the views are "view"
     records (no bytes), the casts "weight_cast" records with their bytes; eager they add host time at view_host_s
     each (and the cast's bytes), compiled nothing."""
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16)
-    ops = _watched(lambda x, w: (x.view(4, 32).reshape(8, 16).t().t() @ w.to(torch.bfloat16).float()), x,
+    ops = watched(lambda x, w: (x.view(4, 32).reshape(8, 16).t().t() @ w.to(torch.bfloat16).float()), x,
                    params=(w,))
     views = [r for r in ops if r.kind == "view"]
     casts = [r for r in ops if r.kind == "weight_cast"]

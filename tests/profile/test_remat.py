@@ -17,16 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autopar.profile import profile_model
 from autopar.profile.blocks import find_blocks
 from autopar.profile.trace import StepTrace
-
-
-class _Block(nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(channels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.relu(self.bn(self.conv(x)))
+from tests._convnets import ConvBlock
 
 
 class _Net(nn.Module):
@@ -35,7 +26,7 @@ class _Net(nn.Module):
     def __init__(self, channels: int = 8, layers: int = 3) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, channels, 3, padding=1)
-        self.blocks = nn.ModuleList(_Block(channels) for _ in range(layers))
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(layers))
         self.drop = nn.Dropout(0.1)
         self.head = nn.Linear(channels, 4)
 
