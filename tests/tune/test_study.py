@@ -15,7 +15,6 @@ import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from autopar.tune.space import Space
 from autopar.tune.study import STALE_CAUSE, Progress, autotune, measure_in_process, tune
 from autopar.tune.report import STUDY_SPACE, load_report, report_from_study
 from autopar.tune import TrialResult
+from tests._ports import torchrun_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=4, hidden_dim=64, num_heads=4)
@@ -481,15 +481,8 @@ ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "O
        "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(script: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), str(script)]
+    return [*torchrun_argv(2), str(script)]
 
 
 def _children() -> dict[int, list[int]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from autopar.tune.launcher import probe, run_trial
 from autopar.tune.worker import ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP
 from tests.tune import _faults
 from tests.tune._faults import ENV_FAULT
+from tests._ports import torchrun_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
@@ -76,15 +76,8 @@ def script(tmp_path_factory) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(script: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(_free_port()), str(script), str(out)]
+    return [*torchrun_argv(2), str(script), str(out)]
 
 
 ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1",
