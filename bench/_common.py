@@ -11,6 +11,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
+# The plan options a result record names (bench/validate_h200.py, tune_h200.py records).
+PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")
+
 MODELS = {
     # name: (global batch, sequence length)
     "gpt2-355m": (16, 1024),
@@ -41,3 +44,20 @@ def token_batch(name: str, batch: int, device: str = "meta") -> dict:
     """`batch` sequences of the model's length, all token 0, as inputs and labels."""
     ids = torch.zeros(batch, MODELS[name][1], dtype=torch.long, device=device)
     return {"input_ids": ids, "labels": ids}
+
+
+def plan_from_short(short: str) -> dict:
+    """The plan options of a tuner row's short description ("1gpu mb16 acc2 bf16 compile", "ac:selective")."""
+    kw: dict = {"precision": "bf16"}
+    for tok in short.split()[1:]:
+        if tok.startswith("mb"):
+            kw["micro_batch_size"] = int(tok[2:])
+        elif tok.startswith("acc"):
+            kw["grad_accum"] = int(tok[3:])
+        elif tok.startswith("ac:"):
+            kw["checkpointing"] = tok[3:]
+        elif tok == "compile":
+            kw["compile"] = True
+        elif tok in ("bf16", "fp32"):
+            kw["precision"] = tok
+    return kw

@@ -25,27 +25,9 @@ import torch
 import autopar
 from autopar.cost import predict_profile
 from autopar.planning import calibration_for, profile_variants
-from bench._common import build, token_batch
+from bench._common import PLAN_KEYS, build, plan_from_short, token_batch
 
 GiB = 2**30
-PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")
-
-
-def plan_from_short(short: str) -> dict:
-    """The plan options of a tuner row's short description ("1gpu mb16 acc2 bf16 compile", "ac:selective")."""
-    kw: dict = {"precision": "bf16"}
-    for tok in short.split()[1:]:
-        if tok.startswith("mb"):
-            kw["micro_batch_size"] = int(tok[2:])
-        elif tok.startswith("acc"):
-            kw["grad_accum"] = int(tok[3:])
-        elif tok.startswith("ac:"):
-            kw["checkpointing"] = tok[3:]
-        elif tok == "compile":
-            kw["compile"] = True
-        elif tok in ("bf16", "fp32"):
-            kw["precision"] = tok
-    return kw
 
 
 def main() -> int:

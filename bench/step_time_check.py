@@ -31,9 +31,8 @@ from autopar.cost import predict_profile
 from autopar.planning import calibration_for, profile_variants
 from autopar.profile import find_blocks
 from autopar.profile.trace import StepTrace
-from bench._common import RESULTS, build, token_batch
+from bench._common import PLAN_KEYS, RESULTS, build, plan_from_short, token_batch
 
-PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")
 
 
 def with_op_records(profile: autopar.ModelProfile, model: torch.nn.Module, sample: Any, *, loss_fn: Any = None
@@ -52,23 +51,6 @@ def traced(model: torch.nn.Module, sample: Any, topology: autopar.Topology, *, l
     profile, variants = profile_variants(model, sample, topology, loss_fn=loss_fn, warn=False)
     profile = with_op_records(profile, model, sample, loss_fn=loss_fn)
     return profile, {k: with_op_records(v, model, sample, loss_fn=loss_fn) for k, v in variants.items()}
-
-
-def plan_from_short(short: str) -> dict:
-    """The plan options of a tuner row's short description ("1gpu mb16 acc2 bf16 compile", "ac:selective")."""
-    kw: dict = {"precision": "bf16"}
-    for tok in short.split()[1:]:
-        if tok.startswith("mb"):
-            kw["micro_batch_size"] = int(tok[2:])
-        elif tok.startswith("acc"):
-            kw["grad_accum"] = int(tok[3:])
-        elif tok.startswith("ac:"):
-            kw["checkpointing"] = tok[3:]
-        elif tok == "compile":
-            kw["compile"] = True
-        elif tok in ("bf16", "fp32"):
-            kw["precision"] = tok
-    return kw
 
 
 def measured_runs(validate: str, grid: str | None) -> list[tuple[str, dict, float, str]]:

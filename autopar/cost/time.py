@@ -111,20 +111,19 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
     rates = Rates.of(topology.device, plan, cal, trace_precision=prof.profile_precision)
     scale = plan.micro_batch_size / prof.sample_batch_size
     inside, outside = _tp_splits(profile, plan.tp)
-    groups = [prof.ops_of("blocks", i) for i in blocks]
-    counts = collections.Counter(id(g) for g in groups if g is not None)
+    groups = [g for g in (prof.ops_of("blocks", i) for i in blocks) if g is not None]
+    timed = {id(g): group_time(g, scale, inside, rates, traffic_scale) for g in groups}  # equal blocks: one group
     work = OpsTime()
-    for group in {id(g): g for g in groups if g is not None}.values():
-        work = work + group_time(group, scale, inside, rates, traffic_scale).times(counts[id(group)])
-    rest, ends = OpsTime(), {}
-    for where, held in (("before", first), ("after", last)):
-        group = prof.ops_of(where) if held else None
-        if group is not None:
-            ends[where] = group_time(group, scale, outside, rates, traffic_scale)
-            rest = rest + ends[where]
-    order = [ends["before"]] if "before" in ends else []
-    order += [group_time(g, scale, inside, rates, traffic_scale) for g in groups if g is not None]
-    order += [ends["after"]] if "after" in ends else []
+    for key, count in collections.Counter(id(g) for g in groups).items():
+        work = work + timed[key].times(count)
+    ends = {where: group_time(group, scale, outside, rates, traffic_scale)
+            for where, held in (("before", first), ("after", last))
+            if held and (group := prof.ops_of(where)) is not None}
+    rest = OpsTime()
+    for t in ends.values():
+        rest = rest + t
+    order = ([ends["before"]] if "before" in ends else []) + [timed[id(g)] for g in groups] \
+        + ([ends["after"]] if "after" in ends else [])
     return _StageWork(blocks=work, outside=rest, order=tuple(order))
 
 

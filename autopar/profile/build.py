@@ -110,7 +110,7 @@ def profile_model(
         modules_before_blocks=t.before,
         modules_after_blocks=t.after,
         notes=tuple(notes),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in {id(b): b for b in model.buffers()}.values()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),  # each shared buffer once
         compiled_saved_bytes_outside_blocks=compiled.outside_bytes if compiled is not None else None,
         **shape_facts(model, units if repeated else []),
     )
@@ -122,20 +122,22 @@ def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callab
     An fp32 step that cannot be traced is tried with bf16 weights, then under bf16 autocast; a data-dependent
     step (one that reads tensor values) is not retried: no precision changes that."""
     try:
-        return _traced(model, sample, units, loss_fn, precision, None)
+        t, compiled = _traced(model, sample, units, loss_fn, precision)
+        return t, precision, None, compiled
     except TraceError as exc:
         if precision != "fp32" or isinstance(exc.__cause__, _DATA_DEPENDENT):
             raise
         for fallback in ("bf16-pure", "bf16"):
             try:
-                return _traced(model, sample, units, loss_fn, fallback, _fp32_untraceable_note(exc, fallback))
+                t, compiled = _traced(model, sample, units, loss_fn, fallback)
             except TraceError:
                 continue
+            return t, fallback, _fp32_untraceable_note(exc, fallback), compiled
         raise
 
 
-def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str,
-            note: str | None) -> tuple[Trace, str, str | None, CompiledSaved | None]:
+def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str
+            ) -> tuple[Trace, CompiledSaved | None]:
     """One traced step in `precision`, with the probe that partitions its autograd graph as torch.compile
     would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`)."""
     probe = CompiledSavedProbe(loss_fn, len(units))
@@ -143,7 +145,7 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     with probe.hooked(units):
         t = step.run()
-    return t, precision, note, probe.result()
+    return t, probe.result()
 
 
 def _fp32_untraceable_note(exc: TraceError, traced: str) -> str:
@@ -177,7 +179,7 @@ class _Params:
     tied: tuple[tuple[str, ...], ...]  # groups of names that share one Parameter
     per_block: tuple[tuple[int, int], ...]  # (parameters, bytes) per unit, tied ones counted where first seen
     matmul_per_block: tuple[int, ...]  # parameters of each unit's Linear-like layers
-    trainable_per_block: tuple[int, ...] = ()  # of per_block's parameters, those that require grad
+    trainable_per_block: tuple[int, ...]  # of per_block's parameters, those that require grad
 
     @classmethod
     def of(cls, model: nn.Module, units: Units) -> "_Params":
@@ -189,6 +191,7 @@ class _Params:
         matmul_weights = {id(p) for m in model.modules() if not isinstance(m, nn.Embedding)
                           for p in m.parameters(recurse=False)}
         dtypes = collections.Counter(str(p.dtype).replace("torch.", "") for p in unique.values())
+        per_block = _params_per_block(units)
         return cls(
             num_params=sum(p.numel() for p in unique.values()),
             num_trainable=sum(p.numel() for p in unique.values() if p.requires_grad),
@@ -196,29 +199,28 @@ class _Params:
             dtype=dtypes.most_common(1)[0][0],
             num_lookup=sum(unique[i].numel() for i in embedding_weights - matmul_weights if i in unique),
             tied=tuple(tuple(names) for names in by_id.values() if len(names) > 1),
-            per_block=_params_per_block(units),
-            trainable_per_block=tuple(c for c, _ in _params_per_block(units, trainable_only=True)),
+            per_block=tuple((count, nbytes) for count, nbytes, _ in per_block),
+            trainable_per_block=tuple(trainable for _, _, trainable in per_block),
             matmul_per_block=tuple(sum(p.numel() for m in module.modules() if is_matmul_layer(m)
                                        for p in m.parameters(recurse=False)) for _, module in units),
         )
 
 
-def _params_per_block(units: Units, *, trainable_only: bool = False) -> tuple[tuple[int, int], ...]:
-    """(parameters, bytes) of each unit; a parameter shared by two units counts in the first (it is seen there
-    first whether or not it counts: `trainable_only` counts those that require grad)."""
+def _params_per_block(units: Units) -> list[tuple[int, int, int]]:
+    """(parameters, bytes, parameters that require grad) of each unit; a parameter shared by two units counts
+    in the first."""
     seen: set[int] = set()
     out = []
     for _, module in units:
-        count = nbytes = 0
+        count = nbytes = trainable = 0
         for p in module.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                if trainable_only and not p.requires_grad:
-                    continue
                 count += p.numel()
                 nbytes += p.numel() * p.element_size()
-        out.append((count, nbytes))
-    return tuple(out)
+                trainable += p.numel() if p.requires_grad else 0
+        out.append((count, nbytes, trainable))
+    return out
 
 
 def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledSaved | None
@@ -232,7 +234,7 @@ def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledS
                      forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved_bytes[i],
                      matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
                      selective_saved_bytes=t.selective_bytes[i],
-                     num_trainable_params=params.trainable_per_block[i] if params.trainable_per_block else None,
+                     num_trainable_params=params.trainable_per_block[i],
                      compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None)
         for i, (name, _) in enumerate(units)
     )

@@ -44,9 +44,6 @@ class InputShadows(TorchDispatchMode):
             with _disable_current_modes():  # a real copy, whatever modes are active
                 self._shadow[fake] = real.detach().to("cpu", dtype=fake.dtype, copy=True)
 
-    def shadow_of(self, t: torch.Tensor) -> torch.Tensor | None:
-        return self._shadow.get(t)
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         leaves, spec = tree_flatten((args, kwargs))

@@ -47,6 +47,11 @@ _COPY = frozenset((
     "repeat_interleave", "_unsafe_index", "_unsafe_index_put", "flip", "roll", "slice_scatter", "select_scatter",
     "masked_scatter", "new_zeros", "new_empty", "zeros", "zeros_like", "empty_like", "full", "fill", "fill_"))
 _REDUCING = ("norm", "softmax", "reduction")  # memory-bound kinds that end a fused kernel's loop
+# The ops recorded as compute (_ComputeOp), not memory-bound.
+_COMPUTE = frozenset((*_GEMMS, *_GROUPED, _GROUPED_BACKWARD, "convolution", "convolution_backward", *_ATTENTION,
+                      *_ATTENTION_BACKWARD))
+# transformers' masking under torch.compile (_compile_adds_mask) changed with torch 2.14.
+_TORCH_BEFORE_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) < (2, 14)
 
 
 def storage_key(t: torch.Tensor) -> Any:
@@ -60,6 +65,12 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _dtype_of(tensors: list[torch.Tensor]) -> str:
+    """The dtype of an op's first floating input ("bfloat16"), or "" where it has none."""
+    floating = next((t for t in tensors if t.is_floating_point()), None)
+    return str(floating.dtype).replace("torch.", "") if floating is not None else ""
 
 
 def _prod(xs: Any) -> int:
@@ -211,7 +222,7 @@ def _compile_adds_mask() -> bool:
     """Whether torch.compile would hand this attention call a mask that the eager call skips: a Hugging Face
     model (transformers' masking_utils) under torch older than 2.14 builds its causal mask when dynamo traces
     it, so SDPA gets an explicit mask, not is_causal (transformers 5.x, `_ignore_causal_mask_sdpa`)."""
-    if tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) >= (2, 14):
+    if not _TORCH_BEFORE_2_14:
         return False
     frame = sys._getframe(1)
     for _ in range(40):
@@ -366,8 +377,7 @@ class StepWatcher(TorchDispatchMode):
         if func.namespace == "prim" or name in ("detach", "alias"):
             return
         backward = not self.forward
-        floating = [t for t in tensors_in if t.is_floating_point()]
-        dtype = str(floating[0].dtype).replace("torch.", "") if floating else ""
+        dtype = _dtype_of(tensors_in)
         made = [t for t in tensors_out if storage_key(t) not in inputs]
         if from_weights and made:
             nbytes = sum(_nbytes(t) for t in tensors_in) + sum(_nbytes(t) for t in made)
@@ -458,11 +468,9 @@ class StepWatcher(TorchDispatchMode):
         """The op as OpRecord fields of its scope, and its part in the FusionModel."""
         tensors_in, keys_in = inputs
         name = func.overloadpacket.__name__
-        floating = [t for t in tensors_in if t.is_floating_point()]
-        dtype = str(floating[0].dtype).replace("torch.", "") if floating else ""
+        dtype = _dtype_of(tensors_in)
         moved = allocated + sum(_nbytes(t) for t in tensors_in)
-        if name in _GEMMS or name in _GROUPED or name in ("convolution", "convolution_backward", _GROUPED_BACKWARD) \
-                or name in _ATTENTION or name in _ATTENTION_BACKWARD:
+        if name in _COMPUTE:
             records = _ComputeOp(self._is_weight, self._weight_shaped, not self.forward).of(
                 name, func, args, kwargs, out)
             for i, (kind, shape, flops, grow, dims) in enumerate(records):
