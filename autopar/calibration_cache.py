@@ -25,7 +25,9 @@ from .errors import CacheError
 #: The cost model's terms that a cached calibration's factors belong to; files of another version are ignored.
 #: 2: the H200 kernel-profile defaults of 2026-11-29 (reserve following the largest tensor, misaligned GEMMs).
 #: 3: the per-op time model of 2026-12-01 (op records from the trace; attention relative to GEMMs; fused bytes).
-CALIBRATION_VERSION = 3
+#: 4: compile's kernels as inductor launches them (reductions, casts, buffer updates: 34.5 us each), the loss priced
+#: eagerly, misaligned GEMMs by load width, SDPA's math path (2026-12-01, session 3).
+CALIBRATION_VERSION = 4
 #: Larger calibration files are refused unread (one is about 2 KiB).
 MAX_FILE_BYTES = 1 << 20
 

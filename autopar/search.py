@@ -13,7 +13,9 @@ Pruned as dominated, never predicted for time:
   communication, more activation memory): not enumerated. Eager plans are not pruned: every compiled
   plan has its eager twin, ranked beside it by the prediction, so compile is chosen only where the cost
   model predicts it pays (on a tie, eager ranks first: nothing to compile, nothing to fail). `eager=False`
-  keeps compiled plans only (the tuner's `--compiled-only`).
+  keeps compiled plans only (the tuner's `--compiled-only`). A model whose forward reads tensor values
+  (`ModelProfile.value_reads`: torch.compile's graph breaks there, which the cost model cannot price) gets
+  no compiled plans, unless `eager=False` or `measured=True` (the tuner, which runs its candidates).
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
   (none < selective < full) and `reshard_after_forward` (False < True), one is dropped when another
   with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
@@ -170,11 +172,13 @@ def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_si
 
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
                     allow_train_step: bool = False, offload: bool = False, compile_available: bool = True,
-                    eager: bool = True) -> Iterator[Plan]:
+                    eager: bool = True, measured: bool = False) -> Iterator[Plan]:
     """Every plan the search considers (see the module docstring). Plans that need autopar.train_step and
     autopar.dataloader (accumulation, pipelines, tensor parallelism) only with `allow_train_step`; CPU
     offload only with `offload`; eager plans beside compiled ones (where compile is available) unless
-    `eager=False` (compiled ones only: compile is not always faster, on a GPU or in the cost model).
+    `eager=False` (compiled ones only: compile is not always faster, on a GPU or in the cost model). A model
+    whose forward reads tensor values (`profile.value_reads`: torch.compile's graph breaks there, which the cost
+    model cannot price) gets no compiled plans, unless `eager=False` or `measured` (the tuner, which runs them).
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
@@ -188,6 +192,13 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # (bench/results/zoo_h200_2026-12-01.jsonl), so the prediction decides between the two.
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
     compiles = ([False, True] if eager else [True]) if topology.is_gpu and compile_available else [False]
+    if eager and not measured and profile.value_reads:
+        # A forward that reads tensor values (`.item()`, `if tensor:`, ops shaped by values) breaks
+        # torch.compile's graph there, and how often the pieces run (per layer, per step) is not in the trace:
+        # the compiled step cannot be predicted, so it is not chosen blindly (compiled wav2vec2 ran 0.81-0.86x
+        # its eager speed on an H200: bench/results/zoo_h200_profile_2026-12-01c.jsonl). `eager=False` and the
+        # tuner (`measured`: it runs them) still get them.
+        compiles = [False]
     blocks = len(profile.blocks)
     fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}
     for tp in tps:
@@ -231,7 +242,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
            variants: Mapping[str, ModelProfile] | None = None, calibration: Calibration | None = None,
            allow_train_step: bool = False, headroom: float = 0.95, eager: bool = True,
-           tp_refusal: str | None = None) -> list[Candidate]:
+           tp_refusal: str | None = None, measured: bool = False) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
     Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, and
@@ -259,7 +270,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
         groups: dict[tuple, list[Plan]] = {}
         for plan in enumerate_plans(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
                                     allow_train_step=allow_train_step, offload=offload,
-                                    compile_available=compile_available, eager=eager):
+                                    compile_available=compile_available, eager=eager, measured=measured):
             groups.setdefault(_group_key(plan), []).append(plan)
         memories: dict[int, MemoryPrediction] = {}  # id(plan that fits) -> its memory, computed once
         for plans in groups.values():

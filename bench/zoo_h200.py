@@ -5,6 +5,8 @@ For each family of bench/zoo.py at its realistic size and batch, the model built
   hand_compile  the same, the model under torch.compile (skipped on a CPU, with the reason recorded)
   wrap          autopar.wrap(model, sample=..., loss_fn=...) (its own choice), then the user's plain loop with
                 AdamW (fused where the plan allows)
+  plan_eager    autopar.wrap with the plan given: one GPU, bf16, micro-batch = the batch, eager
+  plan_compile  the same, compiled (the two plans wrap chooses between on one GPU)
 each timed over `--steps` steps after `--warmup` (the median of per-step CUDA-event times), with the steady
 state's torch.cuda.max_memory_allocated / max_memory_reserved and the CUDA context (device memory in use
 that the caching allocator does not hold, torch.cuda.mem_get_info). A wrap record holds its plan and the
@@ -47,7 +49,8 @@ from autopar.planning import calibration_for, profile_variants, short_name
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import read_records, report
 
-MODES = ("hand", "hand_compile", "wrap")
+MODES = ("hand", "hand_compile", "wrap", "plan_eager", "plan_compile")
+PLAN_MODES = {"plan_eager": False, "plan_compile": True}  # mode: compiled
 STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
 GiB = 2**30
 
@@ -65,6 +68,7 @@ class Options:
     compile_on_cpu: bool
     out: Path
     command: str
+    profile_steps: int = 0  # > 0: torch.profiler over this many more steps, GPU kernel time by kind (kernels_of)
 
 
 # ---- what a record says about where it was made -------------------------------------------------------
@@ -184,6 +188,80 @@ def time_steps(step: Step, opts: Options) -> dict[str, Any]:
     return out
 
 
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("gemm", ("triton_tem_",)),  # inductor's GEMM templates (max-autotune)
+    ("fused", ("triton_",)),  # inductor's generated kernels, whatever ops their names list
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("memcpy", ("memcpy", "memset")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("conv", ("fprop", "dgrad", "wgrad", "conv", "implicit", "nchwtonhwc", "nhwctonchw")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul", "splitk", "gemv")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's kind by its name; "memory_bound" for the rest (eager elementwise, reductions, norms)."""
+    n = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "memory_bound")
+
+
+def _busy_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds of the union of (start, end) intervals in microseconds: the time some kernel ran."""
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    return busy / 1e6
+
+
+def kernels_of(step: Step, num_steps: int) -> dict[str, Any]:
+    """Where `num_steps` more steps' GPU time goes (torch.profiler, CUDA activity only), per step: seconds and
+    kernels by kind (kernel_kind), the seconds some kernel ran (busy_s: the step's wall time less this is the
+    GPU waiting for the host), and the 12 longest kernels (name, seconds, count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+    out = _kernel_summary(prof, num_steps)
+    with profile(activities=[ProfilerActivity.CPU]) as cpu:  # apart: the CPU's events slow the step they watch
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+    top = sorted(cpu.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
+    out["cpu_top"] = [(e.key[:80], round(e.self_cpu_time_total / 1e6 / num_steps, 6), e.count // num_steps)
+                      for e in top]
+    return out
+
+
+def _kernel_summary(prof: Any, num_steps: int) -> dict[str, Any]:
+    """kernels_of's figures from a CUDA-activity profile of `num_steps` steps."""
+    seconds: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    top: dict[str, list[float]] = {}
+    intervals = []
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        kind = kernel_kind(e.name)
+        us = e.time_range.end - e.time_range.start
+        seconds[kind] = seconds.get(kind, 0.0) + us / 1e6 / num_steps
+        counts[kind] = counts.get(kind, 0) + 1
+        entry = top.setdefault(e.name[:100], [0.0, 0])
+        entry[0] += us / 1e6 / num_steps
+        entry[1] += 1
+        intervals.append((e.time_range.start, e.time_range.end))
+    longest = sorted(top.items(), key=lambda kv: -kv[1][0])[:12]
+    return {"kernel_s": {k: round(v, 6) for k, v in seconds.items()},
+            "kernel_count": {k: v // num_steps for k, v in counts.items()},
+            "busy_s": round(_busy_s(intervals) / num_steps, 6),
+            "top_kernels": [(name, round(t, 6), int(c) // num_steps) for name, (t, c) in longest]}
+
+
 def memory(opts: Options) -> dict[str, Any]:
     """The steady state's peaks and the CUDA context now (device memory in use beyond what torch reserves)."""
     if opts.device != "cuda":
@@ -291,11 +369,16 @@ class Measurement:
             model = build_on_device(self.family, self.opts)
             rec["parameters"] = sum(p.numel() for p in model.parameters())
             graphs_before = compile_counts()
-            step = self._wrap(model, sample, rec) if mode == "wrap" else self._hand(model, sample, rec, mode)
+            if mode in ("wrap", *PLAN_MODES):
+                step = self._wrap(model, sample, rec, mode)
+            else:
+                step = self._hand(model, sample, rec, mode)
             rec.update(time_steps(step, self.opts))
             rec.update({k: v - graphs_before[k] for k, v in compile_counts().items()})
             rec.update(memory(self.opts))
             throughput(rec, batch, tokens_per_sample(sample))
+            if self.opts.profile_steps > 0 and self.opts.device == "cuda":
+                rec["kernels"] = kernels_of(step, self.opts.profile_steps)
             rec["status"] = "ok"
         except torch.cuda.OutOfMemoryError as exc:
             rec.update(status="oom", error=first_line(exc), **memory(self.opts))
@@ -321,9 +404,11 @@ class Measurement:
         runnable = torch.compile(model) if compiled else model
         return Step(runnable, self.family, sample, opt, autocast_device=self.opts.device)
 
-    def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any]) -> Step:
+    def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
+        """wrap's own choice (mode "wrap"), or the plan a plan mode names."""
+        given = hand_plan(rec["batch"], compiled=PLAN_MODES[mode]) if mode in PLAN_MODES else None
         t0 = time.perf_counter()
-        autopar.wrap(model, sample=sample, loss_fn=self.family.loss_fn, verbose=False)
+        autopar.wrap(model, sample=sample, plan=given, loss_fn=self.family.loss_fn, verbose=False)
         rec["wrap_s"] = round(time.perf_counter() - t0, 3)
         plan = autopar.plan_of(model)
         rec.update(plan=plan.strategy(), plan_short=short_name(plan), plan_text=plan.describe())
@@ -512,6 +597,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--redo", default="cut,unavailable", help="statuses measured again when resuming")
     ap.add_argument("--no-hand-predictions", action="store_true", help="no meta trace for the hand plans' predictions")
     ap.add_argument("--compile-on-cpu", action="store_true", help="measure hand_compile on a CPU too")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many more steps: GPU kernel time by kind in the record")
     ap.add_argument("--report", nargs="+", default=None, help="print the must-show table of these files and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one family, in this process
     ap.add_argument("--child-options", default=None, help=argparse.SUPPRESS)  # the parent's Options, as JSON
@@ -531,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m bench.zoo_h200", *(sys.argv[1:] if argv is None else argv)])
     opts = Options(device=args.device, size=args.size, batch=args.batch, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, hand_predictions=not args.no_hand_predictions, compile_on_cpu=args.compile_on_cpu,
-                   out=out, command=command)
+                   out=out, command=command, profile_steps=args.profile_steps)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode {', '.join(bad)}; the modes are {', '.join(MODES)}")

@@ -115,6 +115,15 @@ class Calibration:
     # channels-last/NCHW; model within -43% to +46% of each)
     grouped_gemm_efficiency: float = 0.8  # torch._grouped_mm's rate / a dense GEMM's of its mean group's shape;
     # ratio; assumed (CUTLASS grouped GEMMs on Hopper); bench/microbench_ops.py --fit measures it
+    math_attention_fp32_efficiency: float = 0.53  # the fp32 batched GEMMs of SDPA's math path (torch.compile of a
+    # Hugging Face encoder, _unfused_attention_s) / the fp32 datasheet peak, at full 128-row tiles; ratio; H200
+    # kernel profile (bench/results/zoo_h200_profile_2026-12-01c.jsonl): compiled BERT's 24 SIMT bmm's, 309 GFLOP
+    # in 8.70 ms (ViT's, 197 rows: 23.6 TFLOP/s, the model 27 with its tiles' fill)
+    math_attention_bytes_forward: float = 18.0  # HBM bytes a score element of SDPA's math path moves forward: the
+    # fp32 scores written and read (8), the mask read (1), fp32 probabilities written and read (8), the dropout
+    # mask (1); bytes; counted, and within 5% of the kernel profiles' totals (BERT 45, ViT 48 bytes both ways)
+    math_attention_bytes_backward: float = 28.0  # the same backward: fp32 dP written and read, P read, dS written
+    # and read twice (once by each GEMM), P's bf16 copy; bytes; counted as above
     misaligned_gemm_factor: float = 0.16  # eager bf16 GEMM with a dimension not a multiple of 8 / aligned; ratio;
     # H200 kernel profile (GPT-2's head, vocabulary 50257: cuBLAS's sm75 align1 kernels, 124 vs 770 TFLOP/s)
     microbatch_overhead_s: float = 5e-4  # fixed cost per micro-batch (graph launches, hooks, loss); seconds
@@ -125,7 +134,7 @@ class Calibration:
     # elementwise, reduction and copy kernels)
     eager_traffic_factor: float = 1.0  # eager kernels move the traced bytes; ratio
     fused_memory_efficiency: float = 0.84  # achieved / datasheet HBM bandwidth of inductor's fused kernels over the
-    # bytes autopar.profile.watch.FusionModel leaves them; ratio; H200 kernel profile, compiled Llama-1B at
+    # bytes autopar.profile.fusion.FusionModel leaves them; ratio; H200 kernel profile, compiled Llama-1B at
     # 4 x 2048 tokens: 79.4 GB in 19.6 ms of memory-bound kernels
     compile_traffic_factor: float = 0.4  # without op records only (profiles from before them): compiled / eager
     # memory-bound time; ratio; anchor fit (0.4: the 7 compiled anchors within 12%)
@@ -143,10 +152,12 @@ class Calibration:
     view_host_s: float = 2.5e-6  # CPU time per forward op that launches no kernel: views, reshapes, transposes,
     # expands (the trace's "view" records) and autocast's weight casts ("weight_cast"); seconds; the joint fit above
     backward_view_host_s: float = 1.75e-6  # the same per backward view (0.7 x view_host_s); seconds; the joint fit
-    compiled_kernel_launch_s: float = 57e-6  # CPU time per kernel of a compiled step (compute ops and fused kernels,
-    # autopar.profile.watch.FusionModel: inductor's wrapper, autograd, guards); seconds; H200 host, measured:
-    # compiled Hugging Face GPT-2-355M and Llama-1B at one sample a micro-batch are CPU-bound at 56 and 57 us a
-    # kernel (34.3 ms for 609 kernels, 38.0 ms for 666; bench/results/tune_h200_2026-11-29.jsonl)
+    compiled_kernel_launch_s: float = 34.5e-6  # CPU time per kernel of a compiled step (compute ops, the fused
+    # kernels autopar.profile.fusion.FusionModel counts, a kernel per weight cast: inductor's Python wrapper, the
+    # launch, autograd, guards); seconds; H200 host, measured on CPU-bound compiled steps: Hugging Face ResNet-50 at
+    # batch 64 (26.5 ms, GPU busy 11.3 ms, 652 kernels counted: 40.6 us; bench/results/zoo_h200_profile_2026-12-01c
+    # .jsonl) and GPT-2-355M at one sample a micro-batch (35.0 ms a micro-batch, 1195 kernels: 29.3 us;
+    # tune_h200_2026-11-29.jsonl): their geometric mean, each within 18%
     compile_launch_factor: float = 0.55  # without op records only: CPU time per traced op compiled / eager; ratio;
     # the same runs compiled (18-23 us per traced op)
     comm_efficiency: float = 0.75  # NCCL bus bandwidth / NVLink bandwidth in a node; ratio; nccl-tests (H100/H200:

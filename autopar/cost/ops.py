@@ -9,7 +9,8 @@ and its bytes over the achieved bandwidth (a roofline: depthwise convolutions an
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from ..plans import Plan
 from ..profile.model_profile import OpGroup, OpRecord
@@ -28,13 +29,20 @@ class Rates:
     fp32_weights: bool  # a bf16-weights trace timed for bf16 autocast over fp32 weights (no FSDP mixed precision):
     # ops autocast leaves alone that read the weights (grouped GEMMs) run in fp32, not as traced
     compiled: bool
+    whole_graph: bool  # compiled as one graph with the model's own forward (one process, no pipeline): where a
+    # Hugging Face model builds the masks it skips eagerly (autopar.profile.hf_masks); per-block compile (FSDP,
+    # pipelines) builds them eagerly, outside the graphs, and skips them as the trace did
     peak: float  # datasheet dense FLOP/s of the plan's GEMMs (bf16 or fp32)
     conv_peak: float  # the same for convolutions (fp32: TF32, cuDNN's default)
     fp32_peak: float  # datasheet dense fp32 (SIMT) FLOP/s: GEMMs that run in fp32 under autocast
     gemm_eff: float  # best-GEMM fraction of peak, this architecture's
     gemm_half: float  # reduction depth at which a GEMM's rate halves; elements
     out_half: float  # output elements at which a GEMM's rate halves (the last wave's idle SMs)
-    misaligned: float  # rate of an eager GEMM with a leading dimension not a multiple of 8 / aligned
+    misaligned: float  # rate of an eager GEMM loading one element at a time (a leading dimension odd) / aligned:
+    # `_misaligned` scales it by the elements it loads at once
+    extern_misaligned: float  # the same for an extern GEMM inductor does not pad (SDPA's math path)
+    math_fp32_eff: float  # the math path's fp32 batched GEMMs / fp32 peak (Calibration.math_attention_fp32_efficiency)
+    math_bytes: tuple[float, float]  # bytes a score element of the math path moves, (forward, backward)
     fp32_eff: float
     conv_eff: float  # cuDNN's implicit GEMM rate / a dense GEMM's of the same shape (channels-last)
     conv_nchw: float  # contiguous (NCHW) / channels-last convolution rate (1 compiled)
@@ -59,12 +67,15 @@ class Rates:
         bf16 = plan.precision == "bf16"
         peak = device.peak_flops("bf16" if bf16 else "fp32")
         conv_peak = peak if bf16 or not device.supports("tf32") else device.peak_flops("tf32")
-        return cls(bf16=bf16, fp32_weights=bf16 and not plan.uses_fsdp and trace_precision == "bf16-pure", compiled=plan.compile, peak=peak, conv_peak=conv_peak,
+        return cls(bf16=bf16, fp32_weights=bf16 and not plan.uses_fsdp and trace_precision == "bf16-pure", compiled=plan.compile,
+                   whole_graph=plan.compile and not plan.uses_fsdp and plan.pp == 1, peak=peak, conv_peak=conv_peak,
                    fp32_peak=device.peak_flops("fp32"),
                    gemm_eff=cal.matmul_efficiency * arch.efficiency_ratio,
                    gemm_half=cal.matmul_half_width * arch.half_width_ratio,
                    out_half=cal.matmul_rows_half * 2048,  # the factor is stated as rows of a 2048-wide output
                    misaligned=1.0 if plan.compile else cal.misaligned_gemm_factor,
+                   extern_misaligned=cal.misaligned_gemm_factor, math_fp32_eff=cal.math_attention_fp32_efficiency,
+                   math_bytes=(cal.math_attention_bytes_forward, cal.math_attention_bytes_backward),
                    fp32_eff=cal.fp32_matmul_efficiency, conv_eff=cal.conv_efficiency,
                    # compiled, inductor makes convolutions channels-last (torch._inductor.config.layout_optimization)
                    conv_nchw=1.0 if plan.compile else cal.conv_nchw_factor,
@@ -115,6 +126,10 @@ class OpsTime:
     def times(self, k: float) -> "OpsTime":
         return OpsTime(*(a * k for a in self._values()))
 
+    def memory_times(self, k: float) -> "OpsTime":
+        """The same with the memory-bound time times `k` (a traffic factor)."""
+        return replace(self, memory_forward_s=self.memory_forward_s * k, memory_backward_s=self.memory_backward_s * k)
+
     def _values(self) -> tuple[float, ...]:
         return (self.compute_forward_s, self.compute_backward_s, self.memory_forward_s, self.memory_backward_s,
                 self.launches, self.backward_launches, self.views, self.backward_views)
@@ -154,11 +169,18 @@ def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffi
         fp32 = r.kind == "grouped_gemm" and (r.dtype == "float32" or rates.fp32_weights)
         seconds = r.count * _compute_s(r.kind, shape, flops / r.count, nbytes / r.count, r.batch_dim, rates,
                                        r.backward, fp32)
-        launches = float(r.count)
+        launches = float(r.count) * (_MATH_KERNELS[r.backward] if _math_attention(r.kind, shape, rates) else 1)
         return OpsTime(compute_backward_s=seconds, launches=launches, backward_launches=launches) if r.backward else \
             OpsTime(compute_forward_s=seconds, launches=launches)
-    if r.kind in ("view", "weight_cast"):  # eager only: inductor's graph runs no views and fuses the casts
-        if rates.compiled:
+    if r.kind == "weight_cast" and rates.compiled:
+        # compiled, autocast's cast of a weight is a kernel of inductor's (its output feeds an extern GEMM, so it
+        # fuses into nothing): its bytes at the fused bandwidth, a launch each (H200 kernel profiles,
+        # bench/results/zoo_h200_profile_2026-12-01c.jsonl: the compiled ViTs' cast kernels)
+        seconds = r.bytes * traffic_scale / rates.fused_hbm
+        return OpsTime(memory_backward_s=seconds, launches=r.count, backward_launches=r.count) if r.backward else \
+            OpsTime(memory_forward_s=seconds, launches=r.count)
+    if r.kind in ("view", "weight_cast"):
+        if rates.compiled:  # inductor's graph runs no views
             return OpsTime()
         # a view: host time only; autocast's cast of a weight (issued by the dispatcher, no Python: host time as a
         # view's) and its bytes, once per micro-batch
@@ -238,33 +260,51 @@ def _compute_s(kind: str, shape: list[float], flops: float, nbytes: float, grow:
     elif kind == "grouped_gemm":
         rate = _grouped_rate(shape, rates, fp32)
         nbytes *= 2.0 if rates.fp32_weights else 1.0  # fp32 operands (traced in bf16: the bf16-weights trace)
-    elif rates.compiled and rates.bf16 and not shape[7] and not shape[9]:
+    elif _math_attention(kind, shape, rates):
         return _unfused_attention_s(shape, backward, rates)
     else:
         flops, rate = _attention(shape, flops, rates)
     return max(flops / rate if flops else 0.0, nbytes / rates.hbm)
 
 
+_MATH_KERNELS = {False: 3, True: 6}  # kernels of one SDPA math-path call: forward 2 GEMMs and the softmax;
+# backward 4 GEMMs, the softmax's backward and a cast (H200 kernel profiles of compiled BERT and ViT)
+
+
+def _math_attention(kind: str, shape: list[float], rates: Rates) -> bool:
+    """Compiled bf16, an attention call that is neither causal nor masked eagerly but gets a mask that only
+    torch.compile builds (masked 2: a Hugging Face encoder's, autopar.profile.hf_masks) runs SDPA's math path
+    (_unfused_attention_s)."""
+    return kind == "attention" and rates.whole_graph and rates.bf16 and not shape[7] and shape[9] == 2
+
+
 def _unfused_attention_s(shape: list[float], backward: bool, rates: Rates) -> float:
-    """Compiled, an attention call that is neither causal nor masked (BERT's, ViT's) runs unfused on the H200
-    (torch 2.11): batched GEMMs for the scores and the values, with the (q x k) scores and probabilities in
-    HBM between them, bf16 (compiled BERT and ViT held 5.6 and 1.3 GiB more than their fused saved sets, 4
-    bytes a score element: autopar.profile.remat; and ran no faster than eager, bench/results/
-    zoo_h200_2026-12-01.jsonl). Forward: S = Q K^T and O = P V (GEMMs); S written, read by the softmax, P
-    written and read by the second GEMM (8 bytes a score element). Backward: dP = dO V^T, dV = P^T dO, dQ =
-    dS K, dK = dS^T Q (GEMMs); dP written, P and dP read and dS written by the softmax's backward, dS read
-    twice and P once by the GEMMs (14 bytes). GEMMs at their shapes' rates; the traffic at inductor's fused
-    bandwidth (its kernels: the softmax and its backward)."""
+    """Compiled, an attention call that is neither causal nor masked eagerly (BERT's, ViT's, BART's encoder's)
+    but whose mask Hugging Face builds under torch.compile (autopar.profile.hf_masks) runs SDPA's math path on
+    the H200 (torch 2.11): inductor runs the call as
+    batched GEMMs with the (q x k) scores in HBM between them, the scores and probabilities in fp32 (compiled
+    BERT and ViT held 5.6 and 1.3 GiB more than their fused saved sets: autopar.profile.remat; their kernel
+    profiles, bench/results/zoo_h200_profile_2026-12-01c.jsonl: 2 of a layer's 6 bmm's fp32 SIMT kernels, 4
+    bf16, unpadded). Forward: S = Q K^T (bf16), O = P V (fp32); backward: dP = dO V^T, dV = P^T dO, dK = dS^T Q
+    (bf16), dQ = dS K (fp32). bf16 GEMMs at their shapes' rates (misaligned_gemm_factor where a dimension is not
+    a multiple of 8: inductor does not pad these); fp32 ones at math_attention_fp32_efficiency of the fp32 peak
+    times their 128-row tiles' fill; the scores' traffic (math_attention_bytes_*) at inductor's fused
+    bandwidth."""
     b, h, _, sq, sk, d, dv = shape[:7]
     bh = b * h
     if backward:
-        gemms = [(sq, sk, dv), (sk, dv, sq), (sq, d, sk), (sk, d, sq)]
-        per_score = 14.0
+        bf16, fp32 = [(sq, sk, dv), (sk, dv, sq), (sk, d, sq)], [(sq, d, sk)]
     else:
-        gemms = [(sq, sk, d), (sq, dv, sk)]
-        per_score = 8.0
-    seconds = sum(2.0 * bh * m * n * k / _gemm_rate([bh, m, n, k], 0, rates) for m, n, k in gemms)
-    return seconds + per_score * bh * sq * sk / rates.fused_hbm
+        bf16, fp32 = [(sq, sk, d)], [(sq, dv, sk)]
+    seconds = 0.0
+    for m, n, k in bf16:
+        rate = _gemm_rate([bh, m, n, k], 0, rates) * _misaligned(min(map(_alignment, (m, n, k))),
+                                                                   rates.extern_misaligned)
+        seconds += 2.0 * bh * m * n * k / rate
+    for m, n, k in fp32:
+        fill = m / (128.0 * math.ceil(m / 128.0))
+        seconds += 2.0 * bh * m * n * k / (rates.fp32_peak * rates.math_fp32_eff * fill)
+    return seconds + rates.math_bytes[backward] * bh * sq * sk / rates.fused_hbm
 
 
 def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
@@ -277,10 +317,24 @@ def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
     if not rates.bf16:
         return rates.peak * rates.fp32_eff * out / (out + rates.out_half)
     frac = gemm_fraction(k, out, rates.gemm_eff, rates.gemm_half, rates.out_half)
-    leading = [d for i, d in ((1, m), (2, n), (3, k)) if i != grow]
-    if any(round(d) % 8 for d in leading):
-        frac *= rates.misaligned
-    return rates.peak * frac
+    align = min(_alignment(d) for i, d in ((1, m), (2, n), (3, k)) if i != grow)
+    return rates.peak * frac * _misaligned(align, rates.misaligned)
+
+
+def _alignment(dim: float) -> int:
+    """The elements a GEMM's kernel can load at once along `dim`: the largest power of 2 dividing it, up to 8."""
+    d, align = round(dim), 1
+    while align < 8 and d % (align * 2) == 0:
+        align *= 2
+    return align
+
+
+def _misaligned(align: int, factor: float) -> float:
+    """The rate of a GEMM whose leading dimensions load `align` elements at a time / an aligned one's (8):
+    cuBLAS's unaligned kernels scale with their loads' width, `factor` (misaligned_gemm_factor: the 1-element
+    case) times `align`. H200 kernel profiles: GPT-2's odd vocabulary (50257) at 0.16, BERT's even one (30522,
+    2 elements) at 0.36 eagerly (bench/results/zoo_h200_profile_2026-12-01c.jsonl: its GEMMs' 21.7 ms)."""
+    return 1.0 if align >= 8 else min(1.0, factor * align)
 
 
 def _conv_rate(shape: list[float], backward: bool, rates: Rates) -> float:
@@ -323,11 +377,12 @@ def _attention(shape: list[float], flops: float, rates: Rates) -> tuple[float, f
     attention_efficiency x d / (d + attention_half_head_dim) x keys / (keys + attention_half_keys) (a flash
     kernel's tile loop: its fixed costs per tile are amortised over the head dim and the keys), times
     masked_attention_factor with an explicit mask or bias (the memory-efficient or cuDNN kernel reading it).
-    Compiled, a call whose mask only torch.compile adds (causal 2: Hugging Face under torch < 2.14) is masked
-    and not causal. fp32: fp32 peak x fp32_attention_efficiency."""
+    Compiled as one graph, a causal call whose mask only torch.compile builds (causal 2: a Hugging Face model's,
+    autopar.profile.hf_masks) is masked and not causal. fp32: fp32 peak x fp32_attention_efficiency."""
     _, _, _, sq, sk, d, _, causal, window, masked = shape
-    if causal == 2 and rates.compiled:
-        causal, masked = 0, 1
+    masked = masked == 1  # 2: a mask only torch.compile builds (_math_attention's, when compiled whole)
+    if causal == 2 and rates.whole_graph:
+        causal, masked = 0, True
     keys = _keys_per_query(sq, sk, bool(causal), window)
     executed = flops * keys / sk
     if not rates.bf16:

@@ -11,7 +11,7 @@ Compute and memory-bound time are per op (autopar.cost.ops): the trace recorded 
 attention and grouped GEMM with its real shape, forward and backward, and every memory-bound op's bytes;
 each runs at its class's rate for its shape, from factors fitted on Hopper (the H200 anchors and kernel
 profiles) and scaled to the GPU's architecture (`calibration.matmul_arch`). Compiled, the memory-bound work
-is what fusion leaves of it (autopar.profile.watch.FusionModel) and the launches are its kernels. Checked on
+is what fusion leaves of it (autopar.profile.fusion.FusionModel) and the launches are its kernels. Checked on
 paper against Megatron-LM's Table 1 on A100s (tests/cost/test_paper.py, bench/megatron_table1.py) and on the
 H200 runs (bench/step_time_check.py).
 """
@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import collections
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Mapping
 
 from ..layout import pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
 from ..profile import ModelProfile
+from ..profile.model_profile import OpGroup
 from ..topology import Topology
 from .calibration import Calibration, matmul_arch
 from .memory import activation_profile, stage_blocks
@@ -70,17 +71,31 @@ class TimeTerms:
 
 
 @dataclass(frozen=True)
+class _Group:
+    """One micro-batch of one group of ops as it runs: its times (memory-bound time already times its traffic
+    factor) and what the host pays per launch and view (eager, or inside a compiled graph)."""
+
+    ops: OpsTime
+    host: "HostCosts"
+
+
+@dataclass(frozen=True)
 class _StageWork:
     """One micro-batch of a pipeline rank's ops on one TP rank: its blocks' and the rest's (embeddings on the
-    first stage, head and loss on the last)."""
+    first stage, head and loss on the last), and its groups in the order they run (before, each block, after,
+    the loss)."""
 
     blocks: OpsTime
     outside: OpsTime
-    order: tuple[OpsTime, ...] = ()  # the stage's groups in the order they run (before, the blocks, after)
+    order: tuple[_Group, ...] = ()
 
     @property
     def total(self) -> OpsTime:
         return self.blocks + self.outside
+
+    def host_s(self) -> float:
+        """CPU seconds the host spends issuing the micro-batch's ops."""
+        return sum(g.host.forward_s(g.ops) + g.host.backward_s(g.ops) for g in self.order)
 
 
 @functools.lru_cache(maxsize=256)
@@ -104,26 +119,37 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
                 stage: tuple[list[int], bool, bool], traffic_scale: float) -> _StageWork | None:
     """The stage's op records (read from `prof`, the trace in the plan's precision) timed for one micro-batch
     on one TP rank (autopar.cost.ops); None where the profile has no op records (not traced, or written by an
-    autopar that did not record them)."""
+    autopar that did not record them). Compiled, the blocks run in inductor's graphs; the ops outside them too
+    where the whole model's forward is compiled (one process, no pipeline: autopar.strategies.compile), else
+    eagerly; the loss (after the model's forward returns) always eagerly."""
     if not prof.op_groups:
         return None
     blocks, first, last = stage
-    rates = Rates.of(topology.device, plan, cal, trace_precision=prof.profile_precision)
     scale = plan.micro_batch_size / prof.sample_batch_size
     inside, outside = _tp_splits(profile, plan.tp)
+    whole = plan.compile and not plan.uses_fsdp and plan.pp == 1
+    modes = {compiled: (Rates.of(topology.device, replace(plan, compile=compiled), cal,
+                                 trace_precision=prof.profile_precision), HostCosts.of(cal, compiled),
+                        1.0 if compiled else cal.eager_traffic_factor)
+             for compiled in {plan.compile, whole, False}}
+
+    def timed(group: OpGroup, split: TPSplit, compiled: bool) -> _Group:
+        rates, host, traffic = modes[compiled]
+        return _Group(group_time(group, scale, split, rates, traffic_scale).memory_times(traffic), host)
+
     groups = [g for g in (prof.ops_of("blocks", i) for i in blocks) if g is not None]
-    timed = {id(g): group_time(g, scale, inside, rates, traffic_scale) for g in groups}  # equal blocks: one group
+    per_block = {id(g): timed(g, inside, plan.compile) for g in groups}  # equal blocks: one group, timed once
     work = OpsTime()
     for key, count in collections.Counter(id(g) for g in groups).items():
-        work = work + timed[key].times(count)
-    ends = {where: group_time(group, scale, outside, rates, traffic_scale)
-            for where, held in (("before", first), ("after", last))
+        work = work + per_block[key].ops.times(count)
+    ends = {where: timed(group, outside, compiled)
+            for where, held, compiled in (("before", first, whole), ("after", last, whole), ("loss", last, False))
             if held and (group := prof.ops_of(where)) is not None}
     rest = OpsTime()
-    for t in ends.values():
-        rest = rest + t
-    order = ([ends["before"]] if "before" in ends else []) + [timed[id(g)] for g in groups] \
-        + ([ends["after"]] if "after" in ends else [])
+    for g in ends.values():
+        rest = rest + g.ops
+    order = ([ends["before"]] if "before" in ends else []) + [per_block[id(g)] for g in groups] \
+        + [ends[w] for w in ("after", "loss") if w in ends]
     return _StageWork(blocks=work, outside=rest, order=tuple(order))
 
 
@@ -152,17 +178,18 @@ class HostCosts:
         return t.backward_launches * self.backward_launch_s + t.backward_views * self.backward_view_s
 
 
-def _queued_s(order: tuple[OpsTime, ...], host: HostCosts, memory_scale: float) -> float:
+def _queued_s(order: tuple[_Group, ...], memory_scale: float) -> float:
     """GPU seconds of one micro-batch's ops with the CPU launching them: the host issues each group's kernels
-    (`host`'s forward costs a kernel and a view) in the order they run, the forward's groups first to last, then
-    the backward's last to first (at `host`'s backward costs); the GPU runs a group's work once the host has
-    issued it and the GPU is done with the one before: end = max(GPU end before + the group's GPU time, host end
-    of issuing it). A queue fed at a group's grain: the host runs ahead during GPU-heavy groups (large GEMMs) and
-    the GPU waits through launch-bound ones (a CNN's late stages of small kernels, whose backward runs first),
-    which a whole-step max(host, GPU) hides."""
-    phases = [(t.compute_forward_s + t.memory_forward_s * memory_scale, host.forward_s(t)) for t in order]
-    phases += [(t.compute_backward_s + t.memory_backward_s * memory_scale, host.backward_s(t))
-               for t in reversed(order)]
+    (its `host` costs a kernel and a view) in the order they run, the forward's groups first to last, then the
+    backward's last to first; the GPU runs a group's work once the host has issued it and the GPU is done with
+    the one before: end = max(GPU end before + the group's GPU time, host end of issuing it). A queue fed at a
+    group's grain: the host runs ahead during GPU-heavy groups (large GEMMs) and the GPU waits through
+    launch-bound ones (a CNN's late stages of small kernels, whose backward runs first), which a whole-step
+    max(host, GPU) hides. `memory_scale`: on the groups' memory-bound time (tensor parallelism's split)."""
+    phases = [(g.ops.compute_forward_s + g.ops.memory_forward_s * memory_scale, g.host.forward_s(g.ops))
+              for g in order]
+    phases += [(g.ops.compute_backward_s + g.ops.memory_backward_s * memory_scale, g.host.backward_s(g.ops))
+               for g in reversed(order)]
     issued = gpu = 0.0
     for gpu_s, host_s in phases:
         issued += host_s
@@ -240,7 +267,8 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     if work is not None:
         total = work.total
         compute = total.compute_s * n_micro
-        per_memory = n_micro * (1.0 if plan.compile else cal.eager_traffic_factor) / tp_memory
+        # (eager groups' memory-bound time is already times eager_traffic_factor: _stage_work)
+        per_memory = n_micro / tp_memory
         memory = total.memory_s * per_memory
         block_forward = (work.blocks.compute_forward_s * n_micro, work.blocks.memory_forward_s * per_memory)
         # Launches: CPU time per kernel of every micro-batch: eager, every traced op (launch_s forward,
@@ -248,9 +276,8 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         # seconds.
         # Eager, the ops that launch no kernel (views) cost host time too (view_host_s each); the backward's
         # kernels and views, issued by autograd's C++ engine, cost backward_launch_s and backward_view_host_s.
-        host = HostCosts.of(cal, plan.compile)
-        launch_total = (host.forward_s(total) + host.backward_s(total)) * n_micro
-        queued = n_micro * _queued_s(work.order, host, per_memory / n_micro)
+        launch_total = work.host_s() * n_micro
+        queued = n_micro * _queued_s(work.order, 1.0 / tp_memory)
     else:  # no op records: the FLOPs at the best GEMM's rate, the traced bytes over the bandwidth
         compute = _flops_only_s(topology, plan, cal, (block_flops + head_flops) / tp * scale)
         per_micro = (prof.traffic_bytes - prof.weight_traffic_bytes) * plan.micro_batch_size \

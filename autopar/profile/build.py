@@ -101,6 +101,7 @@ def profile_model(
         root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
         num_ops=t.num_ops,
         traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes, op_groups=t.op_groups,
+        value_reads=t.value_reads,
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,
@@ -143,6 +144,7 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
     probe = CompiledSavedProbe(loss_fn, len(units))
     step = StepTrace(model, sample, units, loss_fn=probe, precision=precision)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
+    probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
     with probe.hooked(units):
         t = step.run()
     return t, probe.result()

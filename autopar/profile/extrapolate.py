@@ -10,7 +10,7 @@ from .model_profile import ModelProfile
 
 # The fields that grow linearly with the number of blocks.
 _LINEAR_IN_DEPTH = ("num_params", "num_trainable_params", "param_bytes", "forward_flops", "flops", "num_ops",
-                    "traffic_bytes", "weight_traffic_bytes")
+                    "traffic_bytes", "weight_traffic_bytes", "value_reads")
 
 
 def extrapolate_profile(shallow: ModelProfile, deeper: ModelProfile, num_blocks: int) -> ModelProfile:
@@ -58,4 +58,5 @@ def _grown(shallow: ModelProfile, deeper: ModelProfile, name: str, num_blocks: i
     a, b = getattr(shallow, name), getattr(deeper, name)
     step = (b - a) / (deeper.num_blocks - shallow.num_blocks)
     value = b + step * (num_blocks - deeper.num_blocks)
+    value = max(value, 0)  # a count or size: never below zero (value_reads may fall with depth)
     return type(b)(round(value)) if isinstance(b, int) else value

@@ -56,15 +56,15 @@ class OpRecord:
       N = C_in / groups kh kw, K = N H_out W_out
     - "attention": (batch, heads, kv_heads, q_len, k_len, qk_head_dim, v_head_dim, causal, window, masked) of a
       fused attention kernel (SDPA's flash, memory-efficient, cuDNN or CPU flash kernels); window 0: none;
-      masked 1: an explicit mask or bias; causal 2: causal with a mask only torch.compile would add (a Hugging
-      Face model under torch < 2.14: its mask is built when not compiled is skipped)
+      masked 1: an explicit mask or bias; causal 2: causal with a mask only torch.compile would build, masked 2:
+      not causal with such a mask (a Hugging Face model's mask that it skips eagerly: autopar.profile.hf_masks)
     - "grouped_gemm": (groups, M, N, K) of torch._grouped_mm, M N K the mean GEMM of a group
     - memory-bound kinds, shape (): "elementwise", "reduction", "norm", "softmax", "copy" (casts, cat, gather,
       indexing, padding), "weight" (casts of the weights, and gradient casts and sums on weight-shaped tensors:
       paid once per micro-batch, not per sample)
     - what torch.compile would leave of the memory-bound ops, shape (): "fused" (count: kernels, bytes: what
       they read and write once each chain of memory-bound ops between compute ops is one loop) and
-      "fused_weight" (the weight-shaped part; autopar.profile.watch.FusionModel)
+      "fused_weight" (the weight-shaped part; autopar.profile.fusion.FusionModel)
     """
 
     kind: str
@@ -82,7 +82,8 @@ class OpRecord:
 class OpGroup:
     """The op records of identical blocks (one group for all of them), or of the ops outside the blocks."""
 
-    where: str  # "blocks"; "before": ops before the first block (embeddings); "after": the rest (head, loss)
+    where: str  # "blocks"; "before": ops before the first block (embeddings); "after": the rest of the model's
+    # forward (head); "loss": what runs after the model's forward returns (the loss, and their backward)
     blocks: tuple[int, ...]  # indices of the blocks with exactly these records (where == "blocks")
     ops: tuple[OpRecord, ...]
 
@@ -132,6 +133,8 @@ class ModelProfile:
     traced: bool = True  # False: structure only (trace=False), FLOPs and bytes unknown (zero)
     matmul_calls: tuple[MatmulCall, ...] = ()  # Linear-like calls in order (empty when not traced)
     op_groups: tuple[OpGroup, ...] = ()  # every op of the step by kind, shape and dtype (empty when not traced)
+    value_reads: int = 0  # reads of tensor values in the model's forward (`.item()`, `bool()`, ops shaped by
+    # values: autopar.profile.shadow): where torch.compile's graph breaks (dynamo cannot trace past them)
     block_input: str | None = None  # how a block receives the hidden states: "arg0" or "kwarg:NAME"
     block_input_shape: tuple[int, ...] | None = None  # shape of those hidden states for the sample (batch first)
     block_num_args: int = 1  # positional arguments a block is called with
@@ -189,9 +192,9 @@ class ModelProfile:
         return tuple(out)
 
     def ops_of(self, where: str, block: int | None = None) -> OpGroup | None:
-        """The op records of block `block` (where="blocks") or of the ops "before" or "after" the blocks; None
-        where the trace recorded none. A block past the recorded ones (extrapolate_profile's copies of the
-        last block) has the last recorded block's records."""
+        """The op records of block `block` (where="blocks"), of the ops "before" or "after" the blocks, or of the
+        "loss"; None where the trace recorded none. A block past the recorded ones (extrapolate_profile's copies
+        of the last block) has the last recorded block's records."""
         index = self.__dict__.get("_op_index")
         if index is None:  # where -> group, block -> group, the last recorded block (computed once per profile)
             by_block = {i: g for g in self.op_groups for i in g.blocks}

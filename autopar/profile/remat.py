@@ -17,10 +17,17 @@ shapes, `_saved_*` what its backward reads), with the partitioner's rules:
 
 Then a minimum cut (max-flow, Dinic) between what must run in forward and what backward reads gives the saved
 bytes, attributed to the block whose forward ran the op. One thing the partitioner does not decide: on the H200
-(torch 2.11), an attention call that is neither causal nor masked (BERT's, ViT's) runs unfused under compile
-(bench/results/zoo_h200_2026-12-01.jsonl: compiled BERT and ViT hold 5.6 and 1.3 GiB more than the partitioner's
-saved set, what the 4 bytes per score element of saved bf16 scores and probabilities, and BERT's 1-byte dropout
-mask, come to; neither gains speed from compile). That is counted per such call (`unfused_attention_bytes`).
+(torch 2.11), an attention call that is neither causal nor masked eagerly runs unfused under compile where the
+model's mask is one Hugging Face's masking_utils skips eagerly but builds while dynamo traces (transformers 5.17:
+`_ignore_bidirectional_mask_sdpa` returns False whenever it is tracing): SDPA then gets an explicit mask and runs
+its math path (bench/results/zoo_h200_2026-12-01.jsonl: compiled BERT and ViT hold 5.6 and 1.3 GiB more than the
+partitioner's saved set, what the 4 bytes per score element of saved bf16 scores and probabilities, and BERT's
+1-byte dropout mask, come to; neither gains speed from compile). That is counted per such call
+(`unfused_attention_bytes`) only where the traced forward skipped such a mask (autopar.profile.hf_masks).
+An attention call with no mask to build stays fused compiled: on the H200 Whisper's encoder (16 x 12 x 1500 x 64,
+no mask) and timm's ViT ran `_scaled_dot_product_cudnn_attention` in their compiled graphs, and Hugging Face's ViT
+did too once the mask was skipped while compiling (peak 6.67 -> 5.25 GiB, timm's ViT: 5.26); counting Whisper's
+encoder calls unfused predicted 34.5 GiB for a measured 14.2.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from .._util.batch import default_loss
+from .hf_masks import CompileMasks
 from .watch import storage_key
 
 _VIEWS = ("ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "TransposeBackward", "TBackward",
@@ -168,7 +176,7 @@ class _Partition:
                 elif key not in counted:
                     counted.add(key)
                     self.constant[self.block(n)] += _constant_bytes(n, t)
-            if any(a in _kind(n) for a in _ATTENTION):
+            if probe.masks.bidirectional and any(a in _kind(n) for a in _ATTENTION):
                 self.unfused[self.block(n)] += _unfused_attention_bytes(n)
 
     def block(self, node: Any) -> int:
@@ -309,6 +317,7 @@ class CompiledSavedProbe:
         self._ranges: list[tuple[int, int, int]] = []  # (block, last sequence nr before it, its last one)
         self._starts: dict[int, list[int]] = defaultdict(list)
         self._result: CompiledSaved | None = None
+        self.masks = CompileMasks()  # which masks torch.compile would build (the trace's, set by build.py)
 
     def __call__(self, output: Any, sample: Any) -> torch.Tensor:
         loss = self.loss_fn(output, sample) if self.loss_fn is not None else default_loss(output)

@@ -37,6 +37,7 @@ class InputShadows(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake tensor -> its real value (on the CPU)
+        self.reads = 0  # value reads answered and ops shaped by values: where torch.compile's graph would break
 
     def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
         """Give `fake` the value of `real` (not kept where it is on the meta device or too large)."""
@@ -58,14 +59,17 @@ class InputShadows(TorchDispatchMode):
             try:
                 return func(*args, **kwargs)
             except DynamicOutputShapeException:
+                self.reads += 1
                 return self._shaped_by_the_sample(func, leaves, spec, tensors)
         if func is _VALUE_READ:
+            self.reads += 1
             with _disable_current_modes():
                 return shadows[0].item()
         real_args, real_kwargs = tree_unflatten([self._real(x) for x in leaves], spec)
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
+            self.reads += 1
             real = self._run_real(func, real_args, real_kwargs)
             if real is None:
                 raise

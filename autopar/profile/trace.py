@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._util.batch import default_loss, first_tensor, map_tensors, split_sample
+from .._util.batch import default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs, autocast_outputs
 from ..errors import ProfileError, TraceError
 from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
@@ -52,6 +52,7 @@ class Trace:
     traffic_bytes: int = 0
     weight_traffic_bytes: int = 0
     op_groups: tuple[OpGroup, ...] = ()  # every op by kind and shape (autopar.cost.ops prices them)
+    value_reads: int = 0  # the model's forward's reads of tensor values (InputShadows.reads)
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -95,6 +96,9 @@ class StepTrace:
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str) -> None:
         self.model, self.units, self.loss_fn = model, units, loss_fn
+        self.fp32_outputs = precision != "fp32"  # a bf16 plan's model returns its floating outputs in fp32
+        self.pure = precision == "bf16-pure"  # under FSDP (its output dtype: every output), else autocast's
+        self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
@@ -141,15 +145,21 @@ class StepTrace:
 
     def _step(self) -> float:
         """Forward (with the loss) and backward; the forward's FLOPs."""
-        with self.fake_mode, self.flop_counter, self.watcher, self.shadows, self.sdpa:
+        with self.fake_mode, self.flop_counter, self.watcher, self.shadows, self.sdpa, \
+                self.watcher.compile_masks.installed():
             with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
                 with self.autocast, self.cuda_policy:
                     args, kwargs = split_sample(self.sample)
                     output = functional_call(self.model, self.state, args, kwargs, tie_weights=True, strict=False)
+                    self.watcher.in_loss = True
+                    self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
+                    if self.fp32_outputs:  # as wrap returns them (its autocast, FSDP's output dtype): in the loss
+                        output = to_fp32_outputs(output) if self.pure else autocast_outputs(output)
                     loss = self.loss_fn(output, self.sample) if self.loss_fn is not None else default_loss(output)
             forward_flops = float(self.flop_counter.get_total_flops())
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ProfileError("loss_fn must return a scalar tensor.")
+            self.watcher.label_loss(loss)
             self.watcher.forward = False
             loss.backward()
         return forward_flops
@@ -189,7 +199,8 @@ class StepTrace:
             matmul_calls=tuple(self.matmul_calls), op_groups=w.op_groups(),
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
-            block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after))
+            block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
+            value_reads=self.value_reads)
 
     # ---- the hooks -------------------------------------------------------------------------------
     def running_block(self) -> int | None:

@@ -6,20 +6,23 @@ that ran it, forward and backward, with what torch.compile's fusion would leave 
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .flops import fp32_grouped_mm, matmul_ops
+from .hf_masks import CompileMasks
+from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbytes, reduction_loops,
+                     storage_key)
 from .model_profile import OpGroup, OpRecord
 
-BEFORE, AFTER = -1, -2  # scopes of ops outside the blocks: before the first block runs, and the rest
+BEFORE, AFTER, LOSS = -1, -2, -3  # scopes of ops outside the blocks: before the first block runs, the rest of the
+# model's forward, and the loss (what runs after the model's forward returns: the user's loss, outside a compiled
+# model's graph)
 
 _GEMMS = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1, "_scaled_mm": 0}  # name: index of the first matrix
 _GROUPED = ("_grouped_mm", "_scaled_grouped_mm", "grouped_mm_fallback")  # the last: transformers' custom op
@@ -30,41 +33,18 @@ _ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
               "_efficient_attention_forward")
 _ATTENTION_BACKWARD = tuple(n.replace("_forward", "") + "_backward" for n in _ATTENTION)
 _SEQ_FIRST = ("_flash_attention", "_efficient_attention")  # (batch, seq, heads, dim) layouts; the rest heads first
-_NORM = frozenset((
-    "native_layer_norm", "native_layer_norm_backward", "native_batch_norm", "native_batch_norm_backward",
-    "_native_batch_norm_legit", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
-    "cudnn_batch_norm", "cudnn_batch_norm_backward", "batch_norm_backward", "native_group_norm",
-    "native_group_norm_backward", "_fused_rms_norm", "_fused_rms_norm_backward"))
-_SOFTMAX = frozenset(("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
-                      "_safe_softmax"))
-_REDUCTION = frozenset((
-    "sum", "mean", "amax", "amin", "max", "min", "var", "var_mean", "std", "std_mean", "prod", "norm",
-    "linalg_vector_norm", "cumsum", "cumprod", "logsumexp", "nll_loss_forward", "nll_loss_backward",
-    "nll_loss2d_forward", "nll_loss2d_backward", "any", "all", "argmax", "argmin", "topk", "sort"))
 _COPY = frozenset((
     "_to_copy", "copy", "copy_", "clone", "cat", "stack", "index_select", "gather", "scatter", "scatter_add",
     "index", "index_put", "index_add", "embedding", "embedding_dense_backward", "constant_pad_nd", "repeat",
     "repeat_interleave", "_unsafe_index", "_unsafe_index_put", "flip", "roll", "slice_scatter", "select_scatter",
     "masked_scatter", "new_zeros", "new_empty", "zeros", "zeros_like", "empty_like", "full", "fill", "fill_"))
-_REDUCING = ("norm", "softmax", "reduction")  # memory-bound kinds that end a fused kernel's loop
 # The ops recorded as compute (_ComputeOp), not memory-bound.
 _COMPUTE = frozenset((*_GEMMS, *_GROUPED, _GROUPED_BACKWARD, "convolution", "convolution_backward", *_ATTENTION,
                       *_ATTENTION_BACKWARD))
-# transformers' masking under torch.compile (_compile_adds_mask) changed with torch 2.14.
-_TORCH_BEFORE_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) < (2, 14)
-
-
-def storage_key(t: torch.Tensor) -> Any:
-    """The identity of `t`'s storage: views of one tensor share it."""
-    return StorageWeakRef(t.untyped_storage())
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _dtype_of(tensors: list[torch.Tensor]) -> str:
@@ -99,8 +79,9 @@ class _ComputeOp:
     weight (derived from parameters only) and `weight_shaped(t)` whether it has a parameter's shape."""
 
     def __init__(self, weights: Callable[[torch.Tensor], bool], weight_shaped: Callable[[torch.Tensor], bool],
-                 backward: bool) -> None:
+                 backward: bool, masks: CompileMasks) -> None:
         self.weights, self.weight_shaped, self.backward = weights, weight_shaped, backward
+        self.masks = masks
 
     def of(self, name: str, func: Any, args: tuple, kwargs: dict, out: Any) -> list[tuple]:
         if name in _GEMMS:
@@ -117,7 +98,7 @@ class _ComputeOp:
             return [("grouped_gemm", (int(e), per, int(k), int(n)), 2.0 * t * k * n, 1, ()),
                     ("grouped_gemm", (int(e), int(k), int(n), per), 2.0 * t * k * n, 3, ())]
         named = _named(func, args, kwargs)
-        return [_attention(name, named, backward=name in _ATTENTION_BACKWARD)]
+        return [_attention(name, named, backward=name in _ATTENTION_BACKWARD, masks=self.masks)]
 
     def _gemm(self, a: torch.Tensor, b: torch.Tensor, out: Any) -> tuple:
         """(batch, M, N, K): the batch-growing dim is M where B is a weight (x W), N where A is (W x), K for a
@@ -198,106 +179,29 @@ def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**dict(zip(names, args)), **kwargs}
 
 
-def _attention(name: str, a: dict[str, Any], *, backward: bool) -> tuple:
+def _attention(name: str, a: dict[str, Any], *, backward: bool, masks: CompileMasks) -> tuple:
     """A fused attention kernel's record: (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim, causal, window,
-    masked); FLOPs as autopar.profile.flops counts them (the full score matrix)."""
+    masked); FLOPs as autopar.profile.flops counts them (the full score matrix). A forward call without a mask
+    whose mask torch.compile would build (autopar.profile.hf_masks) is marked: causal 2, or masked 2 where it is
+    not causal."""
     q, k, v = a["query"], a["key"], a["value"]
     if name.startswith(_SEQ_FIRST):  # (batch, seq, heads, dim)
         (b, sq, hq, d), (sk, hk), dv = q.shape, (k.shape[1], k.shape[2]), v.shape[-1]
     else:
         b, hq, sq, d = (q.shape if q.dim() == 4 else (1, 1, *q.shape[-2:]))
         sk, hk, dv = k.shape[-2], (k.shape[1] if k.dim() == 4 else 1), v.shape[-1]
-    causal = bool(a.get("is_causal", False)) or a.get("custom_mask_type", 0) in (1, 2)
+    causal = int(bool(a.get("is_causal", False)) or a.get("custom_mask_type", 0) in (1, 2))
     window = a.get("window_size_left", a.get("window_size", None))
     window = int(window) if isinstance(window, int) and window >= 0 else 0
-    masked = any(isinstance(a.get(m), torch.Tensor) for m in ("attn_mask", "attn_bias", "bias"))
-    if causal and not masked and not backward and _compile_adds_mask():
-        causal = 2
-    shape = tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv, int(causal), window, int(masked)))
+    masked = int(any(isinstance(a.get(m), torch.Tensor) for m in ("attn_mask", "attn_bias", "bias")))
+    if not masked and not backward:
+        if causal and masks.causal:
+            causal = 2
+        elif not causal and masks.bidirectional:
+            masked = 2
+    shape = tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv, causal, window, masked))
     per = (3 * d + 2 * dv) if backward else (d + dv)
     return ("attention", shape, 2.0 * b * hq * sq * sk * per, 0, ())
-
-
-def _compile_adds_mask() -> bool:
-    """Whether torch.compile would hand this attention call a mask that the eager call skips: a Hugging Face
-    model (transformers' masking_utils) under torch older than 2.14 builds its causal mask when dynamo traces
-    it, so SDPA gets an explicit mask, not is_causal (transformers 5.x, `_ignore_causal_mask_sdpa`)."""
-    if not _TORCH_BEFORE_2_14:
-        return False
-    frame = sys._getframe(1)
-    for _ in range(40):
-        if frame is None:
-            return False
-        if str(frame.f_globals.get("__name__", "")).startswith("transformers."):
-            return True
-        frame = frame.f_back
-    return False
-
-
-# ---------------------------------------------------------------------------------------------------
-# What torch.compile's fusion leaves of the memory-bound work
-# ---------------------------------------------------------------------------------------------------
-class FusionModel:
-    """The memory-bound bytes and kernels of the step once inductor fuses every chain of memory-bound ops
-    between two compute ops (GEMMs, convolutions, attention: extern kernels inductor does not fuse into) into
-    one loop: a chain reads each tensor it did not make once, and writes only what is read after it (by a
-    compute op, a later chain or backward: saved activations) or is a gradient; what its own ops make and use
-    stays in registers. An upper bound on inductor's fusion (it also recomputes cheap ops in backward rather
-    than save them, and fuses across independent compute ops), a lower bound on its kernel count (a reduction
-    over another shape splits a loop: one kernel more a reduction past the first)."""
-
-    def __init__(self) -> None:
-        self.region = 0
-        self._made: dict[Any, list] = {}  # storage -> [bytes, scope, region, written]
-        self._read: set[Any] = set()  # storages the current chain read already
-        self._open = False  # the current region has a memory-bound kernel running
-        self._reductions = 0
-        self.bytes: dict[tuple, int] = defaultdict(int)  # (scope, backward, weight) -> bytes
-        self.kernels: dict[tuple, int] = defaultdict(int)  # (scope, backward, weight) -> kernels
-        self.backward = False
-
-    def compute_op(self, inputs: list[torch.Tensor]) -> None:
-        """A compute op reads its inputs from memory (what chains made of them is written) and ends the chain."""
-        for t in inputs:
-            self._write(storage_key(t))
-        self.boundary()
-
-    def boundary(self) -> None:
-        self.region += 1
-        self._read.clear()
-        self._open, self._reductions = False, 0
-
-    def memory_op(self, scope: int, kind: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
-        """A memory-bound op of `scope` joins the current chain. Weight traffic (kind "weight") is counted apart
-        (paid per micro-batch), and a backward one's outputs (gradients) are written whatever reads them."""
-        where = (scope, self.backward, kind == "weight")
-        if not self._open:
-            self._open = True
-            self.kernels[where] += 1
-        if kind in _REDUCING:
-            self._reductions += 1
-            if self._reductions > 1:
-                self.kernels[where] += 1
-        for t in inputs:
-            key = storage_key(t)
-            made = self._made.get(key)
-            if made is not None and made[2] == self.region:
-                continue  # made by this chain: fused
-            self._write(key)
-            if key not in self._read:
-                self._read.add(key)
-                self.bytes[where] += _nbytes(t)
-        for t in outputs:
-            key = storage_key(t)
-            self._made[key] = [_nbytes(t), where, self.region, False]
-            if where[1] and where[2]:
-                self._write(key)
-
-    def _write(self, key: Any) -> None:
-        made = self._made.get(key)
-        if made is not None and not made[3]:
-            made[3] = True
-            self.bytes[made[1]] += made[0]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -326,6 +230,8 @@ class StepWatcher(TorchDispatchMode):
         self.weight_storages = set(param_storages)
         self.running_block = running_block
         self.forward = True
+        self.in_loss = False  # set by the trace once the model's forward has returned: the loss's ops
+        self.compile_masks = CompileMasks()  # the trace's: which masks torch.compile would build (hf_masks)
         self.largest_bytes, self.largest_op = 0, "none"
         self.num_ops = 0
         self.traffic_bytes = 0
@@ -337,7 +243,8 @@ class StepWatcher(TorchDispatchMode):
         self._scope_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # forward tensor -> the scope that made it
         self._node_scope: dict[int, int] = {}  # id(autograd node) -> scope
         self._nodes: list[Any] = []  # the labelled nodes, alive so that their ids stay theirs
-        self._compile_masked: set[tuple] = set()  # attention shapes whose forward compile would mask
+        self._compile_masked: dict[tuple, tuple[int, int]] = {}  # (attention shape, causal) whose forward
+        # compile would mask -> its (causal, masked) marks
         self._after_blocks = False
         self._backward_started = False
         self.fusion = FusionModel()
@@ -383,12 +290,22 @@ class StepWatcher(TorchDispatchMode):
             nbytes = sum(_nbytes(t) for t in tensors_in) + sum(_nbytes(t) for t in made)
             self._add(scope, ("weight_cast", backward, (), dtype, -1, ()), 0.0, nbytes)
         elif func._schema.is_mutable and tensors_out:  # a kernel: counted as the allocating ones are
+            if storage_key(tensors_out[0]) in self.weight_storages:  # a buffer's update (num_batches_tracked)
+                self.fusion.standalone(scope)
             nbytes = sum(_nbytes(t) for t in tensors_in)
             self.num_ops += 1
             self.traffic_bytes += nbytes
             self._add(scope, (memory_kind(name), backward, (), dtype, -1, ()), 0.0, nbytes)
         else:
             self._add(scope, ("view", backward, (), "", -1, ()), 0.0, 0)
+
+    def label_loss(self, loss: torch.Tensor) -> None:
+        """The loss's own autograd node, which no later forward op reads: its backward runs in the scope that
+        made it (the loss's, or the model's when the model returned it)."""
+        node, made = loss.grad_fn, self._scope_of.get(loss)
+        if node is not None and made is not None and id(node) not in self._node_scope:
+            self._node_scope[id(node)] = made
+            self._nodes.append(node)
 
     def _scope(self, tensors_in: list[torch.Tensor]) -> int:
         """The scope of the op now running; in forward, labels the autograd nodes of its inputs first."""
@@ -415,6 +332,8 @@ class StepWatcher(TorchDispatchMode):
         if block is not None:
             self._after_blocks = True
             return block
+        if self.in_loss:
+            return LOSS
         return AFTER if self._after_blocks else BEFORE
 
     def _allocated(self, func: Any, inputs: list[Any], tensors_out: list[torch.Tensor], from_weights: bool) -> int:
@@ -471,7 +390,7 @@ class StepWatcher(TorchDispatchMode):
         dtype = _dtype_of(tensors_in)
         moved = allocated + sum(_nbytes(t) for t in tensors_in)
         if name in _COMPUTE:
-            records = _ComputeOp(self._is_weight, self._weight_shaped, not self.forward).of(
+            records = _ComputeOp(self._is_weight, self._weight_shaped, not self.forward, self.compile_masks).of(
                 name, func, args, kwargs, out)
             for i, (kind, shape, flops, grow, dims) in enumerate(records):
                 shape = self._grouped_count(kind, shape, tensors_out)
@@ -484,7 +403,11 @@ class StepWatcher(TorchDispatchMode):
         kind = "weight" if weight else memory_kind(name)
         self._add(scope, (kind, not self.forward, (), dtype, -1, ()), 0.0, moved)
         made = [t for t in tensors_out if storage_key(t) not in keys_in]
-        self.fusion.memory_op(scope, kind, tensors_in, made)
+        loops = reduction_loops(name, tensors_in, tensors_out) if kind in _REDUCING else []
+        self.fusion.memory_op(scope, kind, tensors_in, made, loops)
+        if "batch_norm" in name and loops and self.forward and _named(func, args, kwargs).get(
+                "running_mean") is not None:  # training with running statistics: their update, apart
+            self.fusion.standalone(scope)
 
     def _grouped_count(self, kind: str, shape: tuple, tensors_out: list[torch.Tensor]) -> tuple:
         """A grouped weight gradient's number of groups, from its (groups, M, N) output."""
@@ -494,13 +417,15 @@ class StepWatcher(TorchDispatchMode):
         return shape
 
     def _compile_mask(self, kind: str, shape: tuple) -> tuple:
-        """Attention whose forward torch.compile would mask (causal 2): its backward too."""
+        """Attention whose forward torch.compile would mask (causal 2, masked 2): its backward too."""
         if kind != "attention":
             return shape
-        if self.forward and shape[7] == 2:
-            self._compile_masked.add(shape[:7])
-        elif not self.forward and shape[7] == 1 and not shape[9] and shape[:7] in self._compile_masked:
-            return shape[:7] + (2,) + shape[8:]
+        if self.forward:
+            if shape[7] == 2 or shape[9] == 2:  # keyed by shape and causality: a causal and an uncausal call
+                self._compile_masked[(shape[:7], min(shape[7], 1))] = (shape[7], shape[9])  # of one shape
+        elif not shape[9] and (shape[:7], shape[7]) in self._compile_masked:
+            causal, masked = self._compile_masked[(shape[:7], shape[7])]
+            return shape[:7] + (causal, shape[8], masked)
         return shape
 
     def _add(self, scope: int, key: tuple, flops: float, nbytes: int) -> None:
@@ -515,7 +440,7 @@ class StepWatcher(TorchDispatchMode):
         for i in range(self.num_blocks):
             by_content.setdefault(self._scope_records(i), []).append(i)
         groups = [OpGroup(where="blocks", blocks=tuple(ids), ops=ops) for ops, ids in by_content.items()]
-        for scope, where in ((BEFORE, "before"), (AFTER, "after")):
+        for scope, where in ((BEFORE, "before"), (AFTER, "after"), (LOSS, "loss")):
             if self._records.get(scope):
                 groups.append(OpGroup(where=where, blocks=(), ops=self._scope_records(scope)))
         return tuple(groups)

@@ -3,7 +3,9 @@
 Under FSDP2 the MixedPrecisionPolicy casts the gathered parameters to bf16 for compute and reduces
 gradients in fp32 (`fsdp_policy`). Without FSDP, the model's forward runs under `torch.autocast`
 (`apply_autocast`). Either way the parameters the optimizer sees stay fp32, and the model's floating
-outputs are returned in fp32, so the user's loss is computed as before.
+outputs are returned in fp32, so the user's loss is computed as before; under autocast, an output that carries
+the loss the model computed (a Hugging Face model given `labels`) is returned as autocast made it, as under the
+user's own `torch.autocast` (autopar._util.batch.autocast_outputs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from .._util.batch import autocast_outputs, to_fp32_outputs
+
+__all__ = ["DTYPES", "apply_autocast", "compute_dtype", "fsdp_policy", "to_fp32_outputs"]  # to_fp32_outputs: from
+# autopar._util.batch, where the profile's trace reads it too
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -34,25 +41,10 @@ def fsdp_policy(precision: str, *, root: bool) -> Any:
     )
 
 
-def to_fp32_outputs(output: Any) -> Any:
-    """Cast the bf16/fp16 tensors of a model output (tensor, tuple, list, dict, HF ModelOutput) to fp32."""
-    if isinstance(output, torch.Tensor):
-        return output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
-    if isinstance(output, dict):  # includes Hugging Face ModelOutput (an OrderedDict): update in place
-        for key in list(output.keys()):
-            output[key] = to_fp32_outputs(output[key])
-        return output
-    if isinstance(output, tuple) and hasattr(output, "_fields"):  # namedtuple
-        return type(output)(*(to_fp32_outputs(o) for o in output))
-    if isinstance(output, (tuple, list)):
-        return type(output)(to_fp32_outputs(o) for o in output)
-    return output
-
-
 def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
     with torch.autocast(device_type, dtype=dtype):
         output = forward(*args, **kwargs)
-    return to_fp32_outputs(output)
+    return autocast_outputs(output)
 
 
 def apply_autocast(model: nn.Module, *, precision: str, device_type: str) -> None:

@@ -41,7 +41,7 @@ def build_space(probe: Any, *, calibration: Any, allow_train_step: bool, eager: 
     profile = probe.profile
     ranked = search(profile, probe.topology, world_size=probe.world_size, global_batch_size=probe.global_batch_size,
                     variants=dict(probe.variants or {}), calibration=calibration,
-                    allow_train_step=allow_train_step, eager=eager)
+                    allow_train_step=allow_train_step, eager=eager, measured=True)
     feasible = [c for c in ranked if c.feasible][:max_space]
     if not feasible:
         why = "; ".join(f"{n} {r}" for n, r in dropped_reasons(ranked)[:3]) or "no plan was enumerated"

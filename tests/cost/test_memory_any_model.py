@@ -301,14 +301,16 @@ def test_the_compiled_saved_bytes_are_within_15_percent_of_torchs_partitioner(na
     assert ours <= profile.saved_bytes  # inductor recomputes pointwise ops (the GELU, the norms) where that saves
 
 
-def test_attention_neither_causal_nor_masked_is_counted_unfused_when_compiled():
+def test_attention_with_no_mask_to_build_stays_fused_when_compiled():
+    """A plain encoder's attention (not causal, no mask, no Hugging Face mask that compile would build: timm's,
+    Whisper's encoder's) saves what the causal one does compiled: the fused kernel's set, no score matrix
+    (tests/cost/test_memory_compiled_misses.py has the masks torch.compile builds)."""
     x = torch.zeros(2, SEQ, HIDDEN)
     with torch.device("meta"):
         causal = profile_model(_Encoder(True), x, loss_fn=_lora_loss, precision="bf16", warn=False)
         full = profile_model(_Encoder(False), x, loss_fn=_lora_loss, precision="bf16", warn=False)
-    scores = 2 * 4 * SEQ * SEQ  # batch x heads x queries x keys
     extra = [f.compiled_saved_bytes - c.compiled_saved_bytes for f, c in zip(full.blocks, causal.blocks)]
-    assert extra == [4 * scores, 4 * scores]  # bf16 scores and probabilities, 2 bytes each, per layer
+    assert extra == [0, 0] and all(b.compiled_saved_bytes > 0 for b in full.blocks)
     assert [b.saved_bytes for b in full.blocks] == [b.saved_bytes for b in causal.blocks]  # eager: the same kernel
 
 

@@ -39,7 +39,7 @@ def test_records_add_up_to_the_traced_flops_ops_and_bytes(gpt):
 def test_identical_blocks_share_one_group_and_extrapolated_blocks_read_the_last(gpt):
     groups = [g for g in gpt.op_groups if g.where == "blocks"]
     assert sorted(i for g in groups for i in g.blocks) == [0, 1, 2]
-    assert len(groups) <= 3 and {g.where for g in gpt.op_groups} == {"blocks", "before", "after"}
+    assert len(groups) <= 3 and {g.where for g in gpt.op_groups} == {"blocks", "before", "after", "loss"}
     torch.manual_seed(0)
     sample = torch.randint(0, 256, (2, 32))
     p2 = profiled(GPT(GPTConfig(**{**CFG.__dict__, "num_layers": 2})), sample, loss_fn=lm_loss)

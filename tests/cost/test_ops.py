@@ -153,21 +153,26 @@ def test_tensor_parallelism_splits_the_gemms_and_heads_it_splits():
 
 
 def test_compile_fuses_the_memory_bound_chains_of_a_transformer():
+    """Compiled, the blocks' and head's memory-bound chains fuse; the loss (the vocabulary's cross-entropy, outside
+    the model's compiled graph) stays eager."""
     eager, compiled = _predict(8, micro_batch_size=64), _predict(8, micro_batch_size=64, compile=True)
-    assert compiled.memory_s < 0.7 * eager.memory_s
+    assert compiled.memory_s < 0.75 * eager.memory_s
 
 
 def test_compile_does_not_pay_where_nothing_fuses_and_the_step_is_launch_bound():
     """Linear layers without activations at a small batch in fp32 (no autocast casts for compile to fuse): the
-    step is CPU-bound, compile fuses nothing away and its kernels cost more CPU time each (inductor's wrapper)
-    than eager's ops: predicted slower compiled."""
+    step is CPU-bound and compile fuses next to nothing away; at equal host costs a kernel (eager and compiled),
+    compile is predicted to gain less than 10% (the views' host time, a kernel or two of the loss's), where a
+    transformer's fused chains gain more (test_compile_fuses_the_memory_bound_chains_of_a_transformer)."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
     x = torch.randn(4, 256)
     profile = profiled(model, x)
-    eager = predict_profile(profile, autopar.Plan(precision="fp32", micro_batch_size=4), H200, CAL)
-    compiled = predict_profile(profile, autopar.Plan(precision="fp32", micro_batch_size=4, compile=True), H200, CAL)
-    assert eager.time.launch_s > 0 and compiled.step_s > eager.step_s
+    cal = dataclasses.replace(CAL, compiled_kernel_launch_s=CAL.launch_s, backward_launch_s=CAL.launch_s)
+    eager = predict_profile(profile, autopar.Plan(precision="fp32", micro_batch_size=4), H200, cal)
+    compiled = predict_profile(profile, autopar.Plan(precision="fp32", micro_batch_size=4, compile=True), H200, cal)
+    assert eager.time.launch_s > 0 and compiled.time.launch_s > 0
+    assert 0.9 * eager.step_s < compiled.step_s <= eager.step_s
 
 
 def test_the_gemm_shapes_come_from_the_trace_not_from_the_shape_facts():

@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar.cost import Calibration
 from autopar.cost.ops import OpsTime, Rates, TPSplit, _record_time, op_seconds
-from autopar.cost.time import HostCosts, _queued_s
+from autopar.cost.time import HostCosts, _Group, _queued_s
 from autopar.profile.model_profile import OpRecord
 from tests.cost._op_records import watched
 
@@ -71,17 +71,23 @@ def test_a_convolution_on_an_image_s_three_channels_is_misaligned_in_its_forward
         op_seconds(_conv(**stem, c_in=8, backward=True), _rates()), rel=1e-9)
 
 
-def test_compile_prices_attention_neither_causal_nor_masked_as_the_unfused_path():
-    """BERT-like: compiled, the scores go through HBM, so the call costs more than eager's fused kernel and its
-    cost grows with the score matrix; causal attention stays the fused kernel under compile."""
+def test_compile_prices_attention_with_a_mask_only_compile_builds_as_the_unfused_path():
+    """BERT-like (not causal, unmasked eagerly, a mask only torch.compile builds: masked 2): compiled, the scores
+    go through HBM, so the call costs more than eager's fused kernel and its cost grows with the score matrix;
+    causal attention, and attention with no mask to build (timm's, Whisper's encoder's), stay the fused kernel."""
     for backward in (False, True):
-        eager = op_seconds(_attention(backward=backward), _rates())
-        compiled = op_seconds(_attention(backward=backward), _rates(compile=True))
+        eager = op_seconds(_attention(backward=backward, masked=2), _rates())
+        compiled = op_seconds(_attention(backward=backward, masked=2), _rates(compile=True))
         assert compiled > eager
-        longer = op_seconds(_attention(s=1024, b=16, backward=backward), _rates(compile=True))
+        longer = op_seconds(_attention(s=1024, b=16, backward=backward, masked=2), _rates(compile=True))
         assert longer > 1.5 * compiled  # same tokens, twice the keys a query: the traffic doubles
-    causal = _attention(causal=1)
-    assert op_seconds(causal, _rates(compile=True)) == pytest.approx(op_seconds(causal, _rates()), rel=1e-9)
+    for fused in (_attention(causal=1), _attention()):
+        assert op_seconds(fused, _rates(compile=True)) == pytest.approx(op_seconds(fused, _rates()), rel=1e-9)
+
+
+def _groups(ops: tuple, host: HostCosts) -> tuple:
+    """Groups of ops whose launches the host issues at `host`'s costs."""
+    return tuple(_Group(o, host) for o in ops)
 
 
 def test_the_host_launching_a_launch_bound_group_first_in_backward_leaves_the_gpu_waiting():
@@ -92,18 +98,19 @@ def test_the_host_launching_a_launch_bound_group_first_in_backward_leaves_the_gp
     b = OpsTime(compute_forward_s=0.0, compute_backward_s=0.0, launches=2000, backward_launches=1000)
     launch = 1e-3
     total_gpu, total_host = 3.0, 2002 * launch
-    queued = _queued_s((a, b), HostCosts(launch, launch), 1.0)
+    queued = _queued_s(_groups((a, b), HostCosts(launch, launch)), 1.0)
     assert queued > max(total_gpu, total_host)
     # A's forward hides B's forward launches; B's backward launches (1 s) then A's backward GPU time (2 s)
     assert queued == pytest.approx(1.0 + 1.0 + 2.0, rel=1e-3)
     even = OpsTime(compute_forward_s=1.0, compute_backward_s=2.0, launches=10, backward_launches=5)
-    assert _queued_s((even, even), HostCosts(launch, launch), 1.0) == pytest.approx(6.0, rel=1e-9)
+    assert _queued_s(_groups((even, even), HostCosts(launch, launch)), 1.0) == pytest.approx(6.0, rel=1e-9)
 
 
 def test_views_and_weight_casts_are_counted_and_cost_eager_host_time_only():
     """x (8, 16) viewed, transposed and reshaped, times a bf16 round trip of a weight: the views are "view"
     records (no bytes), the casts "weight_cast" records with their bytes; eager they add host time at view_host_s
-    each (and the cast's bytes), compiled nothing."""
+    each (and the cast's bytes); compiled, the views nothing and each cast a kernel of inductor's (its bytes at
+    the fused bandwidth)."""
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16)
     ops = watched(lambda x, w: (x.view(4, 32).reshape(8, 16).t().t() @ w.to(torch.bfloat16).float()), x,
@@ -118,10 +125,13 @@ def test_views_and_weight_casts_are_counted_and_cost_eager_host_time_only():
     t = _record_time(forward, 1.0, TPSplit(), eager, 1.0)
     assert t.views == forward.count and t.launches == 0 and t.compute_s == t.memory_s == 0
     assert _record_time(forward, 1.0, TPSplit(), compiled, 1.0) == OpsTime()
+    cast = _record_time(casts[0], 1.0, TPSplit(), compiled, 1.0)
+    assert cast.launches == 1 and cast.views == 0
+    assert cast.memory_s == pytest.approx(casts[0].bytes / compiled.fused_hbm)
     # the host's queue: views add view_s each to the host's time, none to the GPU's
     group = OpsTime(compute_forward_s=0.0, launches=10, views=1000)
-    assert _queued_s((group,), HostCosts(1e-3, 1e-3, 1e-4, 1e-4), 1.0) == pytest.approx(10 * 1e-3 + 1000 * 1e-4)
-    assert _queued_s((group,), HostCosts(1e-3, 1e-3), 1.0) == pytest.approx(10 * 1e-3)
+    assert _queued_s(_groups((group,), HostCosts(1e-3, 1e-3, 1e-4, 1e-4)), 1.0) == pytest.approx(10 * 1e-3 + 1000 * 1e-4)
+    assert _queued_s(_groups((group,), HostCosts(1e-3, 1e-3)), 1.0) == pytest.approx(10 * 1e-3)
 
 
 def test_a_backward_heavy_launch_bound_step_costs_the_host_less_than_as_many_forward_ops():
@@ -132,13 +142,13 @@ def test_a_backward_heavy_launch_bound_step_costs_the_host_less_than_as_many_for
     forward = OpsTime(launches=n, views=views)
     backward = OpsTime(launches=n, backward_launches=n, views=views, backward_views=views)
     eager = HostCosts.of(CAL, compiled=False)
-    fwd_s, bwd_s = _queued_s((forward,), eager, 1.0), _queued_s((backward,), eager, 1.0)
+    fwd_s, bwd_s = _queued_s(_groups((forward,), eager), 1.0), _queued_s(_groups((backward,), eager), 1.0)
     assert fwd_s == pytest.approx(n * CAL.launch_s + views * CAL.view_host_s)
     assert bwd_s == pytest.approx(n * CAL.backward_launch_s + views * CAL.backward_view_host_s)
     assert bwd_s < fwd_s
     compiled = HostCosts.of(CAL, compiled=True)
-    assert _queued_s((backward,), compiled, 1.0) == pytest.approx(_queued_s((forward,), compiled, 1.0))
+    assert _queued_s(_groups((backward,), compiled), 1.0) == pytest.approx(_queued_s(_groups((forward,), compiled), 1.0))
     # through the whole model: a step whose traced ops are mostly backward spends less host time per op
     heavy = OpsTime(compute_backward_s=0.0, launches=3 * n, backward_launches=2 * n)
     light = OpsTime(compute_backward_s=0.0, launches=3 * n, backward_launches=n)
-    assert _queued_s((heavy,), eager, 1.0) < _queued_s((light,), eager, 1.0)
+    assert _queued_s(_groups((heavy,), eager), 1.0) < _queued_s(_groups((light,), eager), 1.0)

@@ -161,3 +161,28 @@ def test_fsdp_policies():
     assert root.param_dtype is torch.bfloat16 and root.reduce_dtype is torch.float32
     assert root.output_dtype is torch.float32
     assert inner.param_dtype is torch.bfloat16 and inner.reduce_dtype is torch.float32 and inner.output_dtype is None
+
+
+def test_an_output_with_the_models_own_loss_keeps_autocasts_dtypes():
+    """A Hugging Face-like output carrying the loss the model computed comes back as autocast made it (the loss
+    fp32, the logits bf16, as under the user's own autocast); without a loss, every floating output is fp32."""
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+            logits = self.head(x)
+            out = {"logits": logits}
+            if labels is not None:
+                out["loss"] = nn.functional.cross_entropy(logits, labels)  # fp32 under autocast
+            return out
+
+    model = WithLoss()
+    apply_autocast(model, precision="bf16", device_type="cpu")
+    x, labels = torch.randn(4, 8), torch.randint(0, 16, (4,))
+    out = model(x, labels=labels)
+    assert out["logits"].dtype == torch.bfloat16 and out["loss"].dtype == torch.float32
+    plain = model(x)
+    assert plain["logits"].dtype == torch.float32
