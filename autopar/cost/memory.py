@@ -264,13 +264,17 @@ class _Activations:
 
 def _compiled_ratio(b: BlockProfile, plan: Plan, cal: "Calibration") -> float:
     """A block's saved bytes under the plan / eagerly: under torch.compile what inductor's partitioner keeps
-    (the profile's `compiled_saved_bytes`, autopar.profile.remat), or for a profile without it the calibrated
-    ratio (compile_activation_factor); 1 eagerly."""
+    (the profile's `compiled_saved_bytes`, autopar.profile.remat; under per-block compile without the score
+    matrices of attention whose mask only a whole-graph compile builds), or for a profile without it the
+    calibrated ratio (compile_activation_factor); 1 eagerly."""
     if not plan.compile:
         return 1.0
     if b.compiled_saved_bytes is None:
         return cal.compile_activation_factor
-    return b.compiled_saved_bytes / b.saved_bytes if b.saved_bytes else 1.0
+    saved = b.compiled_saved_bytes
+    if plan.uses_fsdp or plan.pp > 1:  # per-block compile: the model builds its masks eagerly, and skips them
+        saved -= b.compiled_unfused_bytes
+    return saved / b.saved_bytes if b.saved_bytes else 1.0
 
 
 def _outside_saved(prof: ModelProfile, plan: Plan, cal: "Calibration") -> float:

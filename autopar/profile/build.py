@@ -237,6 +237,7 @@ def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledS
                      matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
                      selective_saved_bytes=t.selective_bytes[i],
                      num_trainable_params=params.trainable_per_block[i],
-                     compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None)
+                     compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None,
+                     compiled_unfused_bytes=compiled.unfused_attention_bytes[i] if compiled is not None else 0)
         for i, (name, _) in enumerate(units)
     )

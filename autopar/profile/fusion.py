@@ -129,10 +129,11 @@ class FusionModel:
                 self._write(key)
 
     def standalone(self, scope: int) -> None:
-        """A kernel of its own that moves next to nothing: an update of a buffer the step mutates (BatchNorm's
-        running statistics and its count: inductor writes a mutated graph input back in a kernel apart; H200
-        kernel profile of compiled ResNet-50, bench/results/zoo_h200_profile_2026-12-01c.jsonl: 53
-        `add_copy_` kernels, one a BatchNorm)."""
+        """A kernel of its own that moves next to nothing: an update of a buffer the step mutates (inductor writes
+        a mutated graph input back in a kernel apart). Counted once for BatchNorm's `num_batches_tracked` update
+        (H200 kernel profile of compiled ResNet-50, bench/results/zoo_h200_profile_2026-12-01c.jsonl: 53
+        `add_copy_` kernels, one a BatchNorm) and once, assumed, for its running statistics' write-back, which
+        the profile does not isolate (that step ran about 830 kernels; 652 are counted with these)."""
         self.kernels[(scope, self.backward, True)] += 1
 
     def _reduction_kernels(self, where: tuple, outputs_numel: int, reduced: int) -> None:

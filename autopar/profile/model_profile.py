@@ -31,6 +31,8 @@ class BlockProfile:
     num_trainable_params: int | None = None  # of num_params, those that require grad (None: all of them)
     compiled_saved_bytes: int | None = None  # what a torch.compile'd step saves for backward instead of saved_bytes
     #                                          (autopar.profile.remat; None: not partitioned)
+    compiled_unfused_bytes: int = 0  # of compiled_saved_bytes, the score matrices of attention calls whose mask
+    # only a whole-graph compile builds (autopar.profile.hf_masks): none under per-block compile (FSDP, pipelines)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from autopar.cost.memory import predict_memory
 from autopar.exact import exact_memory
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import profile_model
+from tests.cost._attention import TinyAttention
 from tests._convnets import ConvBlock
 
 P = autopar.Plan
@@ -256,22 +257,10 @@ def _aot_saved_bytes(model: nn.Module, sample: torch.Tensor, loss_fn, precision:
     return total
 
 
-class _Attention(nn.Module):
-    def __init__(self, causal: bool) -> None:
-        super().__init__()
-        self.qkv, self.out, self.causal = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN), causal
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, 4, HIDDEN // 4).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return x + self.out(y.transpose(1, 2).reshape(b, s, HIDDEN))
-
-
 class _Encoder(nn.Module):
     def __init__(self, causal: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_Attention(causal) for _ in range(2))
+        self.layers = nn.ModuleList(TinyAttention(HIDDEN, 4, causal) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -11,12 +11,12 @@ import types
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import autopar
 from autopar.cost import Calibration
 from autopar.cost.memory import predict_memory
 from autopar.profile import profile_model
+from tests.cost._attention import TinyAttention
 
 HIDDEN, SEQ, HEADS, BATCH = 64, 32, 4, 2
 MASKING = "transformers.masking_utils"
@@ -43,24 +43,12 @@ _SKIP_524_EXPORTING = _SKIP_524.replace("def is_tracing(tensor=None):", """def i
 def is_tracing(tensor=None):""").replace("not (padding_mask is not None", "not (is_torchdynamo_exporting() or padding_mask is not None")
 
 
-class _Attention(nn.Module):
-    def __init__(self, causal: bool) -> None:
-        super().__init__()
-        self.qkv, self.out, self.causal = nn.Linear(HIDDEN, 3 * HIDDEN), nn.Linear(HIDDEN, HIDDEN), causal
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, HEADS, HIDDEN // HEADS).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
-        return x + self.out(y.transpose(1, 2).reshape(b, s, HIDDEN))
-
-
 class _Encoder(nn.Module):
     """Two attention layers; with `masking`, the mask asked of a masking_utils-like module first (it is skipped)."""
 
     def __init__(self, causal: bool, masking: types.ModuleType | None = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_Attention(causal) for _ in range(2))
+        self.layers = nn.ModuleList(TinyAttention(HIDDEN, HEADS, causal) for _ in range(2))
         self.masking = masking
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,3 +124,19 @@ def test_a_mask_skipped_unless_exporting_is_built_compiling_before_torch_2_14(mo
     before_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
     expected = [4 * SCORES, 4 * SCORES] if before_2_14 else [0, 0]
     assert _extra_over_causal(_masking(_SKIP_524_EXPORTING), monkeypatch) == expected
+
+
+def test_per_block_compile_saves_no_score_matrix_for_a_mask_only_a_whole_graph_builds(monkeypatch):
+    """Under FSDP each block is compiled alone and the mask is built (and skipped) eagerly, outside the graphs:
+    the blocks save what the fused kernel saves; compiled as one graph, the score matrices too."""
+    monkeypatch.setitem(sys.modules, MASKING, _masking(_SKIP_517))
+    with torch.device("meta"):
+        profile = _profile(_Encoder(False, sys.modules[MASKING]))
+    assert [b.compiled_unfused_bytes for b in profile.blocks] == [4 * SCORES, 4 * SCORES]
+    cal = Calibration(context_bytes=0.0, reserve_bytes=0.0, largest_reserve_factor=0.0)
+    plan = {"micro_batch_size": BATCH, "precision": "bf16", "compile": True}
+    whole = predict_memory(profile, autopar.Plan(**plan), cal)
+    per_block = predict_memory(profile, autopar.Plan(**plan, dp_shard=2), cal)
+    fused = sum(b.compiled_saved_bytes - b.compiled_unfused_bytes for b in profile.blocks)
+    assert whole.activations_bytes - per_block.activations_bytes == pytest.approx(8 * SCORES, rel=1e-6)
+    assert per_block.activations_bytes >= fused
