@@ -30,11 +30,18 @@ _TORCH_BEFORE_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2] if x
 
 class CompileMasks:
     """While installed (`installed()`), records whether the model skipped a mask of each kind that
-    torch.compile would build: `causal`, `bidirectional` (booleans, for the rest of the forward)."""
+    torch.compile would build: `causal`, `bidirectional` (booleans, for the rest of the forward); and whether
+    it built one only because the trace's fake tensors count as tracing (`is_tracing` of a padding mask), where a
+    real eager run skips it (an all-ones padding mask) and torch.compile builds it: `eager_skips_causal`,
+    `eager_skips_bidirectional`."""
 
     def __init__(self) -> None:
         self.causal = False
         self.bidirectional = False
+        self.eager_skips_causal = False
+        self.eager_skips_bidirectional = False
+        self.marked: dict[tuple, tuple[int, int]] = {}  # an attention call's (shape, causal, masked) as traced ->
+        # its marks, set by the forward for its backward (autopar.profile.watch)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["CompileMasks"]:
@@ -50,21 +57,27 @@ class CompileMasks:
 
 
 class _Recorder:
-    """One of masking_utils' skip checks, wrapped: the eager answer, and, where it skips, the answer dynamo would
-    give (`is_tracing` true; `is_torchdynamo_exporting` true before torch 2.14)."""
+    """One of masking_utils' skip checks, wrapped: the trace's answer, and the answers dynamo and a real eager
+    run would give (`_skipped`)."""
 
     def __init__(self, masks: CompileMasks, module: Any, original: Any, kind: str) -> None:
         self.masks, self.module, self.original, self.kind = masks, module, original, kind
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         skipped = self.original(*args, **kwargs)
-        if skipped and not self._skipped_compiling(args, kwargs):
+        if skipped and not self._skipped(args, kwargs, compiling=True):
             setattr(self.masks, self.kind, True)
+        elif not skipped and self._skipped(args, kwargs, compiling=False) \
+                and not self._skipped(args, kwargs, compiling=True):
+            setattr(self.masks, f"eager_skips_{self.kind}", True)
         return skipped
 
-    def _skipped_compiling(self, args: tuple, kwargs: dict) -> bool:
-        patched = {"is_tracing": lambda *_a, **_k: True}
-        if _TORCH_BEFORE_2_14:
+    def _skipped(self, args: tuple, kwargs: dict, *, compiling: bool) -> bool:
+        """The check's answer under dynamo (`compiling`: `is_tracing` true, and `is_torchdynamo_exporting`
+        before torch 2.14) or in a real eager run (`is_tracing` false: the padding mask's values are read, from
+        the sample's shadow)."""
+        patched = {"is_tracing": lambda *_a, **_k: compiling}
+        if compiling and _TORCH_BEFORE_2_14:
             patched["is_torchdynamo_exporting"] = lambda *_a, **_k: True
         saved = {name: getattr(self.module, name) for name in patched if hasattr(self.module, name)}
         for name in saved:

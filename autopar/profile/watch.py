@@ -179,6 +179,26 @@ def _named(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**dict(zip(names, args)), **kwargs}
 
 
+def _compile_marks(causal: int, masked: int, a: dict[str, Any], masks: CompileMasks) -> tuple[int, int]:
+    """A forward call's (causal, masked) with the marks of masks only torch.compile builds: causal 2 (a causal
+    call masked compiled), masked 2 (an uncausal one). A call the trace masks with a mask of one head
+    (batch or 1, 1, queries, keys: Hugging Face's padding and causal masks, not a per-head bias) that a real eager
+    run skips (an all-ones padding mask) runs as the eager run does: causal unmasked, or unmasked."""
+    if not masked:
+        if causal and masks.causal:
+            return 2, 0
+        if not causal and masks.bidirectional:
+            return 0, 2
+        return causal, masked
+    mask = next((a[m] for m in ("attn_mask", "attn_bias", "bias") if isinstance(a.get(m), torch.Tensor)), None)
+    if not causal and mask is not None and mask.dim() == 4 and mask.shape[1] == 1:
+        if masks.eager_skips_causal:
+            return 2, 0
+        if masks.eager_skips_bidirectional:
+            return 0, 2
+    return causal, masked
+
+
 def _attention(name: str, a: dict[str, Any], *, backward: bool, masks: CompileMasks) -> tuple:
     """A fused attention kernel's record: (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim, causal, window,
     masked); FLOPs as autopar.profile.flops counts them (the full score matrix). A forward call without a mask
@@ -194,11 +214,14 @@ def _attention(name: str, a: dict[str, Any], *, backward: bool, masks: CompileMa
     window = a.get("window_size_left", a.get("window_size", None))
     window = int(window) if isinstance(window, int) and window >= 0 else 0
     masked = int(any(isinstance(a.get(m), torch.Tensor) for m in ("attn_mask", "attn_bias", "bias")))
-    if not masked and not backward:
-        if causal and masks.causal:
-            causal = 2
-        elif not causal and masks.bidirectional:
-            masked = 2
+    key = (tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv)), causal, masked)
+    if backward:  # as its forward was marked (matched by shape and the kernel's own causality and mask)
+        causal, masked = masks.marked.get(key, (causal, masked))
+    else:
+        marks = _compile_marks(causal, masked, a, masks)
+        if marks != (causal, masked):
+            masks.marked[key] = marks
+        causal, masked = marks
     shape = tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv, causal, window, masked))
     per = (3 * d + 2 * dv) if backward else (d + dv)
     return ("attention", shape, 2.0 * b * hq * sq * sk * per, 0, ())
@@ -243,8 +266,6 @@ class StepWatcher(TorchDispatchMode):
         self._scope_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # forward tensor -> the scope that made it
         self._node_scope: dict[int, int] = {}  # id(autograd node) -> scope
         self._nodes: list[Any] = []  # the labelled nodes, alive so that their ids stay theirs
-        self._compile_masked: dict[tuple, tuple[int, int]] = {}  # (attention shape, causal) whose forward
-        # compile would mask -> its (causal, masked) marks
         self._after_blocks = False
         self._backward_started = False
         self.fusion = FusionModel()
@@ -394,7 +415,6 @@ class StepWatcher(TorchDispatchMode):
                 name, func, args, kwargs, out)
             for i, (kind, shape, flops, grow, dims) in enumerate(records):
                 shape = self._grouped_count(kind, shape, tensors_out)
-                shape = self._compile_mask(kind, shape)
                 self._add(scope, (kind, not self.forward, shape, dtype, grow, dims), flops,
                           moved if i == 0 else 0)
             self.fusion.compute_op(tensors_in)
@@ -414,18 +434,6 @@ class StepWatcher(TorchDispatchMode):
         if kind == "grouped_gemm" and shape[0] == 1 and tensors_out and tensors_out[0].dim() == 3:
             e = int(tensors_out[0].shape[0])
             return (e, shape[1], shape[2], max(1, shape[3] // e))
-        return shape
-
-    def _compile_mask(self, kind: str, shape: tuple) -> tuple:
-        """Attention whose forward torch.compile would mask (causal 2, masked 2): its backward too."""
-        if kind != "attention":
-            return shape
-        if self.forward:
-            if shape[7] == 2 or shape[9] == 2:  # keyed by shape and causality: a causal and an uncausal call
-                self._compile_masked[(shape[:7], min(shape[7], 1))] = (shape[7], shape[9])  # of one shape
-        elif not shape[9] and (shape[:7], shape[7]) in self._compile_masked:
-            causal, masked = self._compile_masked[(shape[:7], shape[7])]
-            return shape[:7] + (causal, shape[8], masked)
         return shape
 
     def _add(self, scope: int, key: tuple, flops: float, nbytes: int) -> None:
