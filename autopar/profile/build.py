@@ -69,6 +69,10 @@ def profile_model(
             notes.append(fallback)
             if warn:
                 warnings.warn("autopar: " + fallback, stacklevel=2)
+        if t.value_reads:
+            notes.append(f"the forward reads tensor values {t.value_reads} time(s) (.item(), `if tensor:`, ops "
+                         "shaped by values): torch.compile breaks its graph there, which the cost model cannot "
+                         "price, so compiled plans are chosen only by measuring them (autopar tune)")
     else:
         t = Trace.untraced(len(units))
         notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")

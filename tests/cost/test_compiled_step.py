@@ -222,6 +222,8 @@ def test_a_forward_that_reads_values_is_offered_no_compiled_plan():
     gated = profile_model(_Gated(), x, warn=False)
     plain = profile_model(_plain(), x, warn=False)
     assert gated.value_reads >= 1 and plain.value_reads == 0
+    assert any("reads tensor values" in n for n in gated.notes) and not any("tensor values" in n for n in plain.notes)
+    assert _compiled_plans(gated, measured=True) > 0  # the tuner measures them
     assert _compiled_plans(gated) == 0 and list(enumerate_plans(gated, H200, world_size=1, global_batch_size=8))
     assert _compiled_plans(plain) > 0
     assert _compiled_plans(gated, eager=False) > 0  # asked for compiled plans only: still offered
