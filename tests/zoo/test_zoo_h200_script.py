@@ -54,6 +54,11 @@ def test_the_script_measures_a_tiny_family_on_cpu_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert len(_records(out)) == 3 and '"already_done": ["mlp"]' in again.stdout
 
+    plans = _run(*args, "--modes", "plan_eager")  # wrap with the plan given: one GPU (here the CPU), bf16, eager
+    assert plans.returncode == 0, plans.stderr[-3000:]
+    (given,) = [r for r in _records(out) if r["mode"] == "plan_eager"]
+    assert given["status"] == "ok" and given["plan_short"] == "1gpu mb4 bf16" and given["step_s"] > 0
+
     table = _run("--report", str(out))
     assert table.returncode == 0, table.stderr[-3000:]
     assert "| mlp | 4 | 1gpu mb4 fp32 |" in table.stdout and "## Misses" in table.stdout
