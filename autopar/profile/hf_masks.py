@@ -42,6 +42,7 @@ class CompileMasks:
         self.eager_skips_bidirectional = False
         self.marked: dict[tuple, tuple[int, int]] = {}  # an attention call's (shape, causal, masked) as traced ->
         # its marks, set by the forward for its backward (autopar.profile.watch)
+        self.shadows: Any = None  # the trace's InputShadows: the value reads of these questions are not the model's
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["CompileMasks"]:
@@ -80,10 +81,15 @@ class _Recorder:
         if compiling and _TORCH_BEFORE_2_14:
             patched["is_torchdynamo_exporting"] = lambda *_a, **_k: True
         saved = {name: getattr(self.module, name) for name in patched if hasattr(self.module, name)}
+        reads = getattr(self.masks.shadows, "reads", None)
         for name in saved:
             setattr(self.module, name, patched[name])
         try:
             return bool(self.original(*args, **kwargs))
+        except Exception:  # a value it cannot read (no shadow): the mask is built
+            return False
         finally:
             for name, value in saved.items():
                 setattr(self.module, name, value)
+            if reads is not None:  # the padding mask's values read for this question: not a read of the model's
+                self.masks.shadows.reads = reads

@@ -115,6 +115,7 @@ class StepTrace:
         self.watcher = StepWatcher({storage_key(t) for t in self.state.values()},
                                    {tuple(t.shape) for t in self.state.values() if t.dim() >= 2},
                                    len(units), self.running_block)
+        self.watcher.compile_masks.shadows = self.shadows  # its questions' value reads are not the model's
         self._block_of = {id(m): i for i, (_, m) in enumerate(units)}
         self._stack: list[int] = []  # blocks whose forward is running, innermost last
         self._finished = 0  # blocks whose forward has finished (outermost calls)

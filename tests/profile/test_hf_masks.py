@@ -108,3 +108,4 @@ def test_a_hugging_face_encoder_given_an_all_ones_mask_is_marked_both_ways():
     profile = profile_model(model, sample, precision="bf16", warn=False)
     marks = {(r.backward, r.shape[7], r.shape[9]) for g in profile.op_groups for r in g.ops if r.kind == "attention"}
     assert marks == {(False, 0, 2), (True, 0, 2)}
+    assert profile.value_reads == 0  # the mask checks' reads of the padding mask are autopar's, not the model's
