@@ -2,7 +2,8 @@
 are weights, kernel launches, memory-bound bytes, what selective checkpointing keeps, and every op by kind,
 shape and dtype (OpRecords: GEMMs, convolutions, attention, grouped GEMMs, memory-bound ops), in the block
 that ran it, forward and backward, with what torch.compile's fusion would leave of the memory-bound work
-(FusionModel); and storage_key, the identity of a tensor's storage the trace counts by."""
+(autopar.profile.fusion's FusionModel), and attention marked with the masks only a compiled run builds
+(autopar.profile.hf_masks)."""
 
 from __future__ import annotations
 
