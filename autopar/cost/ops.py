@@ -288,7 +288,8 @@ def _unfused_attention_s(shape: list[float], backward: bool, rates: Rates) -> fl
     bf16, unpadded). Forward: S = Q K^T (bf16), O = P V (fp32); backward: dP = dO V^T, dV = P^T dO, dK = dS^T Q
     (bf16), dQ = dS K (fp32). bf16 GEMMs at their shapes' rates (misaligned_gemm_factor where a dimension is not
     a multiple of 8: inductor does not pad these); fp32 ones at math_attention_fp32_efficiency of the fp32 peak
-    times their 128-row tiles' fill; the scores' traffic (math_attention_bytes_*) at inductor's fused
+    times their 128-row tiles' fill; the scores' traffic (math_attention_bytes_*: fp32 as they move between
+    the kernels; what the step saves of them for backward is bf16, autopar.profile.remat) at inductor's fused
     bandwidth."""
     b, h, _, sq, sk, d, dv = shape[:7]
     bh = b * h

@@ -272,8 +272,9 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         memory = total.memory_s * per_memory
         block_forward = (work.blocks.compute_forward_s * n_micro, work.blocks.memory_forward_s * per_memory)
         # Launches: CPU time per kernel of every micro-batch: eager, every traced op (launch_s forward,
-        # backward_launch_s backward); compiled, the compute ops and the fused kernels (compiled_kernel_launch_s);
-        # seconds.
+        # backward_launch_s backward); compiled, the compute ops (SDPA's math path: its GEMMs and softmax kernels),
+        # the fused kernels and the weights' casts (compiled_kernel_launch_s); each group at its own costs (the
+        # loss eager); seconds.
         # Eager, the ops that launch no kernel (views) cost host time too (view_host_s each); the backward's
         # kernels and views, issued by autograd's C++ engine, cost backward_launch_s and backward_view_host_s.
         launch_total = work.host_s() * n_micro
