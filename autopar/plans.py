@@ -190,6 +190,13 @@ class Plan:
         return self.dp_size > 1 or self.cpu_offload or self.tp > 1
 
     @property
+    def compiles_whole_model(self) -> bool:
+        """Whether torch.compile compiles the whole model's forward as one graph (one process' plain model);
+        under FSDP or a pipeline, whose hooks wrap the blocks, each block is compiled alone and the rest runs
+        eagerly (autopar.strategies.apply)."""
+        return self.compile and not self.uses_fsdp and self.pp == 1
+
+    @property
     def needs_train_step(self) -> bool:
         """Whether the step must be driven by `autopar.train_step` (a plain loop cannot run this plan)."""
         return self.pp > 1 or self.grad_accum > 1

@@ -61,3 +61,20 @@ def plan_from_short(short: str) -> dict:
         elif tok in ("bf16", "fp32"):
             kw["precision"] = tok
     return kw
+
+
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
+    ("gemm", ("triton_tem_",)),  # inductor's GEMM templates (max-autotune)
+    ("fused", ("triton_",)),  # inductor's generated kernels, whatever ops their names list
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("memcpy", ("memcpy", "memset")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("conv", ("fprop", "dgrad", "wgrad", "conv", "implicit", "nchwtonhwc", "nhwctonchw")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul", "splitk", "gemv")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """A CUDA kernel's kind by its name; "memory_bound" for the rest (eager elementwise, reductions, norms)."""
+    n = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "memory_bound")

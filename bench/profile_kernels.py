@@ -21,20 +21,7 @@ import time
 import torch
 
 import autopar
-from bench._common import MODELS, build
-
-
-def kind(name: str) -> str:
-    n = name.lower()
-    if any(s in n for s in ("flash", "fmha", "attention", "attn")):
-        return "attention"
-    if any(s in n for s in ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul", "splitk")):
-        return "gemm"
-    if any(s in n for s in ("adam", "multi_tensor", "foreach")):
-        return "optimizer"
-    if "memcpy" in n or "memset" in n:
-        return "memcpy"
-    return "memory_bound"
+from bench._common import MODELS, build, kernel_kind
 
 
 def one(name: str, mb: int, precision: str, compile_: bool) -> dict:
@@ -69,7 +56,7 @@ def one(name: str, mb: int, precision: str, compile_: bool) -> dict:
             t = getattr(e, "cuda_time_total", 0)
         if not t or getattr(e, "device_type", None) not in (None, torch.autograd.DeviceType.CUDA):
             continue
-        k = kind(e.key)
+        k = kernel_kind(e.key)
         by_kind[k] += t / 1e6
         count[k] += e.count
         top[e.key[:90]] += t / 1e6

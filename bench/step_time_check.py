@@ -32,11 +32,8 @@ from autopar.planning import calibration_for, profile_variants
 from autopar.profile import find_blocks
 from autopar.profile.trace import StepTrace
 from bench._common import PLAN_KEYS, RESULTS, build, plan_from_short, token_batch
+from bench.zoo_h200 import ONE_GPU_MODES
 
-
-
-# bench/zoo_h200.py's modes of one GPU, bf16, micro-batch = the batch: by hand, and the same plans under wrap
-_EAGER_MODES, _COMPILED_MODES = ("hand", "plan_eager"), ("hand_compile", "plan_compile")
 
 def with_op_records(profile: autopar.ModelProfile, model: torch.nn.Module, sample: Any, *, loss_fn: Any = None
                     ) -> autopar.ModelProfile:
@@ -149,7 +146,7 @@ def check_zoo_measured(path: str) -> list[str]:
     errs = []
     for line in open(path):
         rec = json.loads(line)
-        if rec.get("status") != "ok" or rec.get("mode") not in (*_EAGER_MODES, *_COMPILED_MODES):
+        if rec.get("status") != "ok" or rec.get("mode") not in ONE_GPU_MODES:
             continue
         name = rec["family"]
         f = family(name)
@@ -169,7 +166,7 @@ def check_zoo_measured(path: str) -> list[str]:
             continue
         profile, variants = traces[name]
         topo = autopar.Topology.from_spec("1xH200")
-        plan = autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=rec["mode"] in _COMPILED_MODES)
+        plan = autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=ONE_GPU_MODES[rec["mode"]])
         pred = predict_profile(profile, plan, topo, calibration_for(topo), variants=variants)
         err = pred.step_s / rec["step_s"] - 1
         errs.append(err)

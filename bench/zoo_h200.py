@@ -43,15 +43,19 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import autopar
 from autopar.planning import calibration_for, profile_variants, short_name
+from bench._common import kernel_kind
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import read_records, report
 
 MODES = ("hand", "hand_compile", "wrap", "plan_eager", "plan_compile")
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
 PLAN_MODES = {"plan_eager": False, "plan_compile": True}  # mode: compiled
+# the modes that run one GPU's bf16 plan at the family's batch: mode -> compiled
+ONE_GPU_MODES = {"hand": False, "hand_compile": True, **PLAN_MODES}
 STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
 GiB = 2**30
 
@@ -189,23 +193,6 @@ def time_steps(step: Step, opts: Options) -> dict[str, Any]:
     return out
 
 
-KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name), first match wins
-    ("gemm", ("triton_tem_",)),  # inductor's GEMM templates (max-autotune)
-    ("fused", ("triton_",)),  # inductor's generated kernels, whatever ops their names list
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
-    ("memcpy", ("memcpy", "memset")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
-    ("conv", ("fprop", "dgrad", "wgrad", "conv", "implicit", "nchwtonhwc", "nhwctonchw")),
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "sm90", "cublas", "matmul", "splitk", "gemv")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    """A CUDA kernel's kind by its name; "memory_bound" for the rest (eager elementwise, reductions, norms)."""
-    n = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "memory_bound")
-
-
 def _busy_s(intervals: list[tuple[float, float]]) -> float:
     """Seconds of the union of (start, end) intervals in microseconds: the time some kernel ran."""
     busy, end = 0.0, float("-inf")
@@ -221,8 +208,6 @@ def kernels_of(step: Step, num_steps: int) -> dict[str, Any]:
     """Where `num_steps` more steps' GPU time goes (torch.profiler, CUDA activity only), per step: seconds and
     kernels by kind (kernel_kind), the seconds some kernel ran (busy_s: the step's wall time less this is the
     GPU waiting for the host), and the 12 longest kernels (name, seconds, count)."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
@@ -397,7 +382,7 @@ class Measurement:
         return None
 
     def _hand(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
-        compiled = mode == "hand_compile"
+        compiled = ONE_GPU_MODES[mode]
         if self.opts.hand_predictions:
             rec.update(self.predictor.fields(hand_plan(rec["batch"], compiled=compiled)))
         rec["plan_short"] = short_name(hand_plan(rec["batch"], compiled=compiled))

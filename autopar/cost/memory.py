@@ -272,7 +272,7 @@ def _compiled_ratio(b: BlockProfile, plan: Plan, cal: "Calibration") -> float:
     if b.compiled_saved_bytes is None:
         return cal.compile_activation_factor
     saved = b.compiled_saved_bytes
-    if plan.uses_fsdp or plan.pp > 1:  # per-block compile: the model builds its masks eagerly, and skips them
+    if not plan.compiles_whole_model:  # per-block compile: the model builds its masks eagerly, and skips them
         saved -= b.compiled_unfused_bytes
     return saved / b.saved_bytes if b.saved_bytes else 1.0
 

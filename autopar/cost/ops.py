@@ -68,7 +68,7 @@ class Rates:
         peak = device.peak_flops("bf16" if bf16 else "fp32")
         conv_peak = peak if bf16 or not device.supports("tf32") else device.peak_flops("tf32")
         return cls(bf16=bf16, fp32_weights=bf16 and not plan.uses_fsdp and trace_precision == "bf16-pure", compiled=plan.compile,
-                   whole_graph=plan.compile and not plan.uses_fsdp and plan.pp == 1, peak=peak, conv_peak=conv_peak,
+                   whole_graph=plan.compiles_whole_model, peak=peak, conv_peak=conv_peak,
                    fp32_peak=device.peak_flops("fp32"),
                    gemm_eff=cal.matmul_efficiency * arch.efficiency_ratio,
                    gemm_half=cal.matmul_half_width * arch.half_width_ratio,
@@ -180,10 +180,10 @@ def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffi
         return OpsTime(memory_backward_s=seconds, launches=r.count, backward_launches=r.count) if r.backward else \
             OpsTime(memory_forward_s=seconds, launches=r.count)
     if r.kind in ("view", "weight_cast"):
-        if rates.compiled:  # inductor's graph runs no views
+        if rates.compiled:  # a view: inductor's graph runs none (a weight cast compiled: above)
             return OpsTime()
-        # a view: host time only; autocast's cast of a weight (issued by the dispatcher, no Python: host time as a
-        # view's) and its bytes, once per micro-batch
+        # eager, a view: host time only; autocast's cast of a weight (issued by the dispatcher, no Python: host
+        # time as a view's) and its bytes, once per micro-batch
         seconds = r.bytes * traffic_scale / rates.hbm
         return OpsTime(memory_backward_s=seconds, views=r.count, backward_views=r.count) if r.backward else \
             OpsTime(memory_forward_s=seconds, views=r.count)

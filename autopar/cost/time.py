@@ -127,7 +127,7 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
     blocks, first, last = stage
     scale = plan.micro_batch_size / prof.sample_batch_size
     inside, outside = _tp_splits(profile, plan.tp)
-    whole = plan.compile and not plan.uses_fsdp and plan.pp == 1
+    whole = plan.compiles_whole_model
     modes = {compiled: (Rates.of(topology.device, replace(plan, compile=compiled), cal,
                                  trace_precision=prof.profile_precision), HostCosts.of(cal, compiled),
                         1.0 if compiled else cal.eager_traffic_factor)

@@ -28,6 +28,7 @@ _PERSISTENT_RNUMEL = 1024  # a row reduction of at most this many elements runs 
 _SPLIT_OUTPUTS = 132 * 2 * 32  # fewer outputs than this over a reduction of more than 32 elements: a split
 # reduction, two kernels (num_splits: numel_hint < num_sm * 2 * 32); elements
 
+
 def storage_key(t: torch.Tensor) -> Any:
     """The identity of `t`'s storage: views of one tensor share it."""
     return StorageWeakRef(t.untyped_storage())

@@ -35,14 +35,15 @@ class CompileMasks:
     real eager run skips it (an all-ones padding mask) and torch.compile builds it: `eager_skips_causal`,
     `eager_skips_bidirectional`."""
 
-    def __init__(self) -> None:
+    def __init__(self, shadows: Any = None) -> None:
+        """`shadows`: the trace's InputShadows, whose value reads these questions make are not the model's."""
         self.causal = False
         self.bidirectional = False
         self.eager_skips_causal = False
         self.eager_skips_bidirectional = False
         self.marked: dict[tuple, tuple[int, int]] = {}  # an attention call's (shape, causal, masked) as traced ->
         # its marks, set by the forward for its backward (autopar.profile.watch)
-        self.shadows: Any = None  # the trace's InputShadows: the value reads of these questions are not the model's
+        self.shadows = shadows
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["CompileMasks"]:

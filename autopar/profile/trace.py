@@ -15,11 +15,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._util.batch import default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs, autocast_outputs
+from .._util.batch import autocast_outputs, default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs
 from ..errors import ProfileError, TraceError
 from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
+from .hf_masks import CompileMasks
 from .model_profile import MatmulCall, OpGroup
 from .shadow import InputShadows
 from .watch import StepWatcher, storage_key
@@ -95,9 +96,7 @@ class StepTrace:
 
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str) -> None:
-        self.model, self.units, self.loss_fn = model, units, loss_fn
-        self.fp32_outputs = precision != "fp32"  # a bf16 plan's model returns its floating outputs in fp32
-        self.pure = precision == "bf16-pure"  # under FSDP (its output dtype: every output), else autocast's
+        self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
@@ -114,8 +113,7 @@ class StepTrace:
         self.flop_counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
         self.watcher = StepWatcher({storage_key(t) for t in self.state.values()},
                                    {tuple(t.shape) for t in self.state.values() if t.dim() >= 2},
-                                   len(units), self.running_block)
-        self.watcher.compile_masks.shadows = self.shadows  # its questions' value reads are not the model's
+                                   len(units), self.running_block, compile_masks=CompileMasks(self.shadows))
         self._block_of = {id(m): i for i, (_, m) in enumerate(units)}
         self._stack: list[int] = []  # blocks whose forward is running, innermost last
         self._finished = 0  # blocks whose forward has finished (outermost calls)
@@ -154,8 +152,7 @@ class StepTrace:
                     output = functional_call(self.model, self.state, args, kwargs, tie_weights=True, strict=False)
                     self.watcher.in_loss = True
                     self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
-                    if self.fp32_outputs:  # as wrap returns them (its autocast, FSDP's output dtype): in the loss
-                        output = to_fp32_outputs(output) if self.pure else autocast_outputs(output)
+                    output = _as_returned(output, self.precision)  # in the loss's scope
                     loss = self.loss_fn(output, self.sample) if self.loss_fn is not None else default_loss(output)
             forward_flops = float(self.flop_counter.get_total_flops())
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -308,6 +305,15 @@ def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.devic
             memo[id(t)] = fake
         out[name] = memo[id(t)]
     return out
+
+
+def _as_returned(output: Any, precision: str) -> Any:
+    """The model's output as a plan in `precision` returns it: under FSDP's mixed precision ("bf16-pure") every
+    floating output in fp32 (its output dtype), under autocast ("bf16") as autopar's autocast wrapper returns it
+    (autocast_outputs), in fp32 as it is."""
+    if precision == "fp32":
+        return output
+    return to_fp32_outputs(output) if precision == "bf16-pure" else autocast_outputs(output)
 
 
 def _fake_sample(sample: Any, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None,

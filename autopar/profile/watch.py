@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .flops import fp32_grouped_mm, matmul_ops
-from .hf_masks import CompileMasks
 from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbytes, reduction_loops,
                      storage_key)
+from .hf_masks import CompileMasks
 from .model_profile import OpGroup, OpRecord
 
 BEFORE, AFTER, LOSS = -1, -2, -3  # scopes of ops outside the blocks: before the first block runs, the rest of the
@@ -248,14 +248,15 @@ class StepWatcher(TorchDispatchMode):
     reads a tensor it made). `forward` is set False by the trace before backward."""
 
     def __init__(self, param_storages: set[Any], param_shapes: set[tuple[int, ...]], num_blocks: int,
-                 running_block: Callable[[], int | None]) -> None:
+                 running_block: Callable[[], int | None], *, compile_masks: CompileMasks | None = None) -> None:
         super().__init__()
         self.param_shapes = param_shapes  # an op whose every output has a parameter's shape works on weights
         self.weight_storages = set(param_storages)
         self.running_block = running_block
         self.forward = True
         self.in_loss = False  # set by the trace once the model's forward has returned: the loss's ops
-        self.compile_masks = CompileMasks()  # the trace's: which masks torch.compile would build (hf_masks)
+        # which masks torch.compile would build (autopar.profile.hf_masks), the trace's
+        self.compile_masks = compile_masks if compile_masks is not None else CompileMasks()
         self.largest_bytes, self.largest_op = 0, "none"
         self.num_ops = 0
         self.traffic_bytes = 0
@@ -297,10 +298,10 @@ class StepWatcher(TorchDispatchMode):
     def _count_unallocated(self, func: Any, scope: int, tensors_in: list[torch.Tensor],
                            tensors_out: list[torch.Tensor], inputs: list[Any], from_weights: bool) -> None:
         """An op that allocates no activation, as a record: a cast of the weights alone (autocast's bf16 copies,
-        a kernel each, issued by the dispatcher: no Python) as "weight_cast" traffic (paid once per micro-batch,
-        fused away compiled); an in-place op (a kernel) as its
-        memory-bound kind, its operands read and written; a view, reshape, transpose or expand as a "view"
-        (host time only). The trace's own calls are left out: prim ops (tensor.device) and detach (its
+        a kernel each, issued by the dispatcher: no Python) as "weight_cast" traffic (paid once per micro-batch;
+        compiled, a kernel of inductor's each); an in-place op (a kernel) as its memory-bound kind, its operands
+        read and written (a buffer's update, a standalone kernel compiled too); a view, reshape, transpose or
+        expand as a "view" (host time only). The trace's own calls are left out: prim ops (tensor.device) and detach (its
         saved-tensor hooks)."""
         name = func.overloadpacket.__name__
         if func.namespace == "prim" or name in ("detach", "alias"):

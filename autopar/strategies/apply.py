@@ -156,7 +156,7 @@ def apply_plan(
     #    (in step 8, after the move and before autocast, which then wraps the compiled forward from outside).
     use_fsdp = plan.uses_fsdp
     compiled: list[str] = []
-    if plan.compile and (use_fsdp or runtime is not None):
+    if plan.compile and not plan.compiles_whole_model:  # FSDP's or the pipeline's hooks wrap the blocks
         compiled = apply_compile(model, blocks, per_block=True, backend=compile_backend)
     # 6. FSDP2 (over a one-process mesh when CPU offload is asked for on a single process).
     if use_fsdp:
@@ -217,7 +217,7 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
         # from outside, as `with torch.autocast(...): compiled(x)` does (on an H200, torch 2.11, compiled BERT with
         # autocast entered inside the compiled call held 6.3 GiB more and ran 25% slower than this order:
         # bench/results/zoo_h200_2026-12-01.jsonl, wrap against hand_compile)
-        if plan.compile and runtime is None:
+        if plan.compiles_whole_model:
             compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
         if runtime is None:
             apply_autocast(model, precision=plan.precision, device_type=device.type)

@@ -32,12 +32,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._util.batch import split_sample
+from .._util.batch import split_sample, to_fp32_outputs
 from ..errors import PlanError
 from ..layout import MULTI_STAGE, block_costs, check_pipeline, split_stages, stage_ids  # noqa: F401 (re-exported)
 from ..plans import Plan
 from ..profile import ModelProfile
-from .precision import to_fp32_outputs
 
 # ---------------------------------------------------------------------------------------------------
 # Running one stage of the user's model

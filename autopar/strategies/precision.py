@@ -16,10 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .._util.batch import autocast_outputs, to_fp32_outputs
-
-__all__ = ["DTYPES", "apply_autocast", "compute_dtype", "fsdp_policy", "to_fp32_outputs"]  # to_fp32_outputs: from
-# autopar._util.batch, where the profile's trace reads it too
+from .._util.batch import autocast_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

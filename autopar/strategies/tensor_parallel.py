@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..errors import PlanError
 from ..layout import TPPair, outside_inputs, pairs_from_calls
 from ..profile import ModelProfile, is_matmul_layer
+from .fsdp import unshardable_params
 
 # Attributes of an attention module that count heads or head-sized widths; under TP each rank holds
 # 1/tp of them, so they are divided where a module keeps them (e.g. GPT-2's `split_size`).
@@ -257,7 +258,7 @@ def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | No
 
 
 def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str | None:
-    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    scalars = [n for n, _ in unshardable_params(model)]
     if scalars:
         return (f"tensor parallelism would leave the 0-d parameter{'s' if len(scalars) > 1 else ''} "
                 f"{', '.join(scalars[:3])} of {profile.model_class} a plain tensor beside the tensor-parallel "

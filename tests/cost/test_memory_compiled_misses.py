@@ -16,6 +16,7 @@ import autopar
 from autopar.cost import Calibration
 from autopar.cost.memory import predict_memory
 from autopar.profile import profile_model
+from autopar.profile.hf_masks import _TORCH_BEFORE_2_14
 from tests.cost._attention import TinyAttention
 
 HIDDEN, SEQ, HEADS, BATCH = 64, 32, 4, 2
@@ -121,8 +122,7 @@ def test_a_mask_skipped_unless_exporting_is_built_compiling_before_torch_2_14(mo
     """transformers 5.24 skips the mask only when not exporting either, and dynamo answers
     `torch.compiler.is_exporting()` True before torch 2.14 (pytorch#176499): there the call runs unfused
     compiled; from 2.14 on it stays fused."""
-    before_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 14)
-    expected = [4 * SCORES, 4 * SCORES] if before_2_14 else [0, 0]
+    expected = [4 * SCORES, 4 * SCORES] if _TORCH_BEFORE_2_14 else [0, 0]
     assert _extra_over_causal(_masking(_SKIP_524_EXPORTING), monkeypatch) == expected
 
 

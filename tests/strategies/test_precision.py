@@ -11,7 +11,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
-from autopar.strategies.precision import apply_autocast, compute_dtype, fsdp_policy, to_fp32_outputs
+from autopar._util.batch import to_fp32_outputs
+from autopar.strategies.precision import apply_autocast, compute_dtype, fsdp_policy
 
 CFG = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=64, num_heads=4)
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention_for_cpu"}
