@@ -60,7 +60,7 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
             continue
         try:
             out[precision] = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
-                                           precision=precision)
+                                           precision=precision, graphs=False)  # the search reads the profile's
         except TraceError:  # e.g. autocast keeps fp32 weights, and the model casts its input to them
             continue
     return out

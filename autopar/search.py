@@ -192,12 +192,13 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # (bench/results/zoo_h200_2026-12-01.jsonl), so the prediction decides between the two.
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
     compiles = ([False, True] if eager else [True]) if topology.is_gpu and compile_available else [False]
-    if eager and not measured and profile.value_reads:
+    if eager and not measured and (profile.value_reads or profile.graph_breaks):
         # A forward that reads tensor values (`.item()`, `if tensor:`, ops shaped by values) breaks
         # torch.compile's graph there, and how often the pieces run (per layer, per step) is not in the trace:
         # the compiled step cannot be predicted, so it is not chosen blindly (compiled wav2vec2 ran 0.81-0.86x
-        # its eager speed on an H200: bench/results/zoo_h200_profile_2026-12-01c.jsonl). `eager=False` and the
-        # tuner (`measured`: it runs them) still get them.
+        # its eager speed on an H200: bench/results/zoo_h200_profile_2026-12-01c.jsonl). So does a forward that
+        # dynamo itself cuts into several graphs (`profile.graph_breaks`, autopar.profile.graphs). `eager=False`
+        # and the tuner (`measured`: it runs them) still get them.
         compiles = [False]
     blocks = len(profile.blocks)
     fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}

@@ -152,12 +152,20 @@ class Calibration:
     view_host_s: float = 2.5e-6  # CPU time per forward op that launches no kernel: views, reshapes, transposes,
     # expands (the trace's "view" records) and autocast's weight casts ("weight_cast"); seconds; the joint fit above
     backward_view_host_s: float = 1.75e-6  # the same per backward view (0.7 x view_host_s); seconds; the joint fit
-    compiled_kernel_launch_s: float = 34.5e-6  # CPU time per kernel of a compiled step (compute ops, the fused
+    # Compiled host time: the two below are fitted together (grid: 12-20 us x 0-60 us) to the compiled steps the
+    # host bounds (objective: mean squared log error): bench/results/zoo_h200_wrap_2026-12-01d.jsonl's Swin-T
+    # (19.3 ms, GPU busy 14.0) and CLIP ViT-B/32 (31.6 ms, busy 22.6), ResNet-50 (Hugging Face's 24.7 ms and
+    # torchvision's 20.3 ms of the same network, busy 11.3: their mean for the one trace) and ConvNeXt-T (19.7 ms):
+    # at 20 / 40 us -1%, +7%, -6%, -10% (34.5 / 0 us before: +56%, +79%, +8%, +17%); the compiled steps the GPU
+    # bounds (ViT-B, BERT, GPT-2 at batch 16) hardly move. A miss kept: GPT-2-355M at one sample a micro-batch
+    # (35.0 ms a micro-batch for 1195 counted kernels, tune_h200_2026-11-29.jsonl) needs 29 us a kernel
+    compiled_kernel_launch_s: float = 20e-6  # CPU time per kernel of a compiled step (compute ops, the fused
     # kernels autopar.profile.fusion.FusionModel counts, a kernel per weight cast: inductor's Python wrapper, the
-    # launch, autograd, guards); seconds; H200 host, measured on CPU-bound compiled steps: Hugging Face ResNet-50 at
-    # batch 64 (26.5 ms, GPU busy 11.3 ms, 652 kernels counted: 40.6 us; bench/results/zoo_h200_profile_2026-12-01c
-    # .jsonl) and GPT-2-355M at one sample a micro-batch (35.0 ms a micro-batch, 1195 kernels: 29.3 us;
-    # tune_h200_2026-11-29.jsonl): their geometric mean, each within 18%
+    # launch, autograd, guards); seconds; H200 host, the fit above (the profiler's own count on CLIP: 16.6 ms in
+    # its two graphs for 1769 kernels, 9.4 us each, plus the step's per-parameter work outside them)
+    conv_host_s: float = 40e-6  # CPU time per convolution call beyond its kernel launch: cuDNN's own (the frontend's
+    # plan lookup and execute), eager or compiled; seconds; the fit above; prior: PyTorch PR #51390 timed one small
+    # convolution through cuDNN's v8 API at 52 us of host time a call
     compile_launch_factor: float = 0.55  # without op records only: CPU time per traced op compiled / eager; ratio;
     # the same runs compiled (18-23 us per traced op)
     comm_efficiency: float = 0.75  # NCCL bus bandwidth / NVLink bandwidth in a node; ratio; nccl-tests (H100/H200:

@@ -119,6 +119,8 @@ class OpsTime:
     # views, reshapes, transposes; and "weight_cast": autocast's weight copies), at Calibration.view_host_s each;
     # none compiled
     backward_views: float = 0.0  # the backward's share of `views`
+    convs: float = 0.0  # convolution calls (cuDNN's), of `launches`: at Calibration.conv_host_s more each
+    backward_convs: float = 0.0  # the backward's share of `convs`
 
     def __add__(self, other: "OpsTime") -> "OpsTime":
         return OpsTime(*(a + b for a, b in zip(self._values(), other._values())))
@@ -132,7 +134,8 @@ class OpsTime:
 
     def _values(self) -> tuple[float, ...]:
         return (self.compute_forward_s, self.compute_backward_s, self.memory_forward_s, self.memory_backward_s,
-                self.launches, self.backward_launches, self.views, self.backward_views)
+                self.launches, self.backward_launches, self.views, self.backward_views, self.convs,
+                self.backward_convs)
 
     @property
     def compute_s(self) -> float:
@@ -170,8 +173,10 @@ def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffi
         seconds = r.count * _compute_s(r.kind, shape, flops / r.count, nbytes / r.count, r.batch_dim, rates,
                                        r.backward, fp32)
         launches = float(r.count) * (_MATH_KERNELS[r.backward] if _math_attention(r.kind, shape, rates) else 1)
-        return OpsTime(compute_backward_s=seconds, launches=launches, backward_launches=launches) if r.backward else \
-            OpsTime(compute_forward_s=seconds, launches=launches)
+        convs = float(r.count) if r.kind == "conv" else 0.0
+        return OpsTime(compute_backward_s=seconds, launches=launches, backward_launches=launches, convs=convs,
+                       backward_convs=convs) if r.backward else \
+            OpsTime(compute_forward_s=seconds, launches=launches, convs=convs)
     if r.kind == "weight_cast" and rates.compiled:
         # compiled, autocast's cast of a weight is a kernel of inductor's (its output feeds an extern GEMM, so it
         # fuses into nothing): its bytes at the fused bandwidth, a launch each (H200 kernel profiles,

@@ -162,20 +162,23 @@ class HostCosts:
     backward_launch_s: float  # per backward kernel (eager: backward_launch_s; compiled: the same as forward)
     view_s: float = 0.0  # per forward view (eager: view_host_s; none compiled); seconds
     backward_view_s: float = 0.0  # per backward view (eager: backward_view_host_s); seconds
+    conv_s: float = 0.0  # per convolution call, beyond its launch (cuDNN's own host work, eager or compiled); seconds
 
     @classmethod
     def of(cls, cal: Calibration, compiled: bool) -> "HostCosts":
         """Compiled, inductor's Python wrapper launches the kernels of both graphs (the backward's from the
         compiled autograd function), so one cost a kernel both ways."""
         if compiled:
-            return cls(cal.compiled_kernel_launch_s, cal.compiled_kernel_launch_s)
-        return cls(cal.launch_s, cal.backward_launch_s, cal.view_host_s, cal.backward_view_host_s)
+            return cls(cal.compiled_kernel_launch_s, cal.compiled_kernel_launch_s, conv_s=cal.conv_host_s)
+        return cls(cal.launch_s, cal.backward_launch_s, cal.view_host_s, cal.backward_view_host_s, cal.conv_host_s)
 
     def forward_s(self, t: OpsTime) -> float:
-        return (t.launches - t.backward_launches) * self.launch_s + (t.views - t.backward_views) * self.view_s
+        return (t.launches - t.backward_launches) * self.launch_s + (t.views - t.backward_views) * self.view_s \
+            + (t.convs - t.backward_convs) * self.conv_s
 
     def backward_s(self, t: OpsTime) -> float:
-        return t.backward_launches * self.backward_launch_s + t.backward_views * self.backward_view_s
+        return t.backward_launches * self.backward_launch_s + t.backward_views * self.backward_view_s \
+            + t.backward_convs * self.conv_s
 
 
 def _queued_s(order: tuple[_Group, ...], memory_scale: float) -> float:

@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .._util.batch import first_tensor, sample_batch_size
 from ..errors import ProfileError, TraceError
 from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
+from .graphs import dynamo_graphs
 from .model_profile import BlockProfile, ModelProfile, model_fingerprint
 from .remat import CompiledSaved, CompiledSavedProbe
 from .trace import StepTrace, Trace, Units
@@ -33,6 +34,7 @@ def profile_model(
     precision: str = "fp32",
     warn: bool = True,
     trace: bool = True,
+    graphs: bool = True,
 ) -> ModelProfile:
     """Profile `model` on `sample` (one rank's batch as the user's loop feeds it) without real memory.
 
@@ -43,6 +45,8 @@ def profile_model(
     `precision="bf16"` profiles under bf16 autocast (activation bytes as a bf16 run saves them);
     `precision="bf16-pure"` with bf16 weights and inputs and no autocast (as FSDP2's mixed precision runs).
     `trace=False` reads only the structure (blocks, parameters); FLOPs and bytes are then zero.
+    `graphs=False` skips asking dynamo how many graphs it cuts the forward into (`graph_breaks` stays None:
+    autopar.profile.graphs).
 
     An fp32 step that cannot run on fake tensors is traced in bf16 instead (bf16 weights, then autocast):
     some ops exist only in bf16 there (`torch._grouped_mm`, Hugging Face's MoE experts in transformers 5).
@@ -73,7 +77,14 @@ def profile_model(
             notes.append(f"the forward reads tensor values {t.value_reads} time(s) (.item(), `if tensor:`, ops "
                          "shaped by values): torch.compile breaks its graph there, which the cost model cannot "
                          "price, so compiled plans are chosen only by measuring them (autopar tune)")
+        counted = dynamo_graphs(model, sample) if graphs and not t.value_reads else None
+        if counted is not None and counted.num_breaks:
+            notes.append(f"torch.compile's dynamo cuts the forward into {counted.num_graphs} graphs (first break: "
+                         f"{counted.break_reasons[0] if counted.break_reasons else 'no reason given'}), which the "
+                         "cost model cannot price, so compiled plans are chosen only by measuring them (autopar "
+                         "tune)")
     else:
+        counted = None
         t = Trace.untraced(len(units))
         notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
     first = first_tensor(sample)
@@ -106,6 +117,7 @@ def profile_model(
         num_ops=t.num_ops,
         traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes, op_groups=t.op_groups,
         value_reads=t.value_reads,
+        graph_breaks=None if counted is None else counted.num_breaks,
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,

@@ -1,0 +1,78 @@
+"""dynamo_graphs: how many graphs torch.compile's dynamo cuts the model's forward into, found by dynamo itself.
+
+A graph break (a call dynamo cannot trace, a `torch.compiler.disable`d helper, a version of a library that
+branches on something dynamo will not guard) splits a compiled step into pieces, each its own graph call forward
+and backward with Python between them, and stops fusion at each cut; how often the pieces run is not in the
+trace, so the cost model cannot price such a step (on an H200, transformers 5.17's BART ran as 11 graphs compiled
+at 0.84-0.94x its eager speed, where transformers 5.24's runs as one: bench/results/zoo_h200_2026-12-01.jsonl
+and zoo_h200_profile_2026-12-01c.jsonl). `torch._dynamo.explain` runs dynamo's own capture (no inductor, no
+kernels) over the forward: on meta tensors it costs seconds and no memory.
+
+Only models whose parameters and buffers are all on meta or all on a GPU are probed (a real forward on a CPU
+can take minutes at a realistic size): elsewhere the answer is None (not known). `explain` resets dynamo's
+caches before and after (torch's own behaviour): functions the user compiled before planning compile again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+
+from .._util.batch import call_model, map_tensors
+
+
+@dataclass(frozen=True)
+class GraphCount:
+    """What dynamo made of the forward: its graphs, and why it broke it where it did (the first few)."""
+
+    num_graphs: int
+    break_reasons: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_graphs < 0:
+            raise ValueError(f"GraphCount.num_graphs must be >= 0, got {self.num_graphs}.")
+
+    @property
+    def num_breaks(self) -> int:
+        return max(self.num_graphs - 1, 0)
+
+
+def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3) -> GraphCount | None:
+    """The graphs dynamo captures of `model(sample)`'s forward (no grad), or None where that is not known: the
+    model's tensors are on a CPU (or on several kinds of device), or dynamo itself failed (e.g. a value read on
+    meta tensors, which the trace counts as `value_reads` anyway)."""
+    device = _probe_device(model)
+    if device is None:
+        return None
+    inputs = map_tensors(lambda t: t.to(device), sample)
+    try:
+        with torch.no_grad(), warnings.catch_warnings(), _quiet_dynamo():
+            warnings.simplefilter("ignore")
+            out = torch._dynamo.explain(lambda s: call_model(model, s))(inputs)
+    except Exception:  # dynamo could not run the forward here: unknown, not a verdict on compile
+        return None
+    reasons = tuple(str(getattr(b, "reason", b)).splitlines()[0][:200] for b in out.break_reasons[:max_reasons])
+    return GraphCount(num_graphs=int(out.graph_count), break_reasons=reasons)
+
+
+def _probe_device(model: nn.Module) -> torch.device | None:
+    """meta or the GPU where every parameter and buffer lives; None otherwise."""
+    kinds = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    if kinds == {"meta"}:
+        return torch.device("meta")
+    if len(kinds) == 1 and kinds != {"cpu"}:
+        return next(iter(model.parameters())).device
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_dynamo():
+    """Dynamo's own logging of the breaks (it is not the user's to read: the profile's note says it once)."""
+    with torch._dynamo.config.patch(verbose=False, suppress_errors=False):
+        yield

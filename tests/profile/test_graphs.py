@@ -1,0 +1,67 @@
+"""autopar.profile.graphs: dynamo's own count of the forward's graphs, and what the search does with it."""
+
+import torch
+import torch.nn as nn
+
+from autopar.profile import profile_model
+from autopar.profile.graphs import GraphCount, dynamo_graphs
+from autopar.search import enumerate_plans
+from autopar.topology import Topology
+
+H200 = Topology.from_spec("1xH200")
+
+
+class _Broken(nn.Module):
+    """A forward dynamo cuts in two (what a `torch.compiler.disable`d helper or an untraceable call does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def _plain() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _on_meta(build) -> nn.Module:
+    with torch.device("meta"):
+        return build()
+
+
+def _compiled_plans(profile, **kw) -> int:
+    return sum(p.compile for p in enumerate_plans(profile, H200, world_size=1, global_batch_size=8, **kw))
+
+
+def test_dynamo_counts_the_graphs_of_a_meta_model():
+    x = torch.randn(8, 16)
+    broken = dynamo_graphs(_on_meta(_Broken), x)
+    assert broken == GraphCount(num_graphs=2, break_reasons=broken.break_reasons) and broken.num_breaks == 1
+    assert any("graph_break" in r for r in broken.break_reasons)
+    assert dynamo_graphs(_on_meta(_plain), x).num_breaks == 0
+
+
+def test_a_real_model_on_a_cpu_is_not_probed():
+    """A real forward on a CPU can take minutes at a realistic size: not known, rather than slow."""
+    assert dynamo_graphs(_Broken(), torch.randn(8, 16)) is None
+
+
+def test_a_forward_dynamo_cuts_is_offered_compiled_plans_only_when_measured():
+    x = torch.randn(8, 16)
+    broken = profile_model(_on_meta(_Broken), x, warn=False)
+    plain = profile_model(_on_meta(_plain), x, warn=False)
+    assert broken.graph_breaks == 1 and plain.graph_breaks == 0
+    assert any("2 graphs" in n and "graph_break" in n for n in broken.notes)
+    assert not any("graphs" in n for n in plain.notes)
+    assert _compiled_plans(broken) == 0 and list(enumerate_plans(broken, H200, world_size=1, global_batch_size=8))
+    assert _compiled_plans(broken, measured=True) > 0 and _compiled_plans(broken, eager=False) > 0
+    assert _compiled_plans(plain) > 0
+
+
+def test_graphs_false_leaves_the_count_unknown():
+    profile = profile_model(_on_meta(_Broken), torch.randn(8, 16), warn=False, graphs=False)
+    assert profile.graph_breaks is None and _compiled_plans(profile) > 0
