@@ -27,7 +27,7 @@ from .errors import CacheError
 #: 3: the per-op time model of 2026-12-01 (op records from the trace; attention relative to GEMMs; fused bytes).
 #: 4: compile's kernels as inductor launches them (reductions, casts, buffer updates: 34.5 us each), the loss priced
 #: eagerly, misaligned GEMMs by load width, SDPA's math path (2026-12-01, session 3).
-#: 5: compiled kernels at 20 us of host time and cuDNN's convolution calls at 40 us more (2026-12-01, session 4).
+#: 5: compiled kernels at 24 us of host time and cuDNN's convolution calls at 40 us more (2026-12-01, session 4).
 CALIBRATION_VERSION = 5
 #: Larger calibration files are refused unread (one is about 2 KiB).
 MAX_FILE_BYTES = 1 << 20
