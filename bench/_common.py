@@ -4,6 +4,7 @@ repository root (bench/README.md)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -78,3 +79,20 @@ def kernel_kind(name: str) -> str:
     """A CUDA kernel's kind by its name; "memory_bound" for the rest (eager elementwise, reductions, norms)."""
     n = name.lower()
     return next((kind for kind, keys in KERNEL_KINDS if any(k in n for k in keys)), "memory_bound")
+
+
+def host_op_us(device: str, num_ops: int = 20000) -> float:
+    """Microseconds the host takes to issue one tiny in-place op from Python (`x.add_(1)` on `device`, the GPU
+    work negligible): the machine's host speed, which host-bound steps follow. Two leases of the same H200 kind
+    ran one compiled plan 1.5x apart (bench/results/zoo_h200_wrap_2026-12-01f.md), so records carry it."""
+    x = torch.zeros(8, device=device)
+    for _ in range(100):  # warm: the first calls load kernels
+        x.add_(1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(num_ops):
+        x.add_(1)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return round((time.perf_counter() - t0) / num_ops * 1e6, 3)

@@ -135,9 +135,21 @@ def check_zoo(names: list[str]) -> list[str]:
     return out
 
 
+def _measured_plan(rec: dict[str, Any]) -> autopar.Plan | None:
+    """The one-GPU plan a zoo record ran: the hand recipe's and the plan modes' (bf16, eager or compiled) or
+    the plan wrap chose (its record's `plan`); None for a record that did not run."""
+    if rec.get("status") != "ok":
+        return None
+    if rec.get("mode") == "wrap" and isinstance(rec.get("plan"), dict):
+        return autopar.Plan(**rec["plan"])
+    if rec.get("mode") not in ONE_GPU_MODES:
+        return None
+    return autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=ONE_GPU_MODES[rec["mode"]])
+
+
 def check_zoo_measured(path: str) -> list[str]:
-    """The zoo's H200 runs (bench/zoo_h200.py records: the hand recipe, one GPU, bf16 autocast, eager or
-    compiled) re-predicted with the model as it is now."""
+    """The zoo's H200 runs (bench/zoo_h200.py records: the hand recipe and the plan modes, one GPU, bf16
+    autocast, eager or compiled, and the plans wrap chose) re-predicted with the model as it is now."""
     from bench.zoo import build_model, family, make_sample  # the zoo needs transformers
 
     out = [f"{'family':12} {'mode':13} {'batch':>5} {'measured ms':>11} {'then ms':>8} {'now ms':>8} {'err':>7} | "
@@ -146,7 +158,8 @@ def check_zoo_measured(path: str) -> list[str]:
     errs = []
     for line in open(path):
         rec = json.loads(line)
-        if rec.get("status") != "ok" or rec.get("mode") not in ONE_GPU_MODES:
+        plan = _measured_plan(rec)
+        if plan is None:
             continue
         name = rec["family"]
         f = family(name)
@@ -166,7 +179,6 @@ def check_zoo_measured(path: str) -> list[str]:
             continue
         profile, variants = traces[name]
         topo = autopar.Topology.from_spec("1xH200")
-        plan = autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=ONE_GPU_MODES[rec["mode"]])
         pred = predict_profile(profile, plan, topo, calibration_for(topo), variants=variants)
         err = pred.step_s / rec["step_s"] - 1
         errs.append(err)

@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import autopar
 from autopar.planning import calibration_for, profile_variants, short_name
-from bench._common import kernel_kind
+from bench._common import host_op_us, kernel_kind
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import read_records, report
 
@@ -349,6 +349,7 @@ class Measurement:
             rec.update(status="skipped", error=skip)
             return rec
         clean(self.opts.device)
+        rec["host_op_us"] = host_op_us(self.opts.device)  # this lease's host speed (bench._common.host_op_us)
         t0 = time.perf_counter()
         try:
             sample = real_sample(self.family, self.opts)

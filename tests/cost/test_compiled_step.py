@@ -13,7 +13,7 @@ import torch.nn as nn
 import autopar
 from autopar.cost import Calibration, predict_profile
 from autopar.cost.memory import stage_blocks
-from autopar.cost.ops import FUSED_KINDS, Rates, TPSplit, _alignment, _misaligned, _record_time, \
+from autopar.cost.ops import FUSED_KINDS, OpsTime, Rates, TPSplit, _alignment, _misaligned, _record_time, \
     _unfused_attention_s, op_seconds
 from autopar.cost.time import HostCosts, _stage_work
 from autopar.profile import profile_model
@@ -235,3 +235,27 @@ def test_value_reads_in_the_loss_do_not_count():
     profile = profile_model(_plain(), torch.randn(8, 16), warn=False,
                             loss_fn=lambda out, s: out.mean() * (2.0 if s.sum().item() > 0 else 1.0))
     assert profile.value_reads == 0
+
+
+# ---- convolutions' host work -----------------------------------------------------------------
+def test_a_convolution_call_costs_cudnn_s_host_time_beyond_its_launch_eager_and_compiled():
+    """cuDNN's own host work per convolution call (Calibration.conv_host_s), eager and compiled, on top of the
+    launch; a GEMM pays none of it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(),
+                          nn.Linear(8 * 16 * 16, 4))
+    profile = profiled(model, torch.randn(2, 3, 16, 16))
+    records = [r for g in profile.op_groups for r in g.ops]
+    convs = [r for r in records if r.kind == "conv"]
+    gemms = [r for r in records if r.kind == "gemm"]
+    assert convs and any(r.backward for r in convs) and gemms
+    for compiled in (False, True):
+        rates = _rates(compile=compiled)
+        t = sum((_record_time(r, 1.0, TPSplit(), rates, 1.0) for r in convs), OpsTime())
+        assert t.convs == sum(r.count for r in convs) > 0
+        assert t.backward_convs == sum(r.count for r in convs if r.backward) > 0
+        host, bare = HostCosts.of(CAL, compiled), HostCosts.of(CAL.replace(conv_host_s=0.0), compiled)
+        extra = host.forward_s(t) + host.backward_s(t) - bare.forward_s(t) - bare.backward_s(t)
+        assert extra == pytest.approx(t.convs * CAL.conv_host_s) and CAL.conv_host_s > 0
+        g = sum((_record_time(r, 1.0, TPSplit(), rates, 1.0) for r in gemms), OpsTime())
+        assert g.convs == 0 and host.forward_s(g) + host.backward_s(g) == bare.forward_s(g) + bare.backward_s(g)

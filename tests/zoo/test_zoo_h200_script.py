@@ -46,6 +46,7 @@ def test_the_script_measures_a_tiny_family_on_cpu_and_resumes(tmp_path):
         assert all(k in rec for k in RECORD_FIELDS), sorted(set(RECORD_FIELDS) - set(rec))
         assert rec["step_s"] > 0 and rec["samples_per_s"] > 0 and rec["predicted_step_s"] > 0
         assert rec["device"] == "cpu" and rec["family"] == "mlp" and rec["batch"] == 4
+        assert rec["host_op_us"] > 0  # the lease's host speed, beside the steps it bounds
     assert "torch.compile" in compiled["error"]  # the reason it was skipped
     assert wrap["plan"]["micro_batch_size"] == 4 and "autopar plan" in wrap["plan_text"]
     assert hand["plan_short"] == "1gpu mb4 bf16" and hand["optimizer"] == "AdamW(fused=True)"
