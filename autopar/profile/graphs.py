@@ -9,8 +9,11 @@ and zoo_h200_profile_2026-12-01c.jsonl). `torch._dynamo.explain` runs dynamo's o
 kernels) over the forward: on meta tensors it costs seconds and no memory.
 
 Only models whose parameters and buffers are all on meta or all on a GPU are probed (a real forward on a CPU
-can take minutes at a realistic size): elsewhere the answer is None (not known). `explain` resets dynamo's
-caches before and after (torch's own behaviour): functions the user compiled before planning compile again.
+can take minutes at a realistic size): elsewhere the answer is None (not known). A real forward leaves the model
+and the random streams as it found them: its buffers (BatchNorm's running statistics and count, which a training
+forward updates even without grad) are put back, and the CPU's and the device's random states restored (dropout
+draws from them). `explain` resets dynamo's caches before and after (torch's own behaviour): functions the user
+compiled before planning compile again.
 """
 
 from __future__ import annotations
@@ -43,16 +46,17 @@ class GraphCount:
         return max(self.num_graphs - 1, 0)
 
 
-def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3) -> GraphCount | None:
+def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_cpu: bool = False
+                  ) -> GraphCount | None:
     """The graphs dynamo captures of `model(sample)`'s forward (no grad), or None where that is not known: the
-    model's tensors are on a CPU (or on several kinds of device), or dynamo itself failed (e.g. a value read on
-    meta tensors, which the trace counts as `value_reads` anyway)."""
-    device = _probe_device(model)
+    model's tensors are on a CPU (unless `real_cpu`: a real forward there) or on several kinds of device, or
+    dynamo itself failed (e.g. a value read on meta tensors, which the trace counts as `value_reads` anyway)."""
+    device = _probe_device(model, real_cpu=real_cpu)
     if device is None:
         return None
     inputs = map_tensors(lambda t: t.to(device), sample)
     try:
-        with torch.no_grad(), warnings.catch_warnings(), _quiet_dynamo():
+        with torch.no_grad(), warnings.catch_warnings(), _quiet_dynamo(), _state_kept(model, device):
             warnings.simplefilter("ignore")
             out = torch._dynamo.explain(lambda s: call_model(model, s))(inputs)
     except Exception:  # dynamo could not run the forward here: unknown, not a verdict on compile
@@ -61,14 +65,35 @@ def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3) -> Gra
     return GraphCount(num_graphs=int(out.graph_count), break_reasons=reasons)
 
 
-def _probe_device(model: nn.Module) -> torch.device | None:
-    """meta or the GPU where every parameter and buffer lives; None otherwise."""
+def _probe_device(model: nn.Module, *, real_cpu: bool) -> torch.device | None:
+    """meta or the GPU where every parameter and buffer lives (or the CPU, with `real_cpu`); None otherwise."""
     kinds = {t.device.type for t in (*model.parameters(), *model.buffers())}
     if kinds == {"meta"}:
         return torch.device("meta")
-    if len(kinds) == 1 and kinds != {"cpu"}:
+    if len(kinds) == 1 and (real_cpu or kinds != {"cpu"}):
         return next(iter(model.parameters())).device
     return None
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module, device: torch.device):
+    """A real forward's traces removed afterwards: the buffers' values and the random states (CPU and `device`)."""
+    if device.type == "meta":
+        yield
+        return
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    if device.type == "cpu":
+        forked = torch.random.fork_rng(devices=[])
+    else:
+        index = device.index if device.index is not None else torch.get_device_module(device.type).current_device()
+        forked = torch.random.fork_rng(devices=[index], device_type=device.type)
+    with forked:
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
 
 
 @contextlib.contextmanager

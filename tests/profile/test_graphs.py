@@ -65,3 +65,26 @@ def test_a_forward_dynamo_cuts_is_offered_compiled_plans_only_when_measured():
 def test_graphs_false_leaves_the_count_unknown():
     profile = profile_model(_on_meta(_Broken), torch.randn(8, 16), warn=False, graphs=False)
     assert profile.graph_breaks is None and _compiled_plans(profile) > 0
+
+
+class _Noisy(nn.Module):
+    """A training forward that changes state: BatchNorm's running statistics and dropout's random draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.drop = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.conv(x)))
+
+
+def test_a_real_forward_leaves_the_buffers_and_the_random_stream_as_it_found_them():
+    torch.manual_seed(0)
+    model, x = _Noisy().train(), torch.randn(2, 3, 8, 8)
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    assert dynamo_graphs(model, x, real_cpu=True).num_breaks == 0
+    assert all(torch.equal(before[n], b) for n, b in model.named_buffers())
+    assert torch.equal(torch.get_rng_state(), rng)
+    model(x)  # the same forward, run for real, does change them (what the check above would catch)
+    assert not torch.equal(before["norm.running_mean"], model.norm.running_mean)
