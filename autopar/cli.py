@@ -24,6 +24,7 @@ from .demo import main as demo_main
 from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError
 from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
                            model_sample_batch, resolve_model)
+from .plan_cache import write_plan_out
 from .planning import GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name
 from .plans import Plan
 from .profile import ModelProfile
@@ -148,7 +149,8 @@ def _run_plan(args: argparse.Namespace) -> _PlanRun:
     best = feasible[0].plan
     if source.extrapolated:  # no model was traced at full depth: the plan fits any model of this shape
         best = best.replace(model_fingerprint=None)
-    out = None if args.out == "-" else str(best.save(args.out))
+    # never over a file that is not a plan (a typo must not turn train.py into YAML), nor into a folder
+    out = None if args.out == "-" else str(write_plan_out(best, args.out, option="--out"))
     # bf16 variants are traced while searching, when a plan first needs them: count them as profiling
     traced_s = profiled - started + variants.seconds
     timings = {"profile_s": traced_s, "search_s": searched - started - traced_s, "total_s": searched - started}

@@ -410,16 +410,18 @@ def _is_plan_yaml(text: str) -> bool:
     return isinstance(data, Mapping) and "schema_version" in data and set(map(str, data)) <= known
 
 
-def write_plan_out(plan: Plan, path: str | os.PathLike[str]) -> Path:
-    """What `--plan-out PATH` does: save `plan` as a plan YAML (Plan.save, atomic) at `path`, creating its
-    folders. An existing file is replaced only when it is empty or is itself a plan file (a mapping of
-    Plan fields with a schema_version); anything else (a folder, another YAML, a script) is refused so that
-    a typo never destroys a file. Returns the path."""
+def write_plan_out(plan: Plan, path: str | os.PathLike[str], *, option: str = "--plan-out") -> Path:
+    """What `--plan-out PATH` (autopar tune) and `--out PATH` (autopar plan) do: save `plan` as a plan YAML
+    (Plan.save, atomic) at `path`, creating its folders. An existing file is replaced only when it is empty or
+    is itself a plan file (a mapping of Plan fields with a schema_version); anything else (a folder, a path
+    ending in a separator, another YAML, a script) is refused so that a typo never destroys a file. `option`:
+    the command-line option the errors name. Returns the path."""
     if not isinstance(plan, Plan):
         raise AutoparError(f"write_plan_out takes a Plan, got {type(plan).__name__}.")
+    named = os.fspath(path)
     path = Path(path)
-    if path.is_dir():
-        raise AutoparError(f"--plan-out {path} is a folder: give a file path, such as {path / 'plan.yaml'}.")
+    if path.is_dir() or named.endswith(("/", os.sep)):
+        raise AutoparError(f"{option} {named} is a folder: give a file path, such as {path / 'plan.yaml'}.")
     if path.exists():
         try:
             size = path.stat().st_size
@@ -428,7 +430,7 @@ def write_plan_out(plan: Plan, path: str | os.PathLike[str]) -> Path:
             size, text = -1, ""
         if size != 0 and not _is_plan_yaml(text):
             raise AutoparError(
-                f"--plan-out {path} exists and is not an autopar plan file: autopar will not overwrite it. "
+                f"{option} {path} exists and is not an autopar plan file: autopar will not overwrite it. "
                 "Choose another path, or remove the file first."
             )
     return plan.save(path)

@@ -231,3 +231,22 @@ def test_python_dash_m_autopar_is_the_autopar_command():
     bad = subprocess.run([sys.executable, "-m", "autopar", "nosuchcommand"], capture_output=True, text=True,
                          timeout=120, env=env)
     assert bad.returncode == 2
+
+
+def test_plan_out_never_overwrites_a_file_that_is_not_a_plan_nor_writes_into_a_folder(capsys, tmp_path, factory):
+    """`autopar plan --out FILE` once turned a user's train.py into plan YAML (issue 11, item 3)."""
+    script = tmp_path / "train.py"
+    script.write_text("print('train')\n")
+    args = ("plan", f"{factory}:build", "--cluster", "1xH100-SXM", "--global-batch", "2", "--top", "1")
+    code, _, err = _run(capsys, *args, "--out", str(script))
+    assert code == 2 and "--out" in err and "not an autopar plan file" in err and len(err.strip().splitlines()) == 1
+    assert script.read_text() == "print('train')\n"
+    code, _, err = _run(capsys, *args, "--out", str(tmp_path))
+    assert code == 2 and "is a folder" in err
+    code, _, err = _run(capsys, *args, "--out", str(tmp_path / "new") + "/")
+    assert code == 2 and "is a folder" in err and not (tmp_path / "new").exists()
+    plan_file = tmp_path / "plan.yaml"
+    for _ in range(2):  # a plan file is replaced by the new plan
+        code, _, err = _run(capsys, *args, "--out", str(plan_file))
+        assert code == 0, err
+    assert Plan.load(plan_file).world_size == 1
