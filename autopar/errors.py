@@ -54,6 +54,11 @@ class ProbeError(AutoparError):
         self.status, self.cause, self.returncode, self.log_tail = status, cause, returncode, log_tail
 
 
+class MaterializeError(AutoparError):
+    """A meta-device model whose initialisation left tensors without values (they would train on whatever
+    bytes the memory held)."""
+
+
 class TuneError(AutoparError, ValueError):
     """A tuning study asked for with options it cannot run (a count or a time budget out of range)."""
 

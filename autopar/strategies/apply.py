@@ -37,6 +37,7 @@ from ..topology import Topology
 from .checkpointing import apply_checkpointing, disable_kv_cache
 from .compile import apply_compile
 from .fsdp import apply_fsdp
+from .materialize import materialize
 from .mesh import data_shard, dp_mesh
 from .pipeline import _PassThrough, apply_pipeline_split, build_schedule, check_pipeline, install_stage_gates
 from .precision import apply_autocast
@@ -78,34 +79,6 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
         raise PlanError(
             f"precision={plan.precision!r} is not supported by {topology.device.name}: use precision='fp32'."
         )
-
-
-def materialize(model: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None] | None) -> bool:
-    """Give a meta-device model real (sharded) storage on `device` and initialise it; False if nothing was meta."""
-    if not _has_meta(model):
-        return False
-    # to_empty gives every module a new Parameter: remember which names shared one, and share again after.
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    model.to_empty(device=device)
-    for names in groups.values():
-        first = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, first)
-    with torch.no_grad():
-        if init_fn is not None:
-            init_fn(model)
-        elif callable(getattr(model, "reset_parameters", None)):
-            model.reset_parameters()
-        elif callable(getattr(model, "init_weights", None)):  # Hugging Face PreTrainedModel
-            model.init_weights()
-        else:
-            for module in model.modules():
-                if callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
-    return True
 
 
 def apply_plan(
