@@ -14,6 +14,7 @@ import torch.nn as nn
 from ._util import dist as _dist
 from ._util.batch import sample_batch_size
 from ._util.log import get_logger
+from ._util.stale_params import forget_replaced, parameters_before
 from .errors import InfeasiblePlanError, PlanError, TraceError
 from .hooks import Profiled, wrap_hook
 from .plan_cache import cached_plan_for
@@ -217,7 +218,12 @@ def wrap(
         _log_choice(chosen, profile, topo, decision)
     # 4. Apply, and keep what was applied on the model.
     mesh = build_mesh(chosen, _dist.device_type())
+    before = parameters_before(model)
     state = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
+    # An optimizer built before wrap holds the parameters the plan replaced (FSDP, TP, a meta model's): its first
+    # step is refused with the remedy, not left to train nothing (autopar/_util/stale_params.py).
+    forget_replaced(before, model)
+    del before
     if say:
         for note in state.notes:
             get_logger().info("%s", note)

@@ -59,6 +59,10 @@ class MaterializeError(AutoparError):
     bytes the memory held)."""
 
 
+class StaleOptimizerError(AutoparError):
+    """An optimizer steps parameters that autopar.wrap replaced (built before wrap): it would train nothing."""
+
+
 class TuneError(AutoparError, ValueError):
     """A tuning study asked for with options it cannot run (a count or a time budget out of range)."""
 
