@@ -11,7 +11,8 @@ from __future__ import annotations
 from .api import plan, wrap
 from .checkpoint import load, save
 from .data import dataloader, local_batch, sampler
-from .errors import AutoparError, InfeasiblePlanError, PlanError, PlanMismatchError, ProfileError, TopologyError
+from .errors import (AutoparError, InfeasiblePlanError, MaterializeError, PlanError, PlanMismatchError, ProfileError,
+                     StaleOptimizerError, TopologyError)
 from .planning import candidates, predict
 from .plans import Plan
 from .profile import ModelProfile, profile_model
@@ -29,11 +30,13 @@ __all__ = [
     "AutoparError",
     "DeviceSpec",
     "InfeasiblePlanError",
+    "MaterializeError",
     "ModelProfile",
     "Plan",
     "PlanError",
     "PlanMismatchError",
     "ProfileError",
+    "StaleOptimizerError",
     "Topology",
     "TopologyError",
     "applied",
