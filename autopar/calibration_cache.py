@@ -19,6 +19,7 @@ from typing import Mapping
 import yaml
 
 from ._util.io import atomic_write_text, cache_dir, cache_subdir, read_private_bytes
+from ._util.yaml_text import load_yaml
 from .cost.calibration import Calibration
 from .errors import CacheError
 
@@ -63,7 +64,7 @@ def load_calibration(fingerprint: str) -> Calibration | None:
     if raw is None:
         return None
     try:
-        data = yaml.safe_load(raw.decode("utf-8"))
+        data = load_yaml(raw.decode("utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError):
         raise CacheError(f"{path} is not plain YAML: remove it (autopar will measure again).") from None
     if isinstance(data, Mapping) and data.get("version") != CALIBRATION_VERSION:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
+from ._util.yaml_text import load_yaml
 from .errors import AutoparError, PlanMismatchError
 from .profile import model_fingerprint
 
@@ -84,8 +85,8 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     if not meta_path.is_file():
         raise AutoparError(f"{path} is not an autopar checkpoint (no {_META}): give the folder autopar.save wrote.")
     try:
-        meta = yaml.safe_load(meta_path.read_text())
-    except yaml.YAMLError as exc:
+        meta = load_yaml(meta_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
         raise AutoparError(f"{meta_path} is not plain YAML ({exc.__class__.__name__}): the checkpoint is damaged.") from None
     if not isinstance(meta, dict) or meta.get("autopar_checkpoint") != 1:
         raise AutoparError(f"{meta_path} is not an autopar checkpoint description.")

@@ -37,6 +37,7 @@ import torch
 import yaml
 
 from ._util.io import atomic_write_text, cache_dir, cache_subdir, read_private_bytes
+from ._util.yaml_text import load_yaml
 from .errors import AutoparError, CacheError, PlanError
 from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
 from .plans import Plan
@@ -187,7 +188,7 @@ def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
     except UnicodeDecodeError:
         raise CacheError(f"{path} is not a text file, so not a plan cache file. {remedy}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.constructor.ConstructorError as exc:
         raise CacheError(
             f"{path} holds a YAML tag autopar does not read ({str(exc.problem or exc).strip()}): cache files hold "
@@ -403,7 +404,7 @@ def cached_plan_for(
 # ---------------------------------------------------------------------------------------------------
 def _is_plan_yaml(text: str) -> bool:
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError:
         return False
     known = {f.name for f in dataclasses.fields(Plan)}

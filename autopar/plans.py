@@ -24,6 +24,7 @@ from typing import Any, Mapping
 import yaml
 
 from ._util.io import atomic_write_text
+from ._util.yaml_text import MAX_YAML_CHARS, load_yaml
 from .errors import PlanError, PlanMismatchError
 
 SCHEMA_VERSION = 1
@@ -290,7 +291,7 @@ class Plan:
     @classmethod
     def from_yaml(cls, text: str, *, source: str = "<string>") -> "Plan":
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as exc:
             raise PlanError(
                 f"{source} is not a plain YAML plan file ({exc.__class__.__name__}: "
@@ -318,7 +319,14 @@ class Plan:
         path = Path(path)
         if not path.is_file():
             raise PlanError(f"no plan file at {path}: give the path of a YAML file written by Plan.save.")
-        plan = cls.from_yaml(path.read_text(), source=str(path))
+        if path.stat().st_size > MAX_YAML_CHARS:
+            raise PlanError(f"{path} is {path.stat().st_size:,} bytes, too large for a plan file (a plan is about "
+                            "1 KiB): give the YAML file Plan.save wrote.")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise PlanError(f"{path} is not UTF-8 text, so not a plan file: give the YAML file Plan.save wrote.") from None
+        plan = cls.from_yaml(text, source=str(path))
         plan.check_model(model_fingerprint, force=force)
         if world_size is not None and not force:
             plan.check_world(world_size)
