@@ -3,15 +3,26 @@
 A checkpoint is a folder written by every rank together (DCP): model and optimizer state keyed by the
 parameters' own names, each rank writing its shards. Loading reshards to whatever the loading plan
 holds - another mesh, another world size, one process - including the optimizer state. Next to the
-shards, `autopar.yaml` (plain YAML, read with yaml.safe_load) records the model's fingerprint and the
-plan that saved it, so that loading into another model is refused with a clear message.
+shards, `autopar.yaml` (plain YAML, autopar._util.yaml_text) records the model's fingerprint and the
+plan that saved it, so that loading into another model is refused with a clear message, and every file's
+size and SHA-256, which `load` verifies first (a flipped, truncated or missing file is refused by name).
+
+A save never damages the checkpoint before it: every rank writes into a new hidden folder beside `path`
+(`.NAME.new-TOKEN`), each rank hashes its own shard files, rank 0 writes `autopar.yaml` last, and only then
+is the folder switched in (the old one renamed aside, the new one renamed to `path`, the old one removed).
+A crash at any point leaves `path` complete, or, in the instant between the two renames, both complete
+folders beside it: `load` then takes the new one (the old one if the new one is not complete), and says so.
 
 DCP's own metadata file is read by torch (with pickle): load checkpoints you trust, as with torch.load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +30,140 @@ import torch.distributed as dist
 import torch.nn as nn
 import yaml
 
+from ._util.dist import broadcast_text, first_failure
+from ._util.io import atomic_write_text
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, PlanMismatchError
 from .profile import model_fingerprint
 
 _META = "autopar.yaml"
+_SUMS = ".autopar-sums.{rank}.yaml"  # one rank's files and their hashes, merged into autopar.yaml by rank 0
 
 
-def _rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _own_files(folder: Path, rank: int) -> list[Path]:
+    """The files this rank hashes: its own shards (DCP names them __RANK_N.distcp), and on rank 0 the rest."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".autopar-sums."))
+    mine = [p for p in files if p.name.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine += [p for p in files if not p.name.startswith("__") or not p.name.split("_")[2].isdigit()]
+    return mine
 
 
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path:
-    """Save `model` (wrapped by autopar or not) and `optimizer` to the folder `path`, from every rank."""
+    """Save `model` (wrapped by autopar or not) and `optimizer` to the folder `path`, from every rank; a
+    checkpoint already at `path` stays complete until the new one is (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise AutoparError(f"{path} is a file, not a checkpoint folder: give a folder path to autopar.save.")
+    token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
+    new = path.parent / f".{path.name}.new-{token}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
-    state = getattr(model, "_autopar_applied", None)
-    fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
-    meta = {"autopar_checkpoint": 1, "model_fingerprint": fingerprint,
-            "plan": state.plan.to_dict() if state is not None else None}
-    if _rank0():
-        tmp = path / f".{_META}.tmp"
-        tmp.write_text(yaml.safe_dump(meta, sort_keys=False))
-        os.replace(tmp, path / _META)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
+    _barrier()
+    sums = {p.name: _digest(p) for p in _own_files(new, _rank())}
+    atomic_write_text(new / _SUMS.format(rank=_rank()), yaml.safe_dump(sums, sort_keys=True))
+    _barrier()
+    if _rank() == 0:
+        files: dict[str, Any] = {}
+        for r in range(_world()):
+            part = new / _SUMS.format(rank=r)
+            files.update(load_yaml(part.read_text()))
+            part.unlink()
+        state = getattr(model, "_autopar_applied", None)
+        fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
+        meta = {"autopar_checkpoint": 1, "model_fingerprint": fingerprint,
+                "plan": state.plan.to_dict() if state is not None else None, "files": files}
+        atomic_write_text(new / _META, yaml.safe_dump(meta, sort_keys=False))  # last: the folder is complete
+        _switch(new, path, token)
+    _barrier()
     return path
+
+
+def _switch(new: Path, path: Path, token: str) -> None:
+    """`new` (complete) becomes `path`; the checkpoint there before is removed once it no longer is `path`."""
+    old = path.parent / f".{path.name}.old-{token}"
+    if path.exists():
+        os.replace(path, old)
+    os.replace(new, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory fds (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / _META).is_file()
+
+
+def _resolve(path: Path) -> Path:
+    """`path`, or, where a save was interrupted between its two renames, the complete folder beside it (the
+    new one first), with a warning; `path` itself when nothing better exists (its errors then say why)."""
+    if _complete(path) or not path.parent.is_dir():
+        return path
+    beside = [p for kind in ("new", "old") for p in sorted(path.parent.glob(f".{path.name}.{kind}-*"),
+                                                           key=lambda q: q.stat().st_mtime, reverse=True)]
+    found = next((p for p in beside if p.is_dir() and _complete(p)), None)
+    if found is None:
+        return path
+    warnings.warn(f"autopar: {path} is missing (a save was interrupted while switching folders); loading the "
+                  f"complete checkpoint {found.name} beside it. Save again to put it back in place.", stacklevel=3)
+    return found
+
+
+def _verify(path: Path, files: Any) -> None:
+    """Every listed file present, of its size and SHA-256 (each rank checks its share; every rank raises if one
+    fails). Checkpoints saved before checksums (no `files`) are not checked."""
+    error: BaseException | None = None
+    if isinstance(files, dict):
+        names = sorted(files)
+        for name in names[_rank()::_world()]:
+            f, want = path / name, files[name]
+            if not f.is_file():
+                error = AutoparError(f"the checkpoint file {f} is missing: the checkpoint at {path} is incomplete; "
+                                     "load an earlier one or save again.")
+                break
+            got = _digest(f)
+            if got["bytes"] != want.get("bytes") or got["sha256"] != want.get("sha256"):
+                what = "truncated or extended" if got["bytes"] != want.get("bytes") else "changed (its SHA-256 differs)"
+                error = AutoparError(f"the checkpoint file {f} is {what} since it was saved: the checkpoint at "
+                                     f"{path} is damaged; load an earlier one or save again.")
+                break
+    first_failure(error)
 
 
 def _tied_aliases(path: Path, optim_sd: dict, state: Any) -> dict[str, str]:
@@ -80,7 +195,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    path = Path(path)
+    path = _resolve(Path(path))
     meta_path = path / _META
     if not meta_path.is_file():
         raise AutoparError(f"{path} is not an autopar checkpoint (no {_META}): give the folder autopar.save wrote.")
@@ -90,6 +205,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
         raise AutoparError(f"{meta_path} is not plain YAML ({exc.__class__.__name__}): the checkpoint is damaged.") from None
     if not isinstance(meta, dict) or meta.get("autopar_checkpoint") != 1:
         raise AutoparError(f"{meta_path} is not an autopar checkpoint description.")
+    _verify(path, meta.get("files"))
     state = getattr(model, "_autopar_applied", None)
     fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
     if not force and meta.get("model_fingerprint") not in (None, fingerprint):
