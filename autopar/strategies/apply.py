@@ -14,7 +14,8 @@
   6. FSDP2 `fully_shard` per block, then the root (under PP: the modules around the blocks, each its
      own unit, since a stage's forward stops early), with the MixedPrecisionPolicy; this also moves
      the parameters to the mesh's device
-  7. materialise a meta-device model (`to_empty` + its own init; tied weights tied again)
+  7. materialise a meta-device model (`to_empty` + its own init; tied weights tied again), then broadcast
+     every data-parallel replica's values from the first (`replicas.py`)
   8. without FSDP: move to the device, compile the whole forward (step 5's other case), and bf16 through
      autocast around the (compiled) forward
   9. pipeline: gate the kept blocks (outermost, after FSDP's hooks) and build the schedule
@@ -22,13 +23,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._util.dist import ensure_single_process_group
+from .._util.dist import ensure_single_process_group, world
 from ..errors import PlanError
 from ..layout import sequence_parallel_refusal
 from ..plans import Plan
@@ -41,6 +43,7 @@ from .materialize import materialize
 from .mesh import data_shard, dp_mesh
 from .pipeline import _PassThrough, apply_pipeline_split, build_schedule, check_pipeline, install_stage_gates
 from .precision import apply_autocast
+from .replicas import broadcast_replicas
 from .state import Applied
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 
@@ -120,6 +123,13 @@ def apply_plan(
         if profile.vocab_size and profile.vocab_size % plan.tp:
             notes.append(f"tensor parallel: the vocabulary ({profile.vocab_size}) does not divide by tp={plan.tp}: "
                          "the embedding and the head stay whole on every rank")
+    if plan.dp_size > 1 and (norms := _per_rank_batchnorms(model)):
+        notes.append(f"data parallel: {len(norms)} BatchNorm layer(s) ({norms[0]}{', ...' if len(norms) > 1 else ''}) "
+                     f"keep their statistics per rank: each normalises over its own {plan.micro_batch_size} "
+                     "samples, not the global batch as one process would; for one process's statistics convert "
+                     "them before wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)")
+        if world().rank == 0:
+            warnings.warn("autopar: " + notes[-1], stacklevel=3)
     # 4. Activation checkpointing.
     checkpointed = apply_checkpointing(blocks, mode=plan.checkpointing, every=plan.checkpoint_every)
     if checkpointed and _disable_kv_caches(model):
@@ -171,6 +181,12 @@ def _last_blocks(blocks: list[tuple[str, nn.Module]]) -> list[str]:
     return list(last.values())
 
 
+def _per_rank_batchnorms(model: nn.Module) -> list[str]:
+    """BatchNorm layers whose statistics each rank keeps for itself (all but SyncBatchNorm)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+
+
 def _has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
@@ -179,8 +195,11 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
             init_fn: Callable[[nn.Module], None] | None, compile_backend: str | None, use_fsdp: bool,
             compiled: list[str]) -> None:
     """Steps 7 to 9 (under the exact check's FakeTensorMode, when there is one)."""
-    # 7. Materialise a meta-device model.
+    # 7. Materialise a meta-device model; then every data-parallel replica takes the first one's values (FSDP2
+    #    does not synchronise them: ranks seeded differently would keep different replicas forever).
     materialize(model, torch.device("cpu") if plan.cpu_offload else device, init_fn)
+    if mesh is not None and plan.dp_size > 1:
+        broadcast_replicas(model, mesh)
     # 8. Without FSDP: move to the device, autocast for bf16, compile the whole model.
     if not use_fsdp:
         if any(t.device.type != device.type or (device.index is not None and t.device.index != device.index)
