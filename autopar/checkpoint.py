@@ -82,7 +82,13 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     new = path.parent / f".{path.name}.new-{token}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
+    except CheckpointException as exc:  # a BaseException: it would escape the user's `except Exception`
+        raise AutoparError(f"could not save to {path} (CheckpointException: {str(exc).splitlines()[0] if str(exc) else ''}"
+                           "); the checkpoint there before, if any, is unchanged.") from exc
     _barrier()
     sums = {p.name: _digest(p) for p in _own_files(new, _rank())}
     atomic_write_text(new / _SUMS.format(rank=_rank()), yaml.safe_dump(sums, sort_keys=True))
@@ -96,7 +102,8 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
         state = getattr(model, "_autopar_applied", None)
         fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
         meta = {"autopar_checkpoint": 1, "model_fingerprint": fingerprint,
-                "plan": state.plan.to_dict() if state is not None else None, "files": files}
+                "plan": state.plan.to_dict() if state is not None else None,
+                "optimizer": type(optimizer).__name__, "files": files}
         atomic_write_text(new / _META, yaml.safe_dump(meta, sort_keys=False))  # last: the folder is complete
         _switch(new, path, token)
     _barrier()
@@ -189,8 +196,9 @@ def _tied_aliases(path: Path, optim_sd: dict, state: Any) -> dict[str, str]:
 def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, force: bool = False) -> None:
     """Load a checkpoint saved by `save` into `model` and `optimizer`, under any plan and world size.
 
-    The optimizer must be the same kind as the one saved (its state is matched by parameter name).
-    Refuses a checkpoint of another model (by fingerprint) unless `force=True`.
+    The optimizer must be the same kind as the one saved (its state is matched by parameter name): another
+    kind is refused, as is a checkpoint of another model (by fingerprint), unless `force=True`. Every file is
+    verified against the sizes and SHA-256s the save recorded.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -206,6 +214,12 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     if not isinstance(meta, dict) or meta.get("autopar_checkpoint") != 1:
         raise AutoparError(f"{meta_path} is not an autopar checkpoint description.")
     _verify(path, meta.get("files"))
+    saved_kind = meta.get("optimizer")
+    if not force and saved_kind is not None and saved_kind != type(optimizer).__name__:
+        raise AutoparError(
+            f"the checkpoint at {path} holds the state of an optimizer of kind {saved_kind}, and this one is "
+            f"{type(optimizer).__name__}: its state would be read as another algorithm's (or not at all); build "
+            f"a {saved_kind} to resume, or pass force=True to load the model and the matching state anyway.")
     state = getattr(model, "_autopar_applied", None)
     fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
     if not force and meta.get("model_fingerprint") not in (None, fingerprint):

@@ -107,3 +107,13 @@ def test_a_checkpoint_saved_before_checksums_still_loads(saved):
     del meta["files"]
     (path / "autopar.yaml").write_text(yaml.safe_dump(meta))
     assert _same(_loaded(path)[0], a)
+
+
+def test_loading_into_another_kind_of_optimizer_is_refused(saved):
+    """An AdamW checkpoint loaded into Adam was silently accepted (issue 11, item 11)."""
+    path, a, _ = saved
+    model, _ = model_and_optimizer(99)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with pytest.raises(AutoparError, match="holds the state of an optimizer of kind AdamW, and this one is Adam:"):
+        autopar.load(model, adam, path)
+    assert yaml.safe_load((path / "autopar.yaml").read_text())["optimizer"] == "AdamW"

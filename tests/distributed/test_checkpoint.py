@@ -102,8 +102,11 @@ def test_checkpoint_of_another_model_is_refused(runs):
 
 def test_another_kind_of_optimizer_is_refused_with_a_clear_message(runs):
     model = make_model()
-    with pytest.raises(autopar.AutoparError, match="optimizer must be of the kind that was saved"):
+    with pytest.raises(autopar.AutoparError, match="optimizer of kind AdamW, and this one is SGD: .*build a AdamW to resume"):
         autopar.load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), runs["dir"] / "fsdp")
+    with pytest.raises(autopar.AutoparError, match="optimizer must be of the kind that was saved"):  # forced: DCP's
+        autopar.load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), runs["dir"] / "fsdp",
+                     force=True)
 
 
 def test_a_folder_that_is_not_a_checkpoint_is_refused(tmp_path):
