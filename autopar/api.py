@@ -112,9 +112,18 @@ def _untraced_message(profile: ModelProfile, safe: Plan, exc: TraceError) -> str
             f"plan from the model's structure instead: {parallel}, micro-batch {safe.micro_batch_size}, "
             f"{precision}, no checkpointing, no compile. It has no prediction (memory and speed were not "
             "estimated): it may run slower than a chosen plan, or out of memory where a chosen one would "
-            "checkpoint or shard further. To have a plan chosen, make the step traceable (a forward that reads "
-            "tensor values, such as `if labels.max() >= vocab`, cannot be traced), or pass wrap a plan "
-            "(autopar.Plan or a YAML file).")
+            "checkpoint or shard further. To have a plan chosen, make the step traceable (" + _trace_hint(why)
+            + "), or pass wrap a plan (autopar.Plan or a YAML file).")
+
+
+def _trace_hint(why: str) -> str:
+    """What to change for the trace to run, by its failure."""
+    if "FakeTensor" in why:  # a real tensor met the fake ones: from outside the sample and the model's state
+        return ("the step used a real tensor that is neither in the sample nor a parameter or buffer of the "
+                "model: a loss_fn that captures its targets, or a tensor the model keeps as a plain attribute; "
+                "take the targets from the sample in loss_fn(output, sample), and register the model's tensors "
+                "as buffers")
+    return "a forward that reads tensor values, such as `if labels.max() >= vocab`, cannot be traced"
 
 
 def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
@@ -189,6 +198,15 @@ def wrap(
     """
     if is_wrapped(model):
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
+    inner = next((name for name, m in model.named_modules() if name and is_wrapped(m)), None)
+    if inner is not None:
+        raise PlanError(f"{type(model).__name__} holds a model autopar already wrapped (at {inner!r}): wrap the "
+                        "whole model once, before its parts are wrapped (build the container around the unwrapped "
+                        "model, then wrap the container).")
+    if topology is not None and _dist.device_type() == "cpu" and resolve_topology(topology).is_gpu:
+        raise PlanError(f"wrap applies its plan on this machine, which has no GPU, but topology={topology!r} names "
+                        "GPUs: to plan for hardware that is not here use autopar.plan(model, sample=..., "
+                        "topology=...); to train here, leave topology out.")
     hook = wrap_hook()  # a no-op outside a tuner's trial (autopar/hooks.py)
     override = hook.plan_override()
     if override is not None:  # a trial applies its plan, as if it were given

@@ -59,6 +59,9 @@ def profile_model(
     if not list(model.parameters()):
         raise ProfileError(f"{type(model).__name__} has no parameters: there is nothing to train or parallelise.")
     batch = sample_batch_size(sample)
+    if batch == 0:
+        raise ProfileError("the sample is an empty batch (batch size 0): give one batch of at least one sample, as "
+                           "the training loop feeds it.")
     blocks_path, units, repeated = find_blocks(model, blocks)
     notes: list[str] = []
     if not repeated:
