@@ -38,7 +38,12 @@ def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: in
     """
     if "batch_size" in kwargs or "sampler" in kwargs:
         raise PlanError("autopar.dataloader sets batch_size and sampler from the plan: leave them out.")
-    plan = plan_of(model)
+    plan, shard = plan_of(model), data_shard(model)
+    per_rank = len(dataset) // shard.size if hasattr(dataset, "__len__") else None
+    if drop_last and per_rank is not None and per_rank < plan.local_batch_size:
+        raise PlanError(f"the dataset's {len(dataset)} samples give each of the {shard.size} data-parallel rank(s) "
+                        f"{per_rank}, fewer than one batch of {plan.local_batch_size}: every epoch would yield nothing; "
+                        "use more samples, a smaller batch, or drop_last=False.")
     return torch.utils.data.DataLoader(dataset, batch_size=plan.local_batch_size, drop_last=drop_last,
                                        sampler=sampler(model, dataset, shuffle=shuffle, seed=seed, drop_last=drop_last),
                                        **kwargs)

@@ -42,8 +42,6 @@ def _parser() -> argparse.ArgumentParser:
 def _launch(args: argparse.Namespace) -> int:
     """Start the demo under torchrun with the right number of processes; returns its exit code."""
     nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    if nproc < 1:
-        raise SystemExit("autopar demo: --nproc must be at least 1.")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "autopar.demo", "--steps", str(args.steps)]
     for flag in ("size", "batch", "plan"):
@@ -121,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit("autopar demo: --steps must be at least 1.")
+    if args.nproc is not None and args.nproc < 1:  # (0 once meant the default, silently)
+        raise SystemExit(f"autopar demo: --nproc must be at least 1, got {args.nproc}; leave it out for the default "
+                         "(every GPU here, or 2 processes on a CPU).")
     if "LOCAL_RANK" in os.environ:  # one rank under torchrun
         _rank_main(args)
         return 0

@@ -250,3 +250,10 @@ def test_plan_out_never_overwrites_a_file_that_is_not_a_plan_nor_writes_into_a_f
         code, _, err = _run(capsys, *args, "--out", str(plan_file))
         assert code == 0, err
     assert Plan.load(plan_file).world_size == 1
+
+
+def test_demo_refuses_nproc_0_rather_than_reading_it_as_the_default():
+    from autopar.demo import main as demo_main
+
+    with pytest.raises(SystemExit, match="--nproc must be at least 1, got 0; leave it out for the default"):
+        demo_main(["--nproc", "0"])

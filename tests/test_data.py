@@ -145,3 +145,10 @@ def test_helpers_refuse_a_model_that_was_not_wrapped():
                  lambda: autopar.local_batch(plain, torch.zeros(4, 2))):
         with pytest.raises(PlanError, match="not wrapped by autopar.wrap"):
             call()
+
+
+def test_a_dataset_smaller_than_one_batch_is_refused_not_left_to_yield_nothing(model):
+    with pytest.raises(PlanError, match="7 samples give each of the 1 data-parallel rank.s. 7, fewer than one batch "
+                                        "of 8: every epoch would yield nothing"):
+        autopar.dataloader(model, _dataset(7))
+    assert len(list(autopar.dataloader(model, _dataset(7), drop_last=False))) == 1  # the remedy it names
