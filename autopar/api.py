@@ -203,16 +203,17 @@ def wrap(
         raise PlanError(f"{type(model).__name__} holds a model autopar already wrapped (at {inner!r}): wrap the "
                         "whole model once, before its parts are wrapped (build the container around the unwrapped "
                         "model, then wrap the container).")
-    if topology is not None and _dist.device_type() == "cpu" and resolve_topology(topology).is_gpu:
-        raise PlanError(f"wrap applies its plan on this machine, which has no GPU, but topology={topology!r} names "
-                        "GPUs: to plan for hardware that is not here use autopar.plan(model, sample=..., "
-                        "topology=...); to train here, leave topology out.")
     hook = wrap_hook()  # a no-op outside a tuner's trial (autopar/hooks.py)
     override = hook.plan_override()
     if override is not None:  # a trial applies its plan, as if it were given
         plan, force = override, False
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
+    if world.rank == 0 and topology is not None and _dist.device_type() == "cpu" and _names_gpus(topology):
+        warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
+                      "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
+                      "plan for hardware that is not here use autopar.plan(model, sample=..., topology=...); to train "
+                      "here, leave topology out.", stacklevel=2)
     # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
     topo, profile, global_batch, untraced = _profile_everywhere(
         model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
@@ -250,6 +251,13 @@ def wrap(
     return model
 
 
+def _names_gpus(topology: Topology | str) -> bool:
+    try:
+        return resolve_topology(topology).is_gpu
+    except Exception:  # a malformed spec: _profile_everywhere raises it on every rank
+        return False
+
+
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,
                         loss_fn: Callable | None, blocks: Any, global_batch_size: int | None, world: _dist.World,
                         say: bool) -> tuple[Topology, ModelProfile, int, TraceError | None]:
@@ -275,6 +283,11 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         error = exc
     _dist.first_failure(error)
     assert result is not None
+    smallest, largest = _dist.min_max(sample_batch_size(sample))
+    if smallest != largest:  # every rank raises the same error (one raising alone leaves the others hanging)
+        raise PlanError(f"the ranks were given samples of different batch sizes ({smallest} to {largest} samples): "
+                        "give every rank one data-parallel rank's batch, the same size on each (the last, smaller "
+                        "batch of an epoch too: drop it, as autopar.dataloader does).")
     return result
 
 

@@ -79,6 +79,16 @@ def ensure_single_process_group() -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+def min_max(value: int) -> tuple[int, int]:
+    """Collective: the smallest and the largest of every rank's `value` (one process: the value twice)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value, value
+    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t[0].item()), int(-t[1].item())
+
+
 def first_failure(error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank had `error` (so no rank waits forever for a failed one)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
