@@ -62,8 +62,11 @@ def _digest(path: Path) -> dict[str, Any]:
 
 
 def _own_files(folder: Path, rank: int) -> list[Path]:
-    """The files this rank hashes: its own shards (DCP names them __RANK_N.distcp), and on rank 0 the rest."""
-    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith(".autopar-sums."))
+    """The files this rank hashes: its own shards (DCP names them __RANK_N.distcp), and on rank 0 the rest of
+    DCP's: `.metadata` and any other file not hidden (the ranks' own hidden sums files, and the temporary files
+    they are written through while this rank lists the folder, are not the checkpoint's)."""
+    files = sorted(p for p in folder.iterdir()
+                   if p.is_file() and (p.name == ".metadata" or not p.name.startswith(".")))
     mine = [p for p in files if p.name.startswith(f"__{rank}_")]
     if rank == 0:
         mine += [p for p in files if not p.name.startswith("__") or not p.name.split("_")[2].isdigit()]

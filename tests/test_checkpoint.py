@@ -117,3 +117,13 @@ def test_loading_into_another_kind_of_optimizer_is_refused(saved):
     with pytest.raises(AutoparError, match="holds the state of an optimizer of kind AdamW, and this one is Adam:"):
         autopar.load(model, adam, path)
     assert yaml.safe_load((path / "autopar.yaml").read_text())["optimizer"] == "AdamW"
+
+
+def test_each_rank_hashes_its_own_shards_and_never_another_rank_s_sums_files(tmp_path):
+    """Rank 0 once hashed rank 3's sums file while it was being written through a temporary name (and failed)."""
+    from autopar.checkpoint import _own_files
+
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", ".autopar-sums.0.yaml", "..autopar-sums.1.yaml.x.tmp"):
+        (tmp_path / name).write_text("x")
+    assert [p.name for p in _own_files(tmp_path, 0)] == ["__0_0.distcp", ".metadata"]
+    assert [p.name for p in _own_files(tmp_path, 1)] == ["__1_0.distcp"]
