@@ -44,7 +44,7 @@ from .plans import Plan
 
 #: Version of the cache file layout (the top-level mapping). It is part of every key's digest, so files of
 #: another layout are never read under this one's names.
-CACHE_SCHEMA_VERSION = 1
+CACHE_SCHEMA_VERSION = 2  # 2: keys carry the sample's size (sample_signature)
 #: Larger cache files are refused unread (a plan file is about 1 KiB).
 MAX_FILE_BYTES = 1 << 20
 
@@ -75,8 +75,11 @@ class CacheKey:
     global_batch_size: int
     torch_version: str
     allow_train_step: bool
+    sample_signature: str = ""  # the sample's size per sample (sample_signature); "" given only a fingerprint
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sample_signature, str):
+            raise CacheError(f"CacheKey.sample_signature must be a string, got {self.sample_signature!r}.")
         for name in ("model_fingerprint", "topology_fingerprint", "torch_version"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -95,7 +98,7 @@ class CacheKey:
         if not isinstance(data, Mapping):
             raise CacheError(f"a cache key must be a mapping, got {type(data).__name__}.")
         names = [f.name for f in dataclasses.fields(cls)]
-        if set(map(str, data)) != set(names):
+        if set(map(str, data)) != set(names):  # (a key of schema 1 lacks sample_signature: not this schema's)
             raise CacheError(f"a cache key has exactly the fields {', '.join(names)}; got {', '.join(map(str, data))}.")
         return cls(**{name: data[name] for name in names})
 
@@ -111,7 +114,8 @@ class CacheKey:
     def describe(self) -> str:
         loop = "train_step allowed" if self.allow_train_step else "plain loop"
         return (f"model {self.model_fingerprint}, topology {self.topology_fingerprint}, global batch "
-                f"{self.global_batch_size}, torch {self.torch_version}, {loop}")
+                f"{self.global_batch_size}, torch {self.torch_version}, {loop}"
+                + (f", sample {self.sample_signature}" if self.sample_signature else ""))
 
 
 def _fingerprint_of(value: Any, what: str) -> str:
@@ -132,16 +136,28 @@ def cache_key(
     global_batch_size: int,
     allow_train_step: bool,
     torch_version: str | None = None,
+    profile: Any = None,
 ) -> CacheKey:
     """The key of a plan for this model (a ModelProfile or its fingerprint), topology (a Topology or its
-    fingerprint), global batch and loop kind, under this torch (or `torch_version`)."""
+    fingerprint), global batch, loop kind and sample size (`sample_signature` of the ModelProfile given, or of
+    `profile` beside a fingerprint), under this torch (or `torch_version`)."""
+    traced = profile if profile is not None else profile_or_fingerprint
     return CacheKey(
         model_fingerprint=_fingerprint_of(profile_or_fingerprint, "ModelProfile"),
         topology_fingerprint=_fingerprint_of(topology, "Topology"),
         global_batch_size=global_batch_size,
         torch_version=torch_version if torch_version is not None else current_torch_version(),
         allow_train_step=allow_train_step,
+        sample_signature=sample_signature(traced) if not isinstance(traced, str) else "",
     )
+
+
+def sample_signature(profile: Any) -> str:
+    """What the sample's size changes of a plan's cost, per sample: its tokens, its blocks' input shape and its
+    traced FLOPs (a plan tuned at 16 tokens a sample is no plan for 2048: issue 11)."""
+    shape = tuple(profile.block_input_shape[1:]) if getattr(profile, "block_input_shape", None) else ()
+    flops = profile.flops / max(profile.sample_batch_size, 1)
+    return f"tokens={profile.tokens_per_sample};block_input={'x'.join(map(str, shape))};flops={flops:.6g}"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -439,5 +455,6 @@ def write_plan_out(plan: Plan, path: str | os.PathLike[str], *, option: str = "-
 
 __all__ = [
     "CACHE_SCHEMA_VERSION", "CacheEntry", "CacheError", "CacheKey", "CacheWarning", "cache_key", "cached_plan_for",
-    "current_torch_version", "entries", "lookup", "lookup_entry", "path_for", "store", "write_plan_out",
+    "current_torch_version", "entries", "lookup", "lookup_entry", "path_for", "sample_signature", "store",
+    "write_plan_out",
 ]

@@ -232,3 +232,29 @@ def test_write_plan_out(tmp_path):
     assert other.read_text() == "print('hello')\n"
     with pytest.raises(AutoparError, match="is a folder"):
         cache.write_plan_out(plan, tmp_path)
+
+
+def test_a_plan_cached_at_one_sequence_length_is_not_used_at_another(root, topo):
+    """A plan tuned at 16 tokens a sample was used at 2048, with its stale prediction (issue 11, item 7)."""
+    import torch
+
+    from autopar.models.gpt import GPT, GPTConfig
+    from autopar.profile import profile_model
+
+    cfg = GPTConfig(vocab_size=128, seq_len=64, num_layers=2, hidden_dim=32, num_heads=4)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    short, long = (profile_model(model, torch.zeros(4, n, dtype=torch.long, device="meta"), warn=False)
+                   for n in (16, 64))
+    assert short.fingerprint == long.fingerprint  # the same model: only the sample's size tells them apart
+    k_short = cache_key(short, topo, global_batch_size=32, allow_train_step=False)
+    k_long = cache_key(long, topo, global_batch_size=32, allow_train_step=False)
+    assert "tokens=16" in k_short.sample_signature and "tokens=64" in k_long.sample_signature
+    assert k_short.digest() != k_long.digest()
+    assert cache_key(short.fingerprint, topo, global_batch_size=32, allow_train_step=False,
+                     profile=short) == k_short  # a fingerprint with its profile: the same key
+    store(_plan(), k_short, directory=root)
+    assert cached_plan_for(long, topo, world_size=8, global_batch_size=32, allow_train_step=False,
+                           directory=root) == (None, None)
+    hit = cached_plan_for(short, topo, world_size=8, global_batch_size=32, allow_train_step=False, directory=root)[0]
+    assert hit is not None and hit.replace(model_fingerprint=None, topology_fingerprint=None) == _plan()

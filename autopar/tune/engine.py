@@ -373,7 +373,7 @@ class StudyEngine:
         opts, best = self.options, report.best
         key = cache_key(self.probe.model_fingerprint or self.profile, self.topology,
                         global_batch_size=int(self.probe.global_batch_size),
-                        allow_train_step=bool(opts.allow_train_step))
+                        allow_train_step=bool(opts.allow_train_step), profile=self.profile)
         measurement = dict(best.measurement or {})
         if self.study_path is not None:
             measurement["study"] = str(self.study_path)
