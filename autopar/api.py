@@ -14,7 +14,7 @@ import torch.nn as nn
 from ._util import dist as _dist
 from ._util.batch import sample_batch_size
 from ._util.log import get_logger
-from ._util.stale_params import forget_replaced, parameters_before
+from ._util.stale_params import forget_replaced
 from .errors import InfeasiblePlanError, PlanError, TraceError
 from .hooks import Profiled, wrap_hook
 from .plan_cache import cached_plan_for
@@ -209,15 +209,15 @@ def wrap(
         plan, force = override, False
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
-    if world.rank == 0 and topology is not None and _dist.device_type() == "cpu" and _names_gpus(topology):
-        warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
-                      "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
-                      "plan for hardware that is not here use autopar.plan(model, sample=..., topology=...); to train "
-                      "here, leave topology out.", stacklevel=2)
     # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
     topo, profile, global_batch, untraced = _profile_everywhere(
         model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
         global_batch_size=global_batch_size, world=world, say=say)
+    if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
+        warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
+                      "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
+                      "plan for hardware that is not here use autopar.plan(model, sample=..., topology=...); to train "
+                      "here, leave topology out.", stacklevel=2)
     hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
                            global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks,
                            uses_train_step=uses_train_step))
@@ -237,7 +237,7 @@ def wrap(
         _log_choice(chosen, profile, topo, decision)
     # 4. Apply, and keep what was applied on the model.
     mesh = build_mesh(chosen, _dist.device_type())
-    before = parameters_before(model)
+    before = list(model.parameters())  # as the user built it
     state = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
     # An optimizer built before wrap holds the parameters the plan replaced (FSDP, TP, a meta model's): its first
     # step is refused with the remedy, not left to train nothing (autopar/_util/stale_params.py).
@@ -249,13 +249,6 @@ def wrap(
     attach(model, state)
     hook.applied(model, chosen, profile)
     return model
-
-
-def _names_gpus(topology: Topology | str) -> bool:
-    try:
-        return resolve_topology(topology).is_gpu
-    except Exception:  # a malformed spec: _profile_everywhere raises it on every rank
-        return False
 
 
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,

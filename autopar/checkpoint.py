@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -31,13 +32,14 @@ import torch.nn as nn
 import yaml
 
 from ._util.dist import broadcast_text, first_failure
-from ._util.io import atomic_write_text
+from ._util.io import atomic_write_text, fsync_dir
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, PlanMismatchError
 from .profile import model_fingerprint
 
 _META = "autopar.yaml"
 _SUMS = ".autopar-sums.{rank}.yaml"  # one rank's files and their hashes, merged into autopar.yaml by rank 0
+_SHARD = re.compile(r"__(\d+)_")  # DCP's file of rank N: __N_I.distcp
 
 
 def _rank() -> int:
@@ -67,16 +69,16 @@ def _own_files(folder: Path, rank: int) -> list[Path]:
     they are written through while this rank lists the folder, are not the checkpoint's)."""
     files = sorted(p for p in folder.iterdir()
                    if p.is_file() and (p.name == ".metadata" or not p.name.startswith(".")))
-    mine = [p for p in files if p.name.startswith(f"__{rank}_")]
-    if rank == 0:
-        mine += [p for p in files if not p.name.startswith("__") or not p.name.split("_")[2].isdigit()]
-    return mine
+    shards = [p for p in files if _SHARD.match(p.name)]
+    return [p for p in shards if int(_SHARD.match(p.name)[1]) == rank] + \
+        ([p for p in files if p not in shards] if rank == 0 else [])
 
 
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path:
     """Save `model` (wrapped by autopar or not) and `optimizer` to the folder `path`, from every rank; a
     checkpoint already at `path` stays complete until the new one is (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
@@ -85,8 +87,6 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     new = path.parent / f".{path.name}.new-{token}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
     except CheckpointException as exc:  # a BaseException: it would escape the user's `except Exception`
@@ -119,21 +119,8 @@ def _switch(new: Path, path: Path, token: str) -> None:
     if path.exists():
         os.replace(path, old)
     os.replace(new, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a platform without directory fds (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _complete(folder: Path) -> bool:

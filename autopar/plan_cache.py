@@ -155,7 +155,7 @@ def cache_key(
 def sample_signature(profile: Any) -> str:
     """What the sample's size changes of a plan's cost, per sample: its tokens, its blocks' input shape and its
     traced FLOPs (a plan tuned at 16 tokens a sample is no plan for 2048: issue 11)."""
-    shape = tuple(profile.block_input_shape[1:]) if getattr(profile, "block_input_shape", None) else ()
+    shape = tuple(profile.block_input_shape[1:]) if profile.block_input_shape else ()
     flops = profile.flops / max(profile.sample_batch_size, 1)
     return f"tokens={profile.tokens_per_sample};block_input={'x'.join(map(str, shape))};flops={flops:.6g}"
 

@@ -319,8 +319,9 @@ class Plan:
         path = Path(path)
         if not path.is_file():
             raise PlanError(f"no plan file at {path}: give the path of a YAML file written by Plan.save.")
-        if path.stat().st_size > MAX_YAML_CHARS:
-            raise PlanError(f"{path} is {path.stat().st_size:,} bytes, too large for a plan file (a plan is about "
+        size = path.stat().st_size
+        if size > MAX_YAML_CHARS:
+            raise PlanError(f"{path} is {size:,} bytes, too large for a plan file (a plan is about "
                             "1 KiB): give the YAML file Plan.save wrote.")
         try:
             text = path.read_bytes().decode("utf-8")

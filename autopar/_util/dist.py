@@ -55,12 +55,19 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _collective_device() -> torch.device | None:
+    """Where the collectives below put their tensors (the GPU under NCCL), or None without a group of several."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def broadcast_text(text: str | None, *, src: int = 0) -> str:
     """Rank `src`'s text on every rank (as bytes in a tensor: nothing is unpickled)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    device = _collective_device()
+    if device is None:
         assert text is not None, "broadcast_text without a process group needs the text"
         return text
-    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
     data = (text or "").encode()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src)
@@ -81,9 +88,9 @@ def ensure_single_process_group() -> None:
 
 def min_max(value: int) -> tuple[int, int]:
     """Collective: the smallest and the largest of every rank's `value` (one process: the value twice)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    device = _collective_device()
+    if device is None:
         return value, value
-    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t[0].item()), int(-t[1].item())
@@ -91,11 +98,11 @@ def min_max(value: int) -> tuple[int, int]:
 
 def first_failure(error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank had `error` (so no rank waits forever for a failed one)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    device = _collective_device()
+    if device is None:
         if error is not None:
             raise error
         return
-    device = local_device() if dist.get_backend() == "nccl" else torch.device("cpu")
     flag = torch.tensor([dist.get_rank() if error is not None else dist.get_world_size()], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     failed = int(flag.item())

@@ -47,7 +47,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, mode: int | No
             os.unlink(tmp)
         raise
     if durable:
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
 
 def _umask() -> int:
@@ -61,7 +61,7 @@ def _umask() -> int:
     return mask
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make a rename in `folder` durable (POSIX; Windows cannot open a folder to fsync it)."""
     if os.name == "nt":
         return

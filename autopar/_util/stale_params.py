@@ -48,11 +48,6 @@ class _Replaced:
 REPLACED = _Replaced()
 
 
-def parameters_before(model: nn.Module) -> list[torch.Tensor]:
-    """The model's parameters as the user built it (before wrap changes anything)."""
-    return list(model.parameters())
-
-
 def forget_replaced(before: list[torch.Tensor], model: nn.Module) -> int:
     """Remember the parameters of `before` that `model` no longer holds (returns how many)."""
     now = {id(p) for p in model.parameters()}

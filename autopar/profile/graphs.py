@@ -56,7 +56,9 @@ def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_c
         return None
     inputs = map_tensors(lambda t: t.to(device), sample)
     try:
-        with torch.no_grad(), warnings.catch_warnings(), _quiet_dynamo(), _state_kept(model, device):
+        # (dynamo's own logging of the breaks is not the user's to read: the profile's note says it once)
+        quiet = torch._dynamo.config.patch(verbose=False, suppress_errors=False)
+        with torch.no_grad(), warnings.catch_warnings(), quiet, _state_kept(model, device):
             warnings.simplefilter("ignore")
             out = torch._dynamo.explain(lambda s: call_model(model, s))(inputs)
     except Exception:  # dynamo could not run the forward here: unknown, not a verdict on compile
@@ -95,9 +97,3 @@ def _state_kept(model: nn.Module, device: torch.device):
                 for buffer, value in saved:
                     buffer.copy_(value)
 
-
-@contextlib.contextmanager
-def _quiet_dynamo():
-    """Dynamo's own logging of the breaks (it is not the user's to read: the profile's note says it once)."""
-    with torch._dynamo.config.patch(verbose=False, suppress_errors=False):
-        yield

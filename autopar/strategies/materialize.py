@@ -41,6 +41,26 @@ def materialize(model: nn.Module, device: torch.device, init_fn: InitFn | None) 
         return False
     whole = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
     fresh = [name for name, t in _named_tensors(model) if t.is_meta]
+    _empty(model, owners, whole, device)
+    tensors = dict(_named_tensors(model))
+    checked = [(name, tensors[name]) for name in fresh if not is_fake(tensors[name])]
+    with torch.no_grad():
+        for _, t in checked:
+            _mark(t)
+        _initialise(model, owners, whole, init_fn)
+    missed = [name for name, t in checked if _still_marked(t)]
+    if missed:
+        shown = ", ".join(missed[:6]) + (f" and {len(missed) - 6} more" if len(missed) > 6 else "")
+        raise MaterializeError(
+            f"the initialisation of the meta-device model left {len(missed)} tensor(s) without values: {shown}; "
+            "pass autopar.wrap(..., init_fn=fn) where fn(module) sets them (or give their modules a "
+            "reset_parameters()).")
+    return True
+
+
+def _empty(model: nn.Module, owners: list[nn.Module], whole: bool, device: torch.device) -> None:
+    """Storage on `device` for the meta tensors (the owners' own, or the whole model's), real values kept, tied
+    parameters tied again."""
     ties = _tied_names(model)
     kept: dict[str, torch.Tensor] = {}
     if whole:
@@ -56,20 +76,6 @@ def materialize(model: nn.Module, device: torch.device, init_fn: InitFn | None) 
     with torch.no_grad():
         for name, value in kept.items():
             tensors[name].copy_(value)
-    del kept
-    checked = [(name, tensors[name]) for name in fresh if not is_fake(tensors[name])]
-    with torch.no_grad():
-        for _, t in checked:
-            _mark(t)
-        _initialise(model, owners, whole, init_fn)
-    missed = [name for name, t in checked if _still_marked(t)]
-    if missed:
-        shown = ", ".join(missed[:6]) + (f" and {len(missed) - 6} more" if len(missed) > 6 else "")
-        raise MaterializeError(
-            f"the initialisation of the meta-device model left {len(missed)} tensor(s) without values: {shown}; "
-            "pass autopar.wrap(..., init_fn=fn) where fn(module) sets them (or give their modules a "
-            "reset_parameters()).")
-    return True
 
 
 def _own_tensors(module: nn.Module) -> Iterator[torch.Tensor]:

@@ -46,15 +46,8 @@ def broadcast_replicas(model: nn.Module, mesh: DeviceMesh) -> int:
 
 def _broadcast(t: torch.Tensor, group: dist.ProcessGroup) -> None:
     """`t` from the group's first rank, in place (through the GPU where the backend is NCCL and `t` is not)."""
-    src = dist.get_global_rank(group, 0)
-    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
-        staged = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.broadcast(staged, src=src, group=group)
+    gpu = dist.get_backend(group) == "nccl" and t.device.type != "cuda"
+    staged = t.to(torch.device("cuda", torch.cuda.current_device()) if gpu else t.device).contiguous()  # t if it can
+    dist.broadcast(staged, src=dist.get_global_rank(group, 0), group=group)
+    if staged is not t:
         t.copy_(staged)
-        return
-    if t.is_contiguous():
-        dist.broadcast(t, src=src, group=group)
-        return
-    staged = t.contiguous()
-    dist.broadcast(staged, src=src, group=group)
-    t.copy_(staged)
