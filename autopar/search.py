@@ -170,6 +170,18 @@ def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_si
     return sorted(out)
 
 
+def breaks_cut_blocks(profile: ModelProfile) -> bool:
+    """Whether dynamo's graph breaks (`profile.graph_breaks`, autopar.profile.graphs) may cut the blocks: a break
+    in a block's forward recurs in every block and cuts its fusion where the cost model prices the block whole
+    (True also where the breaks lie is not known). Breaks outside the blocks (the embeddings, a mask built
+    by a helper dynamo does not trace) leave the blocks whole graphs, which the cost model prices: HF GPT-2 355M
+    (transformers 5.17) compiles into 2 graphs and ran 47.4 ms compiled against 108.8 ms eager on an H200,
+    interleaved (bench/results/zoo_race_2026-12-01.jsonl), where wrap had kept it eager for its one break."""
+    if not profile.graph_breaks:
+        return False
+    return profile.graph_breaks_in_blocks is not False
+
+
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
                     allow_train_step: bool = False, offload: bool = False, compile_available: bool = True,
                     eager: bool = True, measured: bool = False) -> Iterator[Plan]:
@@ -192,13 +204,13 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # (bench/results/zoo_h200_2026-12-01.jsonl), so the prediction decides between the two.
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
     compiles = ([False, True] if eager else [True]) if topology.is_gpu and compile_available else [False]
-    if eager and not measured and (profile.value_reads or profile.graph_breaks):
+    if eager and not measured and (profile.value_reads or breaks_cut_blocks(profile)):
         # A forward that reads tensor values (`.item()`, `if tensor:`, ops shaped by values) breaks
         # torch.compile's graph there, and how often the pieces run (per layer, per step) is not in the trace:
         # the compiled step cannot be predicted, so it is not chosen blindly (compiled wav2vec2 ran 0.81-0.86x
         # its eager speed on an H200: bench/results/zoo_h200_profile_2026-12-01c.jsonl). So does a forward that
-        # dynamo itself cuts into several graphs (`profile.graph_breaks`, autopar.profile.graphs). `eager=False`
-        # and the tuner (`measured`: it runs them) still get them.
+        # dynamo cuts inside its blocks (breaks_cut_blocks). `eager=False` and the tuner (`measured`: it runs
+        # them) still get them.
         compiles = [False]
     blocks = len(profile.blocks)
     fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}

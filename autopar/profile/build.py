@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from .._util.batch import first_tensor, sample_batch_size
 from ..errors import ProfileError, TraceError
 from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
-from .graphs import dynamo_graphs
+from .graphs import GraphCount, dynamo_graphs
 from .model_profile import BlockProfile, ModelProfile, model_fingerprint
 from .remat import CompiledSaved, CompiledSavedProbe
 from .trace import StepTrace, Trace, Units
@@ -82,10 +82,7 @@ def profile_model(
                          "price, so compiled plans are chosen only by measuring them (autopar tune)")
         counted = dynamo_graphs(model, sample) if graphs and not t.value_reads else None
         if counted is not None and counted.num_breaks:
-            notes.append(f"torch.compile's dynamo cuts the forward into {counted.num_graphs} graphs (first break: "
-                         f"{counted.break_reasons[0] if counted.break_reasons else 'no reason given'}), which the "
-                         "cost model cannot price, so compiled plans are chosen only by measuring them (autopar "
-                         "tune)")
+            notes.append(_breaks_note(counted, counted.in_forward_of(m for _, m in units)))
     else:
         counted = None
         t = Trace.untraced(len(units))
@@ -121,6 +118,7 @@ def profile_model(
         traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes, op_groups=t.op_groups,
         value_reads=t.value_reads,
         graph_breaks=None if counted is None else counted.num_breaks,
+        graph_breaks_in_blocks=None if counted is None else counted.in_forward_of(m for _, m in units),
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,
@@ -176,6 +174,17 @@ def _fp32_untraceable_note(exc: TraceError, traced: str) -> str:
     return (f"the fp32 step could not be traced on fake tensors ({type(cause).__name__}: {first_line}), so it was "
             f"traced {how} instead: only bf16 plans can be predicted for this model (an op that runs only in "
             "bf16 does this, e.g. torch._grouped_mm in Hugging Face MoE experts).")
+
+
+def _breaks_note(counted: GraphCount, in_blocks: bool | None) -> str:
+    """What the profile says of dynamo's breaks, and what the search does with them (search.breaks_cut_blocks)."""
+    first = counted.break_reasons[0] if counted.break_reasons else "no reason given"
+    head = f"torch.compile's dynamo cuts the forward into {counted.num_graphs} graphs (first break: {first})"
+    if in_blocks is False:
+        return (head + "; the breaks lie outside the blocks, which compile whole, so compiled plans are priced as "
+                "usual (a break's own cost, one more graph call, is not)")
+    return (head + (", inside the blocks" if in_blocks else "") + ", which the cost model cannot price, so "
+            "compiled plans are chosen only by measuring them (autopar tune)")
 
 
 def _no_blocks_note(units: Units) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch._dynamo
@@ -36,6 +36,17 @@ class GraphCount:
 
     num_graphs: int
     break_reasons: tuple[str, ...] = ()
+    break_sites: tuple[tuple[str, int], ...] = ()  # (file, line) of every frame of every break's user stack
+
+    def in_forward_of(self, modules: Iterable[nn.Module]) -> bool | None:
+        """Whether a break lies in the `forward` of one of these modules' classes (or of a class of a module
+        inside them): True, False, or None where dynamo gave no sites for a break it made."""
+        if not self.num_breaks:
+            return False
+        if not self.break_sites:
+            return None
+        spans = _forward_spans(modules)
+        return any(lo <= line <= hi for file, line in self.break_sites for lo, hi in spans.get(file, ()))
 
     def __post_init__(self) -> None:
         if self.num_graphs < 0:
@@ -64,7 +75,22 @@ def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_c
     except Exception:  # dynamo could not run the forward here: unknown, not a verdict on compile
         return None
     reasons = tuple(str(getattr(b, "reason", b)).splitlines()[0][:200] for b in out.break_reasons[:max_reasons])
-    return GraphCount(num_graphs=int(out.graph_count), break_reasons=reasons)
+    sites = tuple((f.filename, int(f.lineno)) for b in out.break_reasons for f in getattr(b, "user_stack", ())
+                  if f.lineno is not None)
+    return GraphCount(num_graphs=int(out.graph_count), break_reasons=reasons, break_sites=sites)
+
+
+def _forward_spans(modules: Iterable[nn.Module]) -> dict[str, list[tuple[int, int]]]:
+    """file -> (first line, last line) of the `forward` of each class of these modules and their submodules."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    classes = {type(sub) for m in modules for sub in m.modules()}
+    for cls in classes:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if code is None:
+            continue
+        lines = [line for _, _, line in code.co_lines() if line is not None]
+        spans.setdefault(code.co_filename, []).append((code.co_firstlineno, max(lines, default=code.co_firstlineno)))
+    return spans
 
 
 def _probe_device(model: nn.Module, *, real_cpu: bool) -> torch.device | None:

@@ -138,6 +138,8 @@ class ModelProfile:
     value_reads: int = 0  # reads of tensor values in the model's forward (`.item()`, `bool()`, ops shaped by
     # values: autopar.profile.shadow): where torch.compile's graph breaks (dynamo cannot trace past them)
     graph_breaks: int | None = None  # breaks dynamo makes in the forward (autopar.profile.graphs; None: not known)
+    graph_breaks_in_blocks: bool | None = None  # whether one lies in a block's forward, where it recurs in every
+    # block and cuts its fusion (GraphCount.in_forward_of; None: not known)
     block_input: str | None = None  # how a block receives the hidden states: "arg0" or "kwarg:NAME"
     block_input_shape: tuple[int, ...] | None = None  # shape of those hidden states for the sample (batch first)
     block_num_args: int = 1  # positional arguments a block is called with
