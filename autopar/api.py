@@ -137,8 +137,9 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
             f"the topology has {topology.world_size} GPUs but the job has {world_size} processes: "
             "give a topology for this job (Topology.detect() under torchrun, or a spec with that many GPUs)."
         )
+    calibration = calibration_for(topology, profile=profile)
     ranked = search(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
-                    variants=variants, calibration=calibration_for(topology), allow_train_step=uses_train_step,
+                    variants=variants, calibration=calibration, allow_train_step=uses_train_step,
                     tp_refusal=tp_refusal)
     if not ranked:
         raise PlanError(
@@ -157,7 +158,8 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
             f"no plan for {profile.model_class} with a global batch of {global_batch_size} fits in "
             f"{topology.device.memory_bytes / 2**30:.0f} GiB per device{need}: use more devices, a smaller batch,"
             f"{hint} or a shorter sequence.")
-    return best.plan
+    # The prediction says which calibration it was made with (a cached file's path, or the defaults).
+    return best.plan.replace(prediction={**(best.plan.prediction or {}), "calibration": calibration.source})
 
 
 def wrap(

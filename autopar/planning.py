@@ -13,16 +13,20 @@ their `Drop` (autopar.search), and `short_name(plan)` a plan in one line (the ta
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from ._util.batch import sample_batch_size
-from .calibration_cache import load_calibration
+from ._util.log import get_logger
+from .calibration_cache import calibration_path, load_calibration, load_refit, refit_path
 from .cost import Calibration, Prediction, predict_profile
-from .errors import PlanError, TraceError
+from .errors import AutoparError, PlanError, TraceError
 from .exact import exact_memory
+from .plan_cache import sample_signature
 from .plans import Plan
 from .profile import ModelProfile, profile_model
 from .search import Candidate, Drop, DropKind, rank_key, search
@@ -79,18 +83,66 @@ def _has_bf16(topology: Topology) -> bool:
     return topology.is_gpu and topology.device.supports("bf16")
 
 
-def calibration_for(topology: Topology) -> Calibration:
-    """The calibration cached for this topology (measured or fitted), else the defaults."""
-    try:
-        cached = load_calibration(topology.fingerprint())
-    except Exception:  # an unreadable cache never stops planning; the defaults stand
-        cached = None
-    if cached is not None:
-        return cached
+def calibration_for(topology: Topology, *, profile: ModelProfile | None = None) -> Calibration:
+    """The calibration plans on this topology are predicted with: the topology's cached one (measured), else
+    the defaults; with `profile`, then the tuner's refit of that model at that sample size where one is cached
+    (autopar.calibration_cache: refits are per model, so another model never inherits one). A cached file in
+    use is logged (once per file and content in a process) with what it changes, and named in the returned
+    calibration's `source`, which a prediction records (`Prediction.calibration_source`)."""
+    defaults = _default_calibration(topology)
+    fingerprint = topology.fingerprint()
+    cal = _read_cache(lambda: load_calibration(fingerprint), calibration_path(fingerprint))
+    if cal is None:
+        cal = defaults
+    else:
+        path = calibration_path(fingerprint)
+        _announce(path, f"this topology's calibration ({cal.source})", _changes(defaults, cal))
+        cal = cal.replace(source=f"{cal.source}, cached in {path}")
+    if profile is None:
+        return cal
+    key = dict(model_fingerprint=profile.fingerprint, sample_signature=sample_signature(profile))
+    refit = _read_cache(lambda: load_refit(fingerprint, **key), refit_path(fingerprint, **key))
+    if refit is None:
+        return cal
+    _announce(refit.path, f"this model's refit ({refit.source})", refit.changes(cal))
+    return refit.apply(cal)
+
+
+def _default_calibration(topology: Topology) -> Calibration:
     if not topology.is_gpu:  # no CUDA context or caching allocator on a CPU
         return Calibration(context_bytes=0.0, reserve_bytes=0.0, fragmentation_fraction=0.0, largest_reserve_factor=0.0,
                            source="defaults for CPU processes (no CUDA context or allocator reserve)")
     return Calibration()
+
+
+def _read_cache(load: Callable[[], Any], path: Path) -> Any:
+    """What `load` reads from the calibration cache, or None with a warning where the file is refused: an
+    unreadable cache never stops planning, and never goes unsaid."""
+    try:
+        return load()
+    except (AutoparError, OSError, ValueError) as exc:  # a refused file (CacheError), a bad factor
+        warnings.warn(f"the cached calibration {path} was not used ({exc}); predicting without it.", stacklevel=3)
+        return None
+
+
+#: (file, what it changes) already logged in this process: a loop of predictions says it once.
+_ANNOUNCED: set[tuple[str, str]] = set()
+
+
+def _announce(path: Path, what: str, changes: str) -> None:
+    if (str(path), changes) in _ANNOUNCED:
+        return
+    _ANNOUNCED.add((str(path), changes))
+    get_logger().info("predicting with the calibration cached in %s, %s: %s; remove the file to predict without it.",
+                      path, what, changes)
+
+
+def _changes(before: Calibration, after: Calibration) -> str:
+    """The factors `after` changes of `before`, as "name before -> after" (or "nothing")."""
+    moved = [f"{f.name} {getattr(before, f.name):.3g} -> {getattr(after, f.name):.3g}"
+             for f in dataclasses.fields(Calibration)
+             if isinstance(getattr(before, f.name), float) and getattr(before, f.name) != getattr(after, f.name)]
+    return ", ".join(moved) or "nothing"
 
 
 def _inputs(model_or_profile: nn.Module | ModelProfile, sample: Any, topology: Topology, loss_fn: Callable | None,
@@ -144,7 +196,7 @@ def candidates(
         global_batch_size = (sample_batch_size(sample) if sample is not None else profile.sample_batch_size) * world
     if not 0 < headroom <= 1:
         raise PlanError(f"headroom is the share of a GPU's memory a plan may fill, in (0, 1]; got {headroom}.")
-    cal = calibration or calibration_for(topo)
+    cal = calibration or calibration_for(topo, profile=profile)
     tp_refusal = tensor_parallel_refusal(model_or_profile, profile) if isinstance(model_or_profile, nn.Module) else None
     ranked = search(profile, topo, world_size=world, global_batch_size=global_batch_size, variants=var,
                     calibration=cal, allow_train_step=allow_train_step, headroom=headroom, eager=eager,
@@ -213,7 +265,7 @@ def predict(
         raise PlanError(f"the plan runs on {plan.world_size} GPUs but the topology has {topo.world_size}: give a "
                         f"topology spec with {plan.world_size} GPUs (e.g. '{plan.world_size}x{topo.device.name}').")
     profile, var = _inputs(model_or_profile, sample, topo, loss_fn, blocks, variants)
-    return predict_profile(profile, plan, topo, calibration or calibration_for(topo), variants=var)
+    return predict_profile(profile, plan, topo, calibration or calibration_for(topo, profile=profile), variants=var)
 
 
 def describe_candidates(ranked: Sequence[Candidate], *, limit: int = 10, dropped: int = 5) -> str:

@@ -30,6 +30,7 @@ class Prediction:
     tokens_per_s: float | None  # global tokens per second (None for inputs without a sequence)
     samples_per_s: float
     mfu: float  # model FLOPs utilisation: 6 N + 12 L h s per token over the world's bf16 peak
+    calibration_source: str = ""  # where the calibration's factors come from (Calibration.source: a cached file's path)
 
     @property
     def memory_bytes(self) -> float:
@@ -64,7 +65,8 @@ def predict_profile(profile: ModelProfile, plan: Plan, topology: Topology, calib
     tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
     peak = topology.device.peak_flops("bf16" if topology.device.supports("bf16") else "fp32") * plan.world_size
     mfu = model_flops_per_step(profile, plan) / step / peak
-    return Prediction(plan=plan, memory=memory, time=time, tokens_per_s=tokens, samples_per_s=samples, mfu=mfu)
+    return Prediction(plan=plan, memory=memory, time=time, tokens_per_s=tokens, samples_per_s=samples, mfu=mfu,
+                      calibration_source=cal.source)
 
 
 __all__ = ["Calibration", "MemoryPrediction", "Prediction", "TimePrediction", "predict_profile"]

@@ -17,10 +17,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..calibration_cache import save_calibration
+from ..calibration_cache import save_refit
 from ..cost.calibration import Calibration
 from ..errors import AutoparError, TuneError
-from ..plan_cache import cache_key, store, write_plan_out
+from ..plan_cache import cache_key, sample_signature, store, write_plan_out
 from ..planning import calibration_for, short_name
 from ..plans import Plan
 from .ledger import Ledger, Measured
@@ -38,6 +38,10 @@ MAX_SPACE = 256
 #: After this many repeats in a row, the best-predicted undecided plan is enqueued.
 MAX_REPEATS = 3
 STALE_CAUSE = "stale: the tuner stopped while it ran"
+
+
+class RefitRejectedWarning(UserWarning):
+    """A study's calibration refit out of bounds, not saved (autopar.cost.calibration.RefitRejection)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,7 @@ class StudyEngine:
         self._wall_mark = self.started
         self.topology, self.profile = probe.topology, probe.profile
         self.variants = dict(probe.variants or {})
+        self._rejected: str | None = None  # the last refit rejection warned of
 
     def run(self) -> TuneReport:
         with study_lock(self.study_path):
@@ -149,7 +154,7 @@ class StudyEngine:
 
     def _initialise(self) -> None:
         opts = self.options
-        base = calibration_for(self.topology)
+        base = calibration_for(self.topology, profile=self.profile)
         entries, candidates = build_space(self.probe, calibration=base, allow_train_step=opts.allow_train_step,
                                           eager=opts.eager, max_space=opts.max_space)
         meta = {"format": STUDY_FORMAT, **self._job(), "device": self.topology.device.name,
@@ -190,16 +195,22 @@ class StudyEngine:
 
     # ---- calibration ----------------------------------------------------------------------------------
     def _refit(self) -> None:
-        """Refit the calibration to every plan measured (autopar.tune.refit); from 2 measured plans on, save
-        it for this topology and record it, with its predictions of the measured plans, in the study."""
+        """Refit the calibration to every plan measured (autopar.tune.refit); from 2 measured plans on, record it,
+        with its predictions of the measured plans, in the study, and save a refit within bounds for this model
+        on this topology (never for the topology alone: another model must not inherit it). A refit out of bounds
+        is not saved, and said in one line (once per distinct reason)."""
         self.fit = self.model.refit(list(self.ledger.ok.values()))
         if self.fit.runs < 2:
             return
         if self.fit.accepted:
             try:
-                save_calibration(self.fit.calibration, self.topology.fingerprint())
+                save_refit(self.fit.calibration, topology_fingerprint=self.topology.fingerprint(),
+                           model_fingerprint=self.profile.fingerprint, sample_signature=sample_signature(self.profile))
             except (OSError, AutoparError) as exc:  # the study goes on; the fit is in the study too
                 warnings.warn(f"could not save the fitted calibration: {exc}", stacklevel=2)
+        elif self.fit.rejection is not None and self.fit.rejection.message() != self._rejected:
+            self._rejected = self.fit.rejection.message()
+            warnings.warn(self._rejected, RefitRejectedWarning, stacklevel=2)
         self.study.set_user_attr(STUDY_FIT, self.fit.to_attr())
 
     # ---- the loop -------------------------------------------------------------------------------------

@@ -9,6 +9,11 @@ scale of every rate (a 1-D search of the step-time error: well determined from o
 repeated from the start and from that scale, each round re-linearised at the last (like Gauss-Newton),
 `FIT_ROUNDS` rounds. The calibration kept is whichever of the start and the candidates predicts the
 measured steps best (mean |predicted / measured - 1|): a fit never makes the predictions worse.
+
+Only a candidate within bounds is kept (autopar.cost.calibration.check_refit): no factor more than
+MAX_REFIT_RATIO from the start, no efficiency above a GPU's datasheet peak, and the measured steps predicted
+within MAX_REFIT_RESIDUAL. Where a candidate predicts better but none is within them, the start is kept and
+the Fit says why (`rejection`, one line naming the factor, its fitted value, the bound and the likely cause).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from ..cost.calibration import Calibration, fit
+from ..cost.calibration import Calibration, RefitRejection, check_refit, fit
 from ..cost.time import time_terms
 from ..plans import Plan
 from .ledger import Measured
@@ -46,11 +51,13 @@ class Fit:
     step_s: Mapping[str, float]  # each measured plan's predicted step with `calibration`, by key
     ratio: float = 1.0  # median measured / predicted step with `calibration`
     trusted: bool = False  # whether pruning may use the predictions (PRUNE_AFTER, PRUNE_TRUST)
+    rejection: RefitRejection | None = None  # why the best-predicting candidate was not kept (out of bounds)
 
     def to_attr(self) -> dict[str, Any]:
         """The study attribute `autopar.fit`."""
         return {"calibration": self.calibration.to_dict(), "runs": self.runs, "accepted": self.accepted,
-                "error_before": self.error_before, "error_after": self.error_after, "step_s": dict(self.step_s)}
+                "error_before": self.error_before, "error_after": self.error_after, "step_s": dict(self.step_s),
+                "rejected": self.rejection.message() if self.rejection is not None else None}
 
 
 class StepModel:
@@ -67,19 +74,17 @@ class StepModel:
         return Fit(calibration=self.base, accepted=False, runs=0, error_before=None, error_after=None, step_s={})
 
     def refit(self, records: Sequence[Measured]) -> Fit:
-        """The best calibration for `records` (the module docstring), from the starting one."""
+        """The best calibration for `records` within bounds (the module docstring), from the starting one."""
         if not records:
             return self.unfitted()
         base_err, base_steps = self._error(self.base, records)
-        best = (base_err, base_steps, self.base)
-        if len(records) >= 2:
-            scaled = self._scaled(self.base, self._best_scale(records))
-            for cal in (scaled, *self._linearised(self.base, records), *self._linearised(scaled, records)):
-                err, steps = self._error(cal, records)
-                if err < best[0]:
-                    best = (err, steps, cal)
-        err, steps, cal = best
-        accepted = cal is not self.base
+        better = sorted((c for c in self._candidates(records) if c[0] < base_err), key=lambda c: c[0])
+        checked = [(c, check_refit(self.base, c[2], runs=len(records), residual=c[0], is_gpu=self.topology.is_gpu))
+                   for c in better]
+        kept = next((c for c, why in checked if why is None), None)
+        rejection = checked[0][1] if kept is None and checked else None
+        err, steps, cal = kept if kept is not None else (base_err, base_steps, self.base)
+        accepted = kept is not None
         if accepted:
             cal = cal.replace(fitted_runs=self.base.fitted_runs + len(records),
                               source=f"fitted to {len(records)} measured steps (autopar tune)")
@@ -89,7 +94,15 @@ class StepModel:
         trusted = len(records) >= PRUNE_AFTER and all(
             abs(steps[r.key] * ratio / r.step_s - 1) <= PRUNE_TRUST for r in records)
         return Fit(calibration=cal, accepted=accepted, runs=len(records), error_before=base_err, error_after=err,
-                   step_s=steps, ratio=ratio, trusted=trusted)
+                   step_s=steps, ratio=ratio, trusted=trusted, rejection=rejection)
+
+    def _candidates(self, records: Sequence[Measured]) -> list[tuple[float, dict[str, float], Calibration]]:
+        """(error, predicted steps, calibration) of each candidate: none from fewer than 2 measured plans."""
+        if len(records) < 2:
+            return []
+        scaled = self._scaled(self.base, self._best_scale(records))
+        cals = (scaled, *self._linearised(self.base, records), *self._linearised(scaled, records))
+        return [(*self._error(cal, records), cal) for cal in cals]
 
     def prune_reason(self, plan: Plan, fitted: Fit, best_step_s: float, factor: float) -> str | None:
         """Why `plan` is clearly slower than the best measured step (docs/tuning.md, point 6), or None."""

@@ -98,6 +98,7 @@ class TuneReport:
     calibration_after: Mapping[str, Any] = field(default_factory=dict)
     fitted_runs: int = 0  # measurements the last fit used
     fit_accepted: bool = False  # whether the fit predicted the measured steps better than the start (else kept)
+    fit_rejected: str | None = None  # why the best-predicting fit was not kept: out of bounds (RefitRejection)
     cached_path: str | None = None  # where the best plan was cached
     plan_out: str | None = None  # where it was written with --plan-out
     stopped: str | None = None  # why the tuner stopped (trial budget, time budget, space exhausted)
@@ -150,6 +151,8 @@ class TuneReport:
                 fit = "no fit yet (it needs 2 measured plans)"
             elif self.fit_accepted:
                 fit = f"{_pct(after, signed=False)} after the fit to {self.fitted_runs} measurements"
+            elif self.fit_rejected:
+                fit = f"{_pct(after, signed=False)} after: the starting calibration was kept ({self.fit_rejected})"
             else:
                 fit = (f"{_pct(after, signed=False)} after: the fit to {self.fitted_runs} measurements predicted "
                        "them no better, so the starting calibration was kept")
@@ -285,6 +288,7 @@ def report_from_study(study: Any, *, study_path: str | None = None, wall_s: floa
         repeats=repeats, calibration_before=dict(attrs.get(STUDY_CAL_BEFORE) or {}),
         calibration_after=dict(fit.get("calibration") or attrs.get(STUDY_CAL_BEFORE) or {}),
         fitted_runs=int(fit.get("runs", 0)) if fit.get("runs", 0) >= 2 else 0, fit_accepted=bool(fit.get("accepted")),
+        fit_rejected=fit.get("rejected"),
         cached_path=stored_best.get("cached"), plan_out=stored_best.get("plan_out"), stopped=stopped,
         space_size=len(space))
 

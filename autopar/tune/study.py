@@ -35,7 +35,8 @@ the refit autopar.tune.refit. How a study runs (docs/tuning.md, "The study"):
 7. **Calibration.** After every measured trial the time model's efficiencies are refitted
    to every plan measured in the study, from the calibration the study started with (autopar.tune.refit);
    the calibration kept is the one that predicts the measured steps best, so a fit never makes them
-   worse. It is saved for this topology (save_calibration).
+   worse. A fit within bounds (autopar.cost.calibration.check_refit) is saved for this model on this topology
+   (save_refit), never for the topology alone; one out of bounds is not saved, with a one-line warning.
    The report shows the step-time prediction error of each measured plan before (the starting
    calibration) and after (the last fit).
 8. **Budgets**: `trials` plans measured (ok or failed) over the study's life, resumed runs included;

@@ -1,5 +1,6 @@
 """The calibration cache: a file is read back as written, and one written for another version of the cost
-model is ignored (with a warning), so that old factors never mix with new terms."""
+model is ignored (with a warning), so that old factors never mix with new terms. And the bounds a refit
+from measured steps must keep to before it is stored (check_refit: issue 11, item 7)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import yaml
 
 from autopar.calibration_cache import CALIBRATION_VERSION, load_calibration, save_calibration
-from autopar.cost.calibration import Calibration
+from autopar.cost.calibration import (MAX_REFIT_RATIO, MAX_REFIT_RESIDUAL, MODEL_FACTORS, Calibration, RefitProblem,
+                                      RefitRejection, check_refit, refit_bounds)
 from autopar.errors import CacheError
 
 
@@ -54,3 +56,46 @@ def test_a_calibration_file_is_private_and_one_others_can_write_is_refused():
     os.chmod(path.parent, 0o770)
     with pytest.raises(CacheError, match="calibration can be written by the group.*chmod 700"):
         load_calibration("abc123")
+
+
+# ---- the bounds of a refit ----------------------------------------------------------------------------------
+def test_a_refit_within_the_ratio_and_explaining_its_trials_passes():
+    prior = Calibration()
+    fitted = prior.replace(matmul_efficiency=prior.matmul_efficiency / 2, launch_s=prior.launch_s * 3)
+    assert check_refit(prior, fitted, runs=4, residual=0.05, is_gpu=True) is None
+
+
+def test_a_factor_moved_past_the_ratio_is_rejected_naming_the_factor_value_bound_and_cause():
+    prior = Calibration()
+    slow = prior.replace(launch_s=prior.launch_s * 100)  # a host-bound script: every op "costs" 100x
+    why = check_refit(prior, slow, runs=5, residual=0.01, is_gpu=True)
+    assert why is not None and why.problem is RefitProblem.OUT_OF_BOUNDS and why.factor == "launch_s"
+    assert why.fitted == pytest.approx(prior.launch_s * 100)
+    assert why.high == pytest.approx(prior.launch_s * MAX_REFIT_RATIO)
+    line = why.message()
+    assert "\n" not in line and line.startswith("calibration refit not stored: launch_s fitted to 0.0045")
+    assert f"[{prior.launch_s / MAX_REFIT_RATIO:.3g}, {prior.launch_s * MAX_REFIT_RATIO:.3g}]" in line
+    assert "not the modelled step (data loading, a host-bound loop" in line
+
+
+def test_an_efficiency_above_a_gpus_datasheet_peak_is_rejected_but_not_on_a_cpu():
+    prior = Calibration()
+    over = prior.replace(matmul_efficiency=min(1.2, prior.matmul_efficiency * MAX_REFIT_RATIO))
+    why = check_refit(prior, over, runs=3, residual=0.0, is_gpu=True)
+    assert why is not None and why.factor == "matmul_efficiency" and why.high == 1.0
+    assert check_refit(prior, over, runs=3, residual=0.0, is_gpu=False) is None  # CPU peaks are nominal
+
+
+def test_a_refit_that_does_not_explain_its_trials_is_rejected():
+    prior = Calibration()
+    why = check_refit(prior, prior.replace(memory_efficiency=0.5), runs=6, residual=0.64, is_gpu=True)
+    assert why is not None and why.problem is RefitProblem.RESIDUAL and why.high == MAX_REFIT_RESIDUAL
+    assert "within 64% on average, above the 25%" in why.message()
+
+
+def test_the_bounds_cover_every_factor_a_refit_changes_and_a_rejection_validates_itself():
+    assert set(refit_bounds(Calibration(), is_gpu=True)) == set(MODEL_FACTORS)
+    with pytest.raises(ValueError, match="no rejection"):  # a value inside its bound rejects nothing
+        RefitRejection(RefitProblem.OUT_OF_BOUNDS, "launch_s", 4e-5, 1e-5, 1e-4, runs=2)
+    with pytest.raises(ValueError, match="must be one of"):
+        RefitRejection(RefitProblem.OUT_OF_BOUNDS, "context_bytes", 9.0, 0.0, 1.0, runs=2)

@@ -28,7 +28,7 @@ import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from autopar.calibration_cache import load_calibration
+from autopar.calibration_cache import load_calibration, load_refit
 from autopar.cost import predict_profile
 from autopar.errors import AutoparError
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
@@ -215,9 +215,12 @@ def test_calibration_refit_reduces_the_error(probe_result, tmp_path):
     assert report.calibration_after["matmul_efficiency"] < report.calibration_before["matmul_efficiency"]
     for r in report.measured:
         assert abs(r.error_after) < abs(r.error_before)
-    saved = load_calibration(probe_result.topology.fingerprint())  # for the next plan or study on this hardware
+    # for the next plan or study of this model on this hardware (tests/tune/test_refit.py: of this model only)
+    assert load_calibration(probe_result.topology.fingerprint()) is None
+    saved = load_refit(probe_result.topology.fingerprint(), model_fingerprint=probe_result.profile.fingerprint,
+                       sample_signature=cache.sample_signature(probe_result.profile))
     assert saved is not None and saved.fitted_runs == 4
-    assert saved.matmul_efficiency == pytest.approx(report.calibration_after["matmul_efficiency"])
+    assert saved.factors["matmul_efficiency"] == pytest.approx(report.calibration_after["matmul_efficiency"])
     assert "after the fit to 4 measurements" in report.table()
 
 
