@@ -21,7 +21,7 @@ import torch.nn as nn
 import yaml
 
 from .demo import main as demo_main
-from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError
+from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError, ResultNotSavedError
 from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
                            model_sample_batch, resolve_model)
 from .plan_cache import write_plan_out
@@ -451,6 +451,10 @@ def _tune(argv: list[str]) -> int:
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
                       allow_train_step=False if args.plain_loop else None, top_k_enqueue=args.top_k, plan_out=args.plan_out,
                       progress=bar, eager=not args.compiled_only)
+    except ResultNotSavedError as exc:  # measured, not saved: the table first, then main's one line (exit 2)
+        bar.close()
+        print(exc.report.table())
+        raise
     except KeyboardInterrupt:
         bar.close()
         print(f"autopar tune: interrupted. The study is kept in {args.study}: run the same command again to go on "
