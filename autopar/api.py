@@ -21,7 +21,7 @@ from .plan_cache import cached_plan_for
 from .planning import bf16_variants, calibration_for, check_traced_for, profile_variants, resolve_topology
 from .plans import Plan
 from .profile import ModelProfile, profile_model
-from .search import search
+from .search import DropKind, search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
@@ -154,6 +154,8 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
                f"{smallest.plan.checkpointing} checkpointing{' and CPU offload' if smallest.plan.cpu_offload else ''})" \
             if smallest is not None else (f" ({best.reason})" if best.reason else "")
         hint = "" if uses_train_step else " or let autopar split the step (uses_train_step=True with autopar.train_step),"
+        if any(c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY for c in ranked):
+            hint += " nodes with more host memory for CPU offload (Topology host_memory_bytes),"
         raise InfeasiblePlanError(
             f"no plan for {profile.model_class} with a global batch of {global_batch_size} fits in "
             f"{topology.device.memory_bytes / 2**30:.0f} GiB per device{need}: use more devices, a smaller batch,"

@@ -28,7 +28,7 @@ from typing import Mapping
 
 import yaml
 
-from ._util.io import atomic_write_text, cache_dir, cache_subdir, read_private_bytes
+from ._util.io import atomic_write_text, cache_dir, cache_root, cache_subdir, read_private_bytes
 from ._util.yaml_text import load_yaml
 from .cost.calibration import MODEL_FACTORS, Calibration
 from .errors import CacheError
@@ -47,6 +47,11 @@ MAX_FILE_BYTES = 1 << 20
 
 _FOLDER = "calibration"
 _FINGERPRINT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
+def calibration_folder() -> Path:
+    """The folder calibrations are cached in (`<root>/calibration`); nothing is created."""
+    return cache_root() / _FOLDER
 
 
 def calibration_path(fingerprint: str) -> Path:
@@ -189,5 +194,5 @@ def _checked(fingerprint: str) -> str:
     return fingerprint
 
 
-__all__ = ["CALIBRATION_VERSION", "CachedRefit", "calibration_path", "load_calibration", "load_refit", "refit_path",
-           "save_calibration", "save_refit"]
+__all__ = ["CALIBRATION_VERSION", "CachedRefit", "calibration_folder", "calibration_path", "load_calibration",
+           "load_refit", "refit_path", "save_calibration", "save_refit"]

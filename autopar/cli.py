@@ -21,14 +21,14 @@ import torch.nn as nn
 import yaml
 
 from .demo import main as demo_main
-from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError
+from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError, ResultNotSavedError
 from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
                            model_sample_batch, resolve_model)
 from .plan_cache import write_plan_out
 from .planning import GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name
 from .plans import Plan
 from .profile import ModelProfile
-from .search import Candidate, data_parallel_degrees
+from .search import Candidate, DropKind, data_parallel_degrees
 from .topology import Topology
 from .tune.report import charts_hint, load_report, rate_text, write_plots
 from .tune.study import tune
@@ -37,10 +37,12 @@ from .tune.study import tune
 def _topology(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="autopar topology",
                                 description="Print the hardware autopar plans for: detected, or a spec.")
-    p.add_argument("--cluster", default=None, help="a spec like 4x8xH100-SXM instead of detecting")
+    p.add_argument("--cluster", default=None,
+                   help="a spec like 4x8xH100-SXM, or a topology YAML file (this command's --yaml output), instead of "
+                        "detecting")
     p.add_argument("--yaml", action="store_true", help="print as YAML")
     args = p.parse_args(argv)
-    topo = Topology.from_spec(args.cluster) if args.cluster else Topology.detect()
+    topo = resolve_topology(args.cluster)
     if args.yaml:
         print(yaml.safe_dump(topo.to_dict(), sort_keys=False), end="")
     else:
@@ -71,7 +73,8 @@ def _plan_parser() -> argparse.ArgumentParser:
     batch.add_argument("--tokens-per-step", type=int, default=None, metavar="N",
                        help="tokens per optimizer step over all GPUs (a multiple of --seq)")
     p.add_argument("--cluster", default=None, metavar="SPEC",
-                   help="hardware as a spec like 4x8xH100-SXM (default: the hardware detected here)")
+                   help="hardware as a spec like 4x8xH100-SXM, or a topology YAML file (autopar topology --yaml, e.g. "
+                        "with host_memory_bytes changed; default: the hardware detected here)")
     p.add_argument("--plain-loop", action="store_true",
                    help="only plans a plain loop runs: no gradient accumulation, no pipeline (as wrap chooses)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
@@ -316,16 +319,22 @@ def _infeasible_message(name: str, topo: Topology, ranked: list[Candidate], glob
                         plain_loop: bool) -> str:
     """Why no plan fits, with the smallest need and what would help."""
     budget = HEADROOM * topo.device.memory_bytes / GiB
-    predicted = [c for c in ranked if (c.plan.prediction or {}).get("memory_bytes") is not None]
+    host = [c for c in ranked if c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY]
+    predicted = [c for c in ranked if (c.plan.prediction or {}).get("memory_bytes") is not None and c not in host]
     unit = "GPU" if topo.is_gpu else "process"
     lines = [f"no plan for {name} fits {topo.world_size} x {topo.device.name} ({budget:.1f} GiB usable per {unit})."]
+    if host:
+        lines[0] += " " + _host_memory_sentence(topo, host)
     if predicted:
         least = min(predicted, key=lambda c: c.plan.prediction["memory_bytes"])
         need = least.plan.prediction["memory_bytes"] / GiB
-        lines[0] += f" The smallest, {short_name(least.plan)}, needs {need:.1f} GiB per {unit}."
-    elif ranked:
+        lead = "Of the rest, the" if host else "The"
+        lines[0] += f" {lead} smallest, {short_name(least.plan)}, needs {need:.1f} GiB per {unit}."
+    elif ranked and not host:
         lines[0] += f" No plan could run: {ranked[0].reason}."
     helps = [f"more {'GPUs' if topo.is_gpu else 'processes'} (--cluster with more nodes)"]
+    if host:
+        helps.append("nodes with more host memory (a topology file --cluster FILE.yaml with host_memory_bytes)")
     if plain_loop:
         helps.insert(0, "dropping --plain-loop (gradient accumulation, pipelines and tensor parallelism hold fewer activations)")
     if global_batch > 1:
@@ -334,6 +343,15 @@ def _infeasible_message(name: str, topo: Topology, ranked: list[Candidate], glob
         helps.append(f"a shorter sequence (--seq, now {seq})")
     lines.append("What would help: " + "; ".join(helps) + ".")
     return " ".join(lines)
+
+
+def _host_memory_sentence(topo: Topology, host: list[Candidate]) -> str:
+    """Why the CPU-offload plans, which fit the GPUs, were dropped: the smallest one's host memory per node."""
+    least = min(host, key=lambda c: c.drop.needed_bytes)
+    assert least.drop is not None and least.drop.needed_bytes is not None and topo.host_memory_bytes is not None
+    return (f"CPU offload fits the GPUs, but the smallest offload plan, {short_name(least.plan)}, needs "
+            f"{least.drop.needed_bytes / GiB:,.0f} GiB of host memory per node, and a node has "
+            f"{topo.host_memory_bytes / GiB:,.0f} GiB ({least.drop.limit_bytes / GiB:,.0f} GiB usable).")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -451,6 +469,10 @@ def _tune(argv: list[str]) -> int:
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
                       allow_train_step=False if args.plain_loop else None, top_k_enqueue=args.top_k, plan_out=args.plan_out,
                       progress=bar, eager=not args.compiled_only)
+    except ResultNotSavedError as exc:  # measured, not saved: the table first, then main's one line (exit 2)
+        bar.close()
+        print(exc.report.table())
+        raise
     except KeyboardInterrupt:
         bar.close()
         print(f"autopar tune: interrupted. The study is kept in {args.study}: run the same command again to go on "

@@ -67,6 +67,31 @@ class TuneError(AutoparError, ValueError):
     """A tuning study asked for with options it cannot run (a count or a time budget out of range)."""
 
 
+class StorageError(AutoparError):
+    """A place autopar must write (a cache folder, the study file or its folder, --plan-out) that it cannot
+    write, or a study file it cannot read (not SQLite, or damaged). `path` is the file or folder; the message
+    names it and what to change (AUTOPAR_CACHE_DIR, --study, --plan-out)."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ResultNotSavedError(StorageError):
+    """A study measured its plans but a place its result goes (the plan cache, --plan-out) could not be
+    written. `report` is the study's TuneReport (its best plan included): nothing measured is lost, and the
+    study file still holds every trial. The message says where the best plan is and how to cache it."""
+
+    def __init__(self, message: str, *, path: str, report: object) -> None:
+        super().__init__(message, path=path)
+        self.report = report
+
+
+class LaunchError(TuneError):
+    """The tuner's launch command cannot start: its program is not on PATH (or not executable), or the
+    training script it names does not exist. Raised before any run."""
+
+
 class EnvironmentVariableError(AutoparError, ValueError):
     """An environment variable autopar reads (torchrun's WORLD_SIZE, RANK, MASTER_ADDR..., the tuner's) is
     missing or not a valid value; the message names it, its value and who sets it."""

@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import torch
 import yaml
 
-from ._util.io import atomic_write_text, cache_dir, cache_subdir, read_private_bytes
+from ._util.io import atomic_write_text, cache_root, cache_subdir, read_private_bytes
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, CacheError, PlanError
 from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
@@ -266,10 +266,14 @@ def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
 # ---------------------------------------------------------------------------------------------------
 # The API
 # ---------------------------------------------------------------------------------------------------
+def plans_folder(directory: str | os.PathLike[str] | None = None) -> Path:
+    """The folder plans are cached in (`<root>/plans`), for `directory` or the default root; nothing is created."""
+    return (cache_root() if directory is None else Path(directory)) / "plans"
+
+
 def path_for(key: CacheKey, *, directory: str | os.PathLike[str] | None = None) -> Path:
-    """Where `key`'s plan is (or would be) cached. Creates nothing but the default root."""
-    root = cache_dir() if directory is None else Path(directory)
-    return root / "plans" / f"{key.digest()}.yaml"
+    """Where `key`'s plan is (or would be) cached. Creates nothing."""
+    return plans_folder(directory) / f"{key.digest()}.yaml"
 
 
 def store(
@@ -435,6 +439,12 @@ def write_plan_out(plan: Plan, path: str | os.PathLike[str], *, option: str = "-
     the command-line option the errors name. Returns the path."""
     if not isinstance(plan, Plan):
         raise AutoparError(f"write_plan_out takes a Plan, got {type(plan).__name__}.")
+    return plan.save(check_plan_out(path, option=option))
+
+
+def check_plan_out(path: str | os.PathLike[str], *, option: str = "--plan-out") -> Path:
+    """The refusals of `write_plan_out`, made before anything is written (the tuner makes them before its first
+    trial): `path` is a folder, or a file that is neither empty nor a plan. Returns it as a Path."""
     named = os.fspath(path)
     path = Path(path)
     if path.is_dir() or named.endswith(("/", os.sep)):
@@ -450,11 +460,11 @@ def write_plan_out(plan: Plan, path: str | os.PathLike[str], *, option: str = "-
                 f"{option} {path} exists and is not an autopar plan file: autopar will not overwrite it. "
                 "Choose another path, or remove the file first."
             )
-    return plan.save(path)
+    return path
 
 
 __all__ = [
     "CACHE_SCHEMA_VERSION", "CacheEntry", "CacheError", "CacheKey", "CacheWarning", "cache_key", "cached_plan_for",
-    "current_torch_version", "entries", "lookup", "lookup_entry", "path_for", "sample_signature", "store",
-    "write_plan_out",
+    "check_plan_out", "current_torch_version", "entries", "lookup", "lookup_entry", "path_for", "plans_folder",
+    "sample_signature", "store", "write_plan_out",
 ]

@@ -309,19 +309,23 @@ def dropped_reasons(ranked: Sequence[Candidate]) -> list[tuple[int, str]]:
     first. Plans that do not fit in memory form one group (per budget), with the smallest need among
     them; dominated plans one group; other reasons one group each."""
     memory: dict[str, list[float]] = {}  # the budget, as printed -> the needs of the plans over it, GiB
+    host: dict[str, list[float]] = {}  # the same, for host memory per node
     other: dict[str, int] = {}
     for c in ranked:
         if c.feasible:
             continue
         drop = c.drop
-        if drop is not None and drop.kind is DropKind.MEMORY:
+        if drop is not None and drop.kind in (DropKind.MEMORY, DropKind.HOST_MEMORY):
             assert drop.needed_bytes is not None and drop.limit_bytes is not None
-            memory.setdefault(f"{drop.limit_bytes / GiB:.1f}", []).append(drop.needed_bytes / GiB)
+            into = memory if drop.kind is DropKind.MEMORY else host
+            into.setdefault(f"{drop.limit_bytes / GiB:.1f}", []).append(drop.needed_bytes / GiB)
             continue
         reason = DOMINATED_GROUP if drop is not None and drop.kind is DropKind.DOMINATED else (c.reason or "not feasible")
         other[reason] = other.get(reason, 0) + 1
     groups = [(len(needs), f"need more memory than {budget} GiB per GPU (the smallest needs {min(needs):.2f} GiB)")
               for budget, needs in memory.items()]
+    groups += [(len(needs), f"CPU offload: need more host memory than {budget} GiB per node (the smallest needs "
+                f"{min(needs):.1f} GiB)") for budget, needs in host.items()]
     groups += [(n, why) for why, n in other.items()]
     return sorted(groups, key=lambda g: -g[0])
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping, Protocol
 
 from .cost import Calibration, Prediction, predict_profile
-from .cost.memory import MemoryPrediction, predict_memory
+from .cost.memory import MemoryPrediction, predict_host_memory, predict_memory
 from .errors import PlanError
 from .layout import check_pipeline, sequence_parallel_refusal
 from .plans import Plan
@@ -59,6 +59,7 @@ class DropKind(enum.Enum):
 
     MEMORY = "memory"  # the predicted peak exceeds the budget (headroom x a GPU's memory)
     EXACT_MEMORY = "exact memory"  # the exact check's traced peak, plus the overhead, exceeds the budget
+    HOST_MEMORY = "host memory"  # CPU offload: what a node's ranks keep in host memory exceeds headroom x its RAM
     DOMINATED = "dominated"  # a plan with no more recomputation or resharding also fits (never slower)
     UNRUNNABLE = "unrunnable"  # the model cannot run the plan (e.g. a pipeline stage without a block)
 
@@ -69,8 +70,9 @@ class Drop:
     `dominated` or `unrunnable`; `describe()` is the text `Candidate.reason` shows."""
 
     kind: DropKind
-    needed_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the predicted (or traced + overhead) peak per GPU
-    limit_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the budget per GPU
+    needed_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the predicted (or traced + overhead) peak per GPU;
+    #                                    HOST_MEMORY: the host memory one node needs
+    limit_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the budget per GPU; HOST_MEMORY: per node
     checkpointing: str | None = None  # DOMINATED: the dominating plan's checkpointing
     reshard_after_forward: bool | None = None  # DOMINATED: the dominating plan's resharding
     detail: str | None = None  # UNRUNNABLE: what the model cannot do
@@ -79,6 +81,10 @@ class Drop:
     def memory(cls, needed_bytes: float, limit_bytes: float, *, exact: bool = False) -> Drop:
         return cls(DropKind.EXACT_MEMORY if exact else DropKind.MEMORY, needed_bytes=float(needed_bytes),
                    limit_bytes=float(limit_bytes))
+
+    @classmethod
+    def host_memory(cls, needed_bytes: float, limit_bytes: float) -> Drop:
+        return cls(DropKind.HOST_MEMORY, needed_bytes=float(needed_bytes), limit_bytes=float(limit_bytes))
 
     @classmethod
     def dominated(cls, by: Plan) -> Drop:
@@ -93,6 +99,10 @@ class Drop:
             assert self.needed_bytes is not None and self.limit_bytes is not None
             text = f"needs {self.needed_bytes / GiB:.1f} GiB per GPU, more than {self.limit_bytes / GiB:.1f} GiB"
             return f"exact check: {text}" if self.kind is DropKind.EXACT_MEMORY else text
+        if self.kind is DropKind.HOST_MEMORY:
+            assert self.needed_bytes is not None and self.limit_bytes is not None
+            return (f"CPU offload needs {self.needed_bytes / GiB:,.0f} GiB of host memory per node, more than "
+                    f"{self.limit_bytes / GiB:,.0f} GiB")
         if self.kind is DropKind.DOMINATED:
             return (f"{DOMINATED} checkpointing={self.checkpointing}, "
                     f"reshard_after_forward={self.reshard_after_forward}")
@@ -258,8 +268,10 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
            tp_refusal: str | None = None, measured: bool = False) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
-    Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, and
-    not dominated (see the module docstring). CPU offload is tried only when no other plan fits.
+    Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, for a
+    CPU-offload plan also what a node's ranks keep in host memory within `headroom` of the node's
+    (`topology.host_memory_bytes`, when known), and not dominated (see the module docstring). CPU offload is
+    tried only when no other plan fits.
 
     A plan is predicted for memory first; only a feasible one is predicted for time too. A dropped one
     has no `Candidate.prediction` (None); its plan's `prediction` holds the memory (`memory_bytes`,
@@ -301,8 +313,11 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                 memory = predict_memory(profile, plan, cal, variants=variants)
                 need = plan.replace(prediction={"memory_bytes": float(memory.peak_bytes),
                                                 "allocated_bytes": float(memory.allocated_bytes)})
+                host = _host_drop(profile, plan, topology, headroom, world_size)
                 if memory.peak_bytes > budget:
                     out.append(Candidate(need, None, False, Drop.memory(memory.peak_bytes, budget)))
+                elif host is not None:
+                    out.append(Candidate(need, None, False, host))
                 else:
                     fits.append(need)
                     memories[id(need)] = memory
@@ -320,6 +335,15 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
 
 
 _CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def _host_drop(profile: ModelProfile, plan: Plan, topology: Topology, headroom: float, world_size: int) -> Drop | None:
+    """Why a CPU-offload plan does not fit one node's host memory (None if it does, or the memory is not known)."""
+    if not plan.cpu_offload or topology.host_memory_bytes is None:
+        return None
+    host = predict_host_memory(profile, plan, ranks_per_node=min(topology.devices_per_node, world_size))
+    limit = headroom * topology.host_memory_bytes
+    return Drop.host_memory(host.node_bytes, limit) if host.node_bytes > limit else None
 
 
 def _group_key(plan: Plan) -> tuple[object, ...]:

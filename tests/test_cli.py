@@ -257,3 +257,16 @@ def test_demo_refuses_nproc_0_rather_than_reading_it_as_the_default():
 
     with pytest.raises(SystemExit, match="--nproc must be at least 1, got 0; leave it out for the default"):
         demo_main(["--nproc", "0"])
+
+
+def test_nothing_fits_names_host_memory_when_offload_fits_the_gpus_and_a_topology_file_gives_more(capsys, tmp_path):
+    code, out, err = _run(capsys, "plan", "llama3-405b", "--cluster", "8xH100-SXM", "--out", "-")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "CPU offload fits the GPUs, but the smallest offload plan" in err
+    assert "GiB of host memory per node, and a node has 2,048 GiB" in err and "host_memory_bytes" in err
+    code, out, err = _run(capsys, "topology", "--cluster", "8xH100-SXM", "--yaml")
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(out.replace("host_memory_bytes: 2199023255552", f"host_memory_bytes: {8 * 2**40}"))
+    code, out, err = _run(capsys, "plan", "llama3-405b", "--cluster", str(cluster), "--out", str(tmp_path / "p.yaml"))
+    assert code == 0 and "host memory   8,192 GiB per node" in out
+    assert Plan.load(tmp_path / "p.yaml").cpu_offload

@@ -275,3 +275,50 @@ def test_the_first_plan_is_eager_where_compile_is_predicted_not_to_pay(six, monk
         monkeypatch.setattr(search_module, "predict_profile", _scaled_compile(real, factor))
         best = search(six, topo, global_batch_size=4, allow_train_step=True)[0]
         assert best.feasible and best.plan.compile is want_compile
+
+
+@pytest.fixture(scope="module")
+def llama3_405b():
+    """Llama 3 405B as `autopar plan llama3-405b` profiles it (traced at depths 2 and 3 on fake tensors)."""
+    from autopar.named_models import model_profiles, resolve_model
+
+    return model_profiles(resolve_model("llama3-405b"), Topology.from_spec("8xH100-SXM"))
+
+
+def test_llama3_405b_on_one_node_of_8_h100s_plans_no_offload_beyond_the_nodes_host_memory(llama3_405b):
+    """TP 8 with CPU offload fits the GPUs but needs ~6.5 TB of host RAM (16 bytes a parameter); a DGX H100 has
+    2 TiB. Every such plan is dropped with a typed host-memory reason; with 8 TiB of host memory offload fits."""
+    profile, variants = llama3_405b
+    topo = Topology.from_spec("8xH100-SXM")
+    ranked = search(profile, topo, global_batch_size=8, variants=variants, allow_train_step=True)
+    host = [c for c in ranked if c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY]
+    assert not any(c.feasible for c in ranked) and host and all(c.plan.cpu_offload for c in host)
+    limit = 0.95 * 2 * 2**40
+    for c in host:
+        assert c.drop.limit_bytes == limit and c.drop.needed_bytes > 16 * profile.num_params > 6.4e12
+        assert c.plan.prediction["memory_bytes"] <= 0.95 * topo.device.memory_bytes  # it fits the GPUs
+        assert c.reason.startswith("CPU offload needs") and "host memory per node" in c.reason
+    assert any(why.startswith("CPU offload: need more host memory than 1945.6 GiB per node") and n == len(host)
+               for n, why in dropped_reasons(ranked))
+    roomy = Topology.from_spec("8xH100-SXM", host_memory_bytes=8 * 2**40)
+    best = search(profile, roomy, global_batch_size=8, variants=variants, allow_train_step=True)[0]
+    assert best.feasible and best.plan.cpu_offload
+
+
+def test_a_small_models_offload_plan_fits_host_memory_until_the_node_has_less_than_it_needs():
+    from autopar.cost.memory import predict_host_memory
+
+    profile = _profile(GPTConfig(vocab_size=4096, seq_len=8, num_layers=4, hidden_dim=512, num_heads=8), batch=1)
+    tight = _offload_topology(profile, 1)  # a GPU only an offload plan fits, on a node of 2 TiB (DGX H100)
+    if tight is None:
+        pytest.skip("the cost model predicts no memory saving from CPU offload for this model")
+    ranked = search(profile, tight, global_batch_size=1)
+    feasible = [c for c in ranked if c.feasible]
+    assert feasible and all(c.plan.cpu_offload for c in feasible)
+    need = predict_host_memory(profile, feasible[0].plan, ranks_per_node=1).node_bytes
+    assert need < 0.95 * tight.host_memory_bytes
+    small = dataclasses.replace(tight, host_memory_bytes=int(need / 0.95 * 0.99))  # 1% short of it
+    starved = search(profile, small, global_batch_size=1)
+    assert not any(c.feasible and c.plan.key() == feasible[0].plan.key() for c in starved)
+    assert any(c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY and c.drop.needed_bytes == need
+               for c in starved)

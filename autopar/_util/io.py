@@ -18,7 +18,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ..errors import CacheError
+from ..errors import CacheError, StorageError
 
 #: POSIX permission bits are checked; Windows reports no meaningful group/other bits.
 _CHECK_MODES = os.name != "nt"
@@ -75,14 +75,44 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def check_writable(path: Path, *, what: str, remedy: str, folder: bool) -> None:
+    """Raise StorageError (naming `what`, `path` and `remedy`) unless autopar can write `path`: a folder (or,
+    with `folder=False`, a file) it will create, fill or replace. A file that exists must open for writing
+    (nothing is written to it); then the nearest folder of `path` that exists (or `path` itself, a folder) must
+    take a new file, which is tried: a temporary file is made there (as atomic_write_text makes its own) and
+    removed at once. Catches a read-only folder or mount, another user's folder, and a file in a folder's way."""
+    if not folder and os.path.isfile(path):
+        try:
+            os.close(os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0)))
+        except OSError as exc:
+            raise StorageError(f"cannot write {what} {path} ({exc.strerror}): {remedy}", path=str(path)) from None
+    existing = path if folder else path.parent
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StorageError(f"cannot make {what} {path}: {existing} is not a folder. {remedy}", path=str(path))
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".autopar-write-check-")
+    except OSError as exc:
+        raise StorageError(f"cannot write {what} {path} ({existing}: {exc.strerror}): {remedy}",
+                           path=str(path)) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The cache folder and its privacy check
 # ---------------------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar (created private: 0700)."""
+def cache_root() -> Path:
+    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar; nothing is created."""
     base = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autopar")
-    path = Path(base)
+    return Path(base)
+
+
+def cache_dir() -> Path:
+    """`cache_root()`, created private (0700) if it does not exist."""
+    path = cache_root()
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     return path
 

@@ -204,6 +204,49 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
                             buffers_bytes=buffers)
 
 
+#: A training process's own host memory beside what CPU offload puts there: the interpreter, torch and the CUDA,
+#: cuBLAS, cuDNN and NCCL libraries it maps, the data loader's batches; bytes per rank; a stated allowance, not
+#: measured by autopar (such processes commonly hold 2-4 GiB resident).
+HOST_PROCESS_BYTES = 4 * GiB
+
+
+@dataclass(frozen=True)
+class HostMemoryPrediction:
+    """Host (CPU) memory one node needs for a plan: what each of its ranks keeps there, times its ranks."""
+
+    ranks_per_node: int  # the plan's ranks on one node
+    offloaded_bytes_per_rank: float  # CPU offload: the rank's shard of fp32 weights, gradients and optimizer states
+    process_bytes_per_rank: float  # the process itself (HOST_PROCESS_BYTES)
+
+    def __post_init__(self) -> None:
+        assert self.ranks_per_node >= 1, f"ranks_per_node must be at least 1, got {self.ranks_per_node}"
+        assert self.offloaded_bytes_per_rank >= 0 and self.process_bytes_per_rank >= 0, "negative host memory"
+
+    @property
+    def node_bytes(self) -> float:
+        """What must fit in one node's host memory."""
+        return self.ranks_per_node * (self.offloaded_bytes_per_rank + self.process_bytes_per_rank)
+
+
+def predict_host_memory(profile: ModelProfile, plan: Plan, *, ranks_per_node: int,
+                        optimizer_state_bytes_per_param: int = 8) -> HostMemoryPrediction:
+    """Host memory of one node of `ranks_per_node` of the plan's ranks. Under CPU offload (FSDP2's
+    CPUOffloadPolicy: sharded states live in host memory and the optimizer steps there) each rank keeps its
+    shard of the model states that `predict_memory` then leaves off the GPU (ZeRO's accounting over the same
+    `_RankParams`); without offload, nothing but the process. Every rank of an offload plan holds the same
+    (offload plans have no pipeline), so the first one's stands for all."""
+    offloaded = 0.0
+    if plan.cpu_offload:
+        blocks, first, last = stage_blocks(profile, plan)
+        rp = _RankParams.of(profile, plan, blocks, first, last)
+        weights = 4 * rp.params  # fp32 master weights, as the offload holds them; bytes; ZeRO-3
+        gradients = 4 * rp.trainable  # fp32 gradients, offloaded after their reduce-scatter; bytes; ZeRO-3
+        optimizer = optimizer_state_bytes_per_param * rp.trainable  # Adam's m and v in fp32; bytes; ZeRO
+        offloaded = (weights + gradients + optimizer) / plan.dp_shard
+    return HostMemoryPrediction(ranks_per_node=ranks_per_node, offloaded_bytes_per_rank=offloaded,
+                                process_bytes_per_rank=float(HOST_PROCESS_BYTES))
+
+
 def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: int) -> float:
     """Weights gathered (or cast) for compute. FSDP all-gathers a unit's weights in the compute dtype for its
     forward and again for its backward; at the peak (backward of a unit) the unit, the prefetched next one and

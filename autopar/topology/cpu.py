@@ -21,12 +21,36 @@ _CPU_NETWORK_BYTES_PER_S = 1.25e9
 _CPU_FALLBACK_RAM_BYTES = 16 * 2**30
 
 
-def _physical_memory_bytes() -> int:
+#: cgroup memory limits (v2, then v1): a container's share of the machine's RAM
+_CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def detected_host_memory_bytes() -> int | None:
+    """This machine's RAM, bytes: page size x physical pages (sysconf), or less where a cgroup limit (a
+    container's) says so; None when the OS reports neither."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
-        return _CPU_FALLBACK_RAM_BYTES
-    return total if isinstance(total, int) and total > 0 else _CPU_FALLBACK_RAM_BYTES
+        total = None
+    if not isinstance(total, int) or total <= 0:
+        total = None
+    limits = [n for n in map(_read_limit, _CGROUP_LIMIT_FILES) if n is not None]
+    known = [n for n in (total, *limits) if n is not None]
+    return min(known) if known else None
+
+
+def _read_limit(path: str) -> int | None:
+    """A cgroup memory limit in bytes; None where there is none ("max", a v1 limit of about 2**63, no file)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except (OSError, ValueError):
+        return None
+    return int(text) if text.isdigit() and 0 < int(text) < 2**60 else None
+
+
+def _physical_memory_bytes() -> int:
+    return detected_host_memory_bytes() or _CPU_FALLBACK_RAM_BYTES
 
 
 def _cpu_device(processes_per_node: int) -> DeviceSpec:

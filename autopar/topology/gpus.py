@@ -271,6 +271,24 @@ _TABLE: dict[str, DeviceSpec] = {
     ),
 }
 
+# ---- host memory of the node each GPU comes in -----------------------------------------------------
+# System memory (host RAM) per node of NVIDIA's DGX server for the GPU, bytes. DIMMs come in binary sizes, so a
+# datasheet's "2 TB" is 2 TiB (DGX H100: 32 x 64 GB DIMMs). Topology.from_spec plans with these unless told
+# otherwise (host_memory_bytes); GPUs sold in many kinds of servers (the PCIe and NVL cards, L4, L40S, RTX 4090)
+# have no default, and their specs' CPU-offload plans are not checked against host memory until one is given.
+_NODE_HOST_MEMORY_BYTES: dict[str, int] = {
+    # DGX A100 320GB: 1 TB system memory (NVIDIA DGX A100 datasheet)
+    "A100-SXM-40GB": 1 * 2**40,
+    # DGX A100 640GB: 2 TB system memory (NVIDIA DGX A100 datasheet)
+    "A100-SXM-80GB": 2 * 2**40,
+    # DGX H100: 2 TB system memory (NVIDIA DGX H100 datasheet)
+    "H100-SXM": 2 * 2**40,
+    # DGX H200: 2 TB system memory (NVIDIA DGX H200 datasheet)
+    "H200": 2 * 2**40,
+    # DGX B200: 2 TB system memory, up to 4 TB (NVIDIA DGX B200 datasheet)
+    "B200": 2 * 2**40,
+}
+
 # Names NVML and torch report (`nvidia-smi --query-gpu=name`, listed first) and aliases accepted in spec
 # strings, besides the canonical name. Matching ignores case and everything but letters and digits, and
 # drops a leading "NVIDIA" / "GeForce": "NVIDIA A100-SXM4-80GB" matches "a100 sxm4 80gb".

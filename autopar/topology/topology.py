@@ -16,16 +16,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
+from .._util.yaml_text import load_yaml
 from ..errors import TopologyError
-from .cpu import _CPU_NETWORK_BYTES_PER_S, _cpu_device
+from .cpu import _CPU_NETWORK_BYTES_PER_S, _cpu_device, detected_host_memory_bytes
 from .detect import _world_from_env, detect_gpus
 from .device import DeviceSpec, _check_positive_int, _positive_float
+from .gpus import _NODE_HOST_MEMORY_BYTES
 from .spec import parse_spec
 
 _DEVICE_TYPES = ("cuda", "cpu")
@@ -43,7 +48,8 @@ class Topology:
 
     `inter_node_bytes_per_s` is the network bandwidth one GPU has to other nodes, one direction.
     `nvlink_pairs` lists the NVLink-connected pairs (i, j), i < j, of local GPU indices when they were
-    detected, else None.
+    detected, else None. `host_memory_bytes` is one node's host RAM (what CPU offload fills): detected, a
+    spec's default for its GPU's DGX node, or given; None when unknown (offload plans are then not checked).
     """
 
     device_type: str
@@ -53,6 +59,7 @@ class Topology:
     inter_node_bytes_per_s: float
     nvlink_pairs: tuple[tuple[int, int], ...] | None = None
     source: str = "spec"
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         owner = "Topology"
@@ -81,6 +88,8 @@ class Topology:
             raise TopologyError(
                 f"Topology.source must be one of {', '.join(map(repr, _TOPOLOGY_SOURCES))}, got {self.source!r}."
             )
+        if self.host_memory_bytes is not None:
+            _check_positive_int(owner, "host_memory_bytes", self.host_memory_bytes)
 
     def _normalised_pairs(self, pairs: Any) -> tuple[tuple[int, int], ...] | None:
         if pairs is None:
@@ -144,15 +153,19 @@ class Topology:
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_spec(cls, spec: str, *, inter_node_gbps: float | None = None) -> Topology:
+    def from_spec(cls, spec: str, *, inter_node_gbps: float | None = None,
+                  host_memory_bytes: int | None = None) -> Topology:
         """Hardware from a string: 'GPU', 'NxGPU' or 'MxNxGPU' (M nodes x N GPUs), e.g. '2x8xH100-SXM'.
 
         `inter_node_gbps` is the network per GPU in gigabits/s (default 400, InfiniBand NDR).
+        `host_memory_bytes` is one node's host RAM (default: the GPU's DGX node's, gpus.py; this machine's for
+        'cpu'; None for GPUs without one).
         """
         parsed = parse_spec(spec)
         if parsed.device is None:  # CPU processes
             world = parsed.num_nodes * parsed.devices_per_node
-            return cls.cpu(world, num_nodes=parsed.num_nodes)._with_network(inter_node_gbps)
+            cpu = cls.cpu(world, num_nodes=parsed.num_nodes)._with_network(inter_node_gbps)
+            return cpu if host_memory_bytes is None else dataclasses.replace(cpu, host_memory_bytes=host_memory_bytes)
         return cls(
             device_type="cuda",
             num_nodes=parsed.num_nodes,
@@ -161,6 +174,8 @@ class Topology:
             inter_node_bytes_per_s=_gbps_to_bytes_per_s(inter_node_gbps),
             nvlink_pairs=None,
             source="spec",
+            host_memory_bytes=host_memory_bytes if host_memory_bytes is not None
+            else _NODE_HOST_MEMORY_BYTES.get(parsed.device.name),
         )
 
     @classmethod
@@ -186,6 +201,7 @@ class Topology:
             inter_node_bytes_per_s=_CPU_NETWORK_BYTES_PER_S / per_node,
             nvlink_pairs=None,
             source="cpu",
+            host_memory_bytes=detected_host_memory_bytes(),
         )
 
     @classmethod
@@ -215,6 +231,7 @@ class Topology:
             inter_node_bytes_per_s=_gbps_to_bytes_per_s(inter_node_gbps),
             nvlink_pairs=gpus.nvlink_pairs,
             source="detected",
+            host_memory_bytes=detected_host_memory_bytes(),
         )
 
     def _with_network(self, inter_node_gbps: float | None) -> Topology:
@@ -228,10 +245,12 @@ class Topology:
         """A short stable hash (16 hex digits) of what the planner uses: device type, counts, the device's
         figures and the network. Provenance (`source`, the device's `source`) and the NVLink pair list
         (summarised by the link kind and bandwidth) are left out; rates are rounded to 3 significant digits
-        so that re-measuring an unknown GPU gives the same fingerprint when the figures barely move.
+        so that re-measuring an unknown GPU gives the same fingerprint when the figures barely move. Host
+        memory is left out too: it only decides whether CPU-offload plans fit, and the caches keyed by the
+        fingerprint (tuned plans, calibrations) stay those of the GPUs.
         """
         data = self.to_dict()
-        del data["source"], data["nvlink_pairs"]
+        del data["source"], data["nvlink_pairs"], data["host_memory_bytes"]
         del data["device"]["source"]
         blob = json.dumps(_rounded(data), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
@@ -246,6 +265,7 @@ class Topology:
             "inter_node_bytes_per_s": self.inter_node_bytes_per_s,
             "nvlink_pairs": None if self.nvlink_pairs is None else [list(p) for p in self.nvlink_pairs],
             "source": self.source,
+            "host_memory_bytes": self.host_memory_bytes,
         }
 
     @classmethod
@@ -266,6 +286,24 @@ class Topology:
         device = values["device"]
         values["device"] = device if isinstance(device, DeviceSpec) else DeviceSpec.from_dict(device)
         return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Topology:
+        """A topology from a YAML file: `Topology.to_dict()`'s fields (what `autopar topology --yaml` prints),
+        read with autopar's one YAML reader (plain values only); e.g. a spec's with `host_memory_bytes` changed."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TopologyError(f"cannot read the topology file {path} ({exc}).") from None
+        try:
+            data = load_yaml(text)
+        except yaml.YAMLError as exc:
+            raise TopologyError(f"{path} is not plain YAML ({str(exc).splitlines()[0]}): write it as "
+                                "`autopar topology --cluster SPEC --yaml` prints a topology.") from None
+        try:
+            return cls.from_dict(data)
+        except TopologyError as exc:
+            raise TopologyError(f"{path}: {exc}") from None
 
     # ---- for people ---------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -293,6 +331,9 @@ class Topology:
             f"  across nodes  {_si(self.inter_node_bytes_per_s)}B/s per {unit}, one direction "
             f"({self.inter_node_bytes_per_s * 8 / 1e9:g} Gb/s)"
         )
+        host = (f"{self.host_memory_bytes / 2**30:,.0f} GiB per node" if self.host_memory_bytes is not None else
+                "unknown: CPU-offload plans are not checked against it (give host_memory_bytes)")
+        lines.append(f"  host memory   {host}")
         lines.append(f"  source        {self.source} ({d.source})")
         return "\n".join(lines)
 
@@ -328,9 +369,12 @@ def _rounded(value: Any) -> Any:
 
 
 def resolve_topology(topology: Topology | str | None) -> Topology:
-    """The topology as given, parsed from a spec string, or (None) detected here."""
+    """The topology as given, read from a YAML file (a string ending in .yaml or .yml: `Topology.load`), parsed
+    from a spec string, or (None) detected here."""
     if topology is None:
         return Topology.detect()
+    if isinstance(topology, str) and topology.strip().lower().endswith((".yaml", ".yml")):
+        return Topology.load(topology.strip())
     if isinstance(topology, str):
         return Topology.from_spec(topology)
     if not isinstance(topology, Topology):

@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 
 from ..calibration_cache import save_refit
 from ..cost.calibration import Calibration
-from ..errors import AutoparError, TuneError
-from ..plan_cache import cache_key, sample_signature, store, write_plan_out
+from ..errors import AutoparError, ResultNotSavedError, TuneError
+from ..plan_cache import cache_key, path_for, sample_signature, store, write_plan_out
 from ..planning import calibration_for, short_name
 from ..plans import Plan
 from .ledger import Ledger, Measured
@@ -29,7 +29,7 @@ from .report import TuneReport, report_from_study
 from .schema import (PARAM, STUDY_BEST, STUDY_CAL_BEFORE, STUDY_FIT, STUDY_FORMAT, STUDY_META, STUDY_NAME, STUDY_QUEUE,
                      STUDY_SPACE, STUDY_WALL)
 from .space import PlanSampler, Queue, Space, build_space, unit_of
-from .storage import study_lock, study_storage
+from .storage import open_study, study_lock
 
 #: A plan whose corrected predicted step exceeds this times the best measured step is pruned (not run).
 PRUNE_FACTOR = 1.5
@@ -123,9 +123,7 @@ class StudyEngine:
     def _open(self) -> None:
         import optuna  # lazy: optuna loads when a study runs, not on `import autopar` (which imports autotune)
 
-        self.storage = study_storage(self.study_path)
-        self.study = optuna.create_study(storage=self.storage, study_name=STUDY_NAME, direction="maximize",
-                                         load_if_exists=True)
+        self.storage, self.study = open_study(self.study_path, STUDY_NAME)
         if STUDY_SPACE not in self.study.user_attrs:
             self._initialise()
         else:
@@ -375,20 +373,58 @@ class StudyEngine:
 
     # ---- the end ---------------------------------------------------------------------------------------
     def _finish(self, stopped: str) -> TuneReport:
-        """The report; the best measured plan cached (and written to `plan_out`)."""
+        """The report; the best measured plan written to `plan_out` first, then cached. A write that fails
+        raises ResultNotSavedError, which carries the report and says where the best plan is kept."""
         self._save_wall()
         report = report_from_study(self.study, study_path=str(self.study_path) if self.study_path else None,
                                    wall_s=time.perf_counter() - self.started, stopped=stopped)
         if report.best is None:
             return report
-        opts, best = self.options, report.best
-        key = cache_key(self.probe.model_fingerprint or self.profile, self.topology,
-                        global_batch_size=int(self.probe.global_batch_size),
-                        allow_train_step=bool(opts.allow_train_step), profile=self.profile)
+        best, plan_out = report.best, self.options.plan_out
+        out, out_failure = _attempt(lambda: write_plan_out(best, plan_out)) if plan_out is not None else (None, None)
+        cached, cache_failure = _attempt(lambda: self._store(best))
+        self.study.set_user_attr(STUDY_BEST, {"key": best.key(), "cached": cached, "plan_out": out})
+        report = replace(report, cached_path=cached, plan_out=out)
+        if out_failure or cache_failure:
+            raise ResultNotSavedError(self._unsaved(report, out_failure, cache_failure), report=report,
+                                      path=str(plan_out if out_failure else self._cache_file()))
+        return report
+
+    def _cache_key(self) -> Any:
+        return cache_key(self.probe.model_fingerprint or self.profile, self.topology,
+                         global_batch_size=int(self.probe.global_batch_size),
+                         allow_train_step=bool(self.options.allow_train_step), profile=self.profile)
+
+    def _cache_file(self) -> Path:
+        return path_for(self._cache_key(), directory=self.options.cache_directory)
+
+    def _store(self, best: Plan) -> Path:
         measurement = dict(best.measurement or {})
         if self.study_path is not None:
             measurement["study"] = str(self.study_path)
-        cached = store(best.replace(measurement=None), key, measurement=measurement, directory=opts.cache_directory)
-        out = str(write_plan_out(best, opts.plan_out)) if opts.plan_out is not None else None
-        self.study.set_user_attr(STUDY_BEST, {"key": best.key(), "cached": str(cached), "plan_out": out})
-        return replace(report, cached_path=str(cached), plan_out=out)
+        return store(best.replace(measurement=None), self._cache_key(), measurement=measurement,
+                     directory=self.options.cache_directory)
+
+    def _unsaved(self, report: TuneReport, out_failure: str | None, cache_failure: str | None) -> str:
+        """One line: what could not be written, where the best plan is kept, and how to save it."""
+        assert report.best is not None
+        failed = "; ".join(f"{what}: {why}" for what, why in (("--plan-out", out_failure),
+                                                              ("the plan cache", cache_failure)) if why)
+        kept = [f"in {where}" for where in (report.plan_out, report.cached_path) if where]
+        head = (f"the best plan, {short_name(report.best)} (trial {report.best_number}), was measured but not saved "
+                f"({failed}).")
+        if self.study_path is None:
+            kept_text = " and ".join(kept + ["in the error's report (report.best.save(PATH) writes it)"])
+            return f"{head} It is kept {kept_text}."
+        kept.append(f"in the study {self.study_path} (autopar report prints it)")
+        return (f"{head} It is kept {' and '.join(kept)}. Make that place writable (or point AUTOPAR_CACHE_DIR or "
+                "--plan-out elsewhere) and run the same command again: the study resumes, runs no measured plan "
+                "again, and saves it.")
+
+
+def _attempt(write: Callable[[], Any]) -> tuple[str | None, str | None]:
+    """(the path `write()` returned, None), or (None, why it failed) when it raised OSError or AutoparError."""
+    try:
+        return str(write()), None
+    except (OSError, AutoparError) as exc:
+        return None, " ".join(str(exc).split())

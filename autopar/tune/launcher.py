@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -29,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from ..errors import ProbeError
+from ..errors import LaunchError, ProbeError
 from ..plans import Plan
 from ..profile import ModelProfile
 from ..topology import Topology
@@ -298,6 +299,39 @@ def _check_argv(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def check_launchable(argv: Sequence[str], env: Mapping[str, str] | None = None) -> None:
+    """Refuse, before anything runs, a command whose program is not on PATH (PATH from `env` over this process's
+    environment) or not executable, or whose training script (`_script_of`) does not exist. Relative paths are
+    this process's working directory's, as the run's are. Raises LaunchError, in one line."""
+    program = argv[0]
+    search_path = {**os.environ, **(env or {})}.get("PATH", os.defpath)
+    found = shutil.which(program, path=search_path)
+    if found is None:
+        where = f"at {os.path.abspath(program)}" if os.sep in program else "on PATH"
+        raise LaunchError(f"the launch command's program {program!r} is not an executable {where}: install it, or "
+                          f"give its full path after -- (for torchrun: autopar tune -- {sys.executable} -m "
+                          "torch.distributed.run ...).")
+    script = _script_of(argv)
+    if script is not None and not os.path.isfile(script):
+        raise LaunchError(f"the launch command's script {script} does not exist (in {os.getcwd()}): give the path of "
+                          "your training script after --.")
+
+
+def _script_of(argv: Sequence[str]) -> str | None:
+    """The training script a command names: its first argument ending in ".py" that is not an option, unless a
+    module (-m, --module) or a code string (-c) comes first; `python -m torch.distributed.run` is torchrun."""
+    args = list(argv[1:])
+    while args:
+        arg = args.pop(0)
+        if arg == "-m" and args[:1] == ["torch.distributed.run"]:
+            args.pop(0)
+        elif arg in ("-m", "-c", "--module"):
+            return None
+        elif arg.endswith(".py") and not arg.startswith("-"):
+            return arg
+    return None
+
+
 def _run_env(run_dir: Path, mode: str, extra: Mapping[str, str], env: Mapping[str, str] | None) -> dict[str, str]:
     full = {**os.environ, **(env or {})}
     for name in ENV_NAMES:
@@ -417,6 +451,7 @@ def run_trial(argv: Sequence[str], plan: Plan, *, steps: int = 10, warmup: int =
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer of at least {low}, got {value!r}.")
     argv = _check_argv(argv)
+    check_launchable(argv, env)
     run_dir = _make_dir(workdir, "autopar-trial-")
     try:
         plan.save(run_dir / PLAN_FILE)
@@ -446,6 +481,7 @@ def probe(argv: Sequence[str], *, timeout_s: float = 600.0, env: Mapping[str, st
     a successful probe, whatever happens after). Raises ProbeError when the run fails or times out before
     (with its cause and log tail)."""
     argv = _check_argv(argv)
+    check_launchable(argv, env)
     run_dir = _make_dir(workdir, "autopar-probe-")
     try:
         ended = _run(argv, run_dir, "probe", {}, env=env, timeout_s=timeout_s, progress_timeout_s=None,

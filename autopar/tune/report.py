@@ -28,6 +28,7 @@ from ..plans import Plan
 from .plots import charts_hint, measured_vs_predicted, optimisation_history
 from .schema import (FAILED, PARAM, STUDY_BEST, STUDY_CAL_BEFORE, STUDY_FIT, STUDY_META, STUDY_QUEUE, STUDY_SPACE,
                      STUDY_WALL, trial_key)
+from .storage import check_study_file
 
 GiB = 2**30
 
@@ -314,6 +315,7 @@ def open_study(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise AutoparError(f"{path} does not exist: give the --study file that autopar tune wrote.")
+    check_study_file(path)  # not SQLite, or damaged: refused in one line naming it
     try:
         storage = optuna.storages.RDBStorage(f"sqlite:///{path.resolve()}", skip_table_creation=True)
         names = storage.get_all_studies()

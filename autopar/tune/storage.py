@@ -1,15 +1,23 @@
 """Where a study lives: its SQLite storage (Optuna's RDBStorage, write-ahead logged) and the lock a tuner
-holds on it while it works (docs/tuning.md, "Storage, resuming and the study's contents")."""
+holds on it while it works (docs/tuning.md, "Storage, resuming and the study's contents"); and the check,
+before the probe and the first trial, that every place a study writes can be written and that its study file
+is a sound SQLite database (`check_places`), so a study never measures for nothing."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import sqlite3
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import AutoparError
+from .._util.io import cache_subdir, check_writable
+from ..calibration_cache import calibration_folder
+from ..errors import AutoparError, StorageError
+from ..plan_cache import check_plan_out, plans_folder
+
+_NEW_STUDY = "delete it (or move it aside) to start a new study, or use another --study file."
 
 
 @contextlib.contextmanager
@@ -49,9 +57,73 @@ def study_storage(study_path: Path | None) -> Any:
 
     if study_path is None:
         return optuna.storages.InMemoryStorage()
+    check_study_file(study_path)
     study_path.parent.mkdir(parents=True, exist_ok=True)
     storage = optuna.storages.RDBStorage(f"sqlite:///{study_path.resolve()}",
                                          engine_kwargs={"connect_args": {"timeout": 60}})
     sqlalchemy.event.listen(storage.engine, "connect", _pragmas)
     storage.engine.dispose()  # pooled connections are dropped, so that every new one gets the pragmas
     return storage
+
+
+def open_study(study_path: Path | None, name: str) -> tuple[Any, Any]:
+    """(storage, study): the study `name` of the file, created or loaded. What SQLite or Optuna still refuse in a
+    file that passed `check_study_file` is a StorageError naming the file, never a raw sqlalchemy traceback."""
+    import optuna  # lazy, as in study_storage
+    import sqlalchemy
+
+    try:
+        storage = study_storage(study_path)
+        study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+        cause = getattr(exc, "orig", None) or exc.__cause__ or exc
+        raise StorageError(f"{study_path} is not a study autopar can open ({str(cause).splitlines()[0]}): "
+                           f"{_NEW_STUDY}", path=str(study_path)) from None
+    return storage, study
+
+
+def check_study_file(study_path: Path) -> None:
+    """Refuse a study file that exists but is not a sound SQLite database (not SQLite at all, truncated, pages
+    overwritten: SQLite's `PRAGMA quick_check`), naming it and the remedy. A missing or empty file is a new study."""
+    if not study_path.is_file() or study_path.stat().st_size == 0:
+        return
+    try:
+        with contextlib.closing(sqlite3.connect(study_path.resolve().as_uri() + "?mode=ro", uri=True,
+                                                timeout=60)) as db:
+            rows = db.execute("PRAGMA quick_check").fetchall()
+    except sqlite3.OperationalError as exc:  # locked, or not openable: nothing says the file is damaged
+        raise StorageError(f"cannot read the study file {study_path} (SQLite: {exc}): check that you can read it and "
+                           "its folder, or use another --study file.", path=str(study_path)) from None
+    except sqlite3.DatabaseError as exc:  # "file is not a database", "database disk image is malformed"
+        raise StorageError(f"{study_path} is not a readable SQLite study ({exc}): {_NEW_STUDY}",
+                           path=str(study_path)) from None
+    if rows != [("ok",)]:
+        first = " ".join(str(rows[0][0]).split()) if rows else "no answer"
+        raise StorageError(f"{study_path} is a damaged SQLite file (quick_check: {first[:200]}): {_NEW_STUDY}",
+                           path=str(study_path))
+
+
+def check_places(study_path: Path | None, *, plan_out: str | os.PathLike[str] | None,
+                 cache_directory: str | os.PathLike[str] | None) -> None:
+    """Before the probe and the first trial: the plan cache, the calibration cache, the study file (and its
+    lock) and --plan-out's folder can be written, the caches pass their privacy checks, --plan-out is a path
+    `write_plan_out` will take, and the study file is sound. Each refusal is a StorageError (or the cache's and
+    --plan-out's own errors) naming the path and what to change."""
+    env_fix = "point AUTOPAR_CACHE_DIR at a folder you can write"
+    cache_fix = env_fix if cache_directory is None else "pass another cache_directory"
+    places = [(plans_folder(cache_directory), "the plan cache folder",
+               f"make it writable, or {cache_fix} (the best plan is cached there for autopar.wrap).", True),
+              (calibration_folder(), "the calibration cache folder", f"make it writable, or {env_fix}.", True)]
+    if study_path is not None:
+        fix = "make it and its folder writable, or use another --study file."
+        places += [(study_path, "the study file", fix, False),
+                   (study_path.with_name(study_path.name + ".lock"), "the study's lock file", fix, False)]
+    if plan_out is not None:
+        places.append((check_plan_out(plan_out).parent, "the --plan-out folder",
+                       "make it writable, or choose another --plan-out.", True))
+    for path, what, remedy, folder in places:
+        check_writable(path, what=what, remedy=remedy, folder=folder)
+    cache_subdir("plans", directory=cache_directory, create=False)  # the privacy checks store() makes
+    cache_subdir("calibration", create=False)
+    if study_path is not None:
+        check_study_file(study_path)

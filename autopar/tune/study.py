@@ -42,7 +42,14 @@ the refit autopar.tune.refit. How a study runs (docs/tuning.md, "The study"):
 8. **Budgets**: `trials` plans measured (ok or failed) over the study's life, resumed runs included;
    `time_budget_s` of this call (no trial starts after it; the one in flight finishes); or the space is
    exhausted. Pruned trials and repeats do not count.
-9. **At the end** the best measured plan is cached (autopar.plan_cache.store) and written to `plan_out`.
+9. **At the end** the best measured plan is written to `plan_out`, then cached (autopar.plan_cache.store). If
+   either write fails, ResultNotSavedError carries the report and says where the plan is kept (the other
+   file, the study); running the same command again runs no measured plan again and saves it.
+
+**Before anything runs** (autopar.tune.storage.check_places), every place the study writes (the plan and
+calibration caches, the study file and its lock, `plan_out`'s folder) is tried for writing and the study file
+is checked to be sound SQLite, and (launcher.check_launchable) the launch command's program and script must
+exist: each refusal is one line naming the path and what to change.
 
 **Storage and resuming.** The study lives in a SQLite file (Optuna's RDBStorage), one study per file.
 While a tuner works on it, it holds an exclusive lock on `STUDY.lock` (a second tuner is refused), so
@@ -69,6 +76,7 @@ from . import launcher
 from .engine import MAX_SPACE, PRUNE_FACTOR, STALE_CAUSE, Progress, StudyEngine, StudyOptions, check_budget
 from .inprocess import InProcessResult, measure_in_process, single_device
 from .report import TuneReport
+from .storage import check_places
 
 
 def tune(
@@ -109,6 +117,7 @@ def tune(
     `cache_directory` when given) and written to `plan_out`. `progress(Progress)` is called at each event.
     `runner`/`prober` replace autopar.tune.launcher's run_trial/probe (tests)."""
     check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
+    check_places(Path(study_path), plan_out=plan_out, cache_directory=cache_directory)  # before the probe and trials
     runner = runner or launcher.run_trial  # looked up now: tests replace them on the module
     prober = prober or launcher.probe
     started = time.perf_counter()
@@ -160,6 +169,8 @@ def autotune(
     the optimizer (default AdamW, lr 1e-4). `eager`: as in `tune`. Returns the TuneReport; the best plan is
     cached for `wrap`."""
     check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
+    path = Path(study_path) if study_path is not None else None
+    check_places(path, plan_out=plan_out, cache_directory=cache_directory)  # before any trial
     started = time.perf_counter()
     topo = single_device(topology)
     gbs = global_batch_size if global_batch_size is not None else sample_batch_size(sample)
@@ -179,7 +190,6 @@ def autotune(
     options = StudyOptions(trials=trials, time_budget_s=time_budget_s, allow_train_step=allow_train_step,
                            top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
                            cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, eager=eager)
-    path = Path(study_path) if study_path is not None else None
     return StudyEngine(probe, measure, path, options, started=started).run()
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autopar.cost import Calibration
-from autopar.cost.memory import predict_memory
+from autopar.cost.memory import HOST_PROCESS_BYTES, predict_host_memory, predict_memory
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.plans import Plan
 from autopar.profile import profile_model
@@ -55,3 +55,15 @@ def test_upcast_transient_factor_replaces_transient_factor_when_the_largest_tens
     assert upcast.transient_bytes == pytest.approx(2.0 * largest, rel=1e-9)
     assert upcast.activations_bytes == matmul.activations_bytes
     assert upcast.allocated_bytes - matmul.allocated_bytes == pytest.approx(largest, rel=1e-9)
+
+
+def test_host_memory_of_an_offload_plan_is_each_ranks_fp32_states_shard_plus_the_allowance():
+    """Under CPU offload a rank keeps its shard of fp32 weights (4 B), gradients (4 B) and Adam's two moments
+    (8 B) per parameter in host memory; a node holds its ranks' shards and each process's allowance."""
+    profile = _profile()
+    params = profile.num_params  # every parameter trains: 16 bytes each
+    offload = predict_host_memory(profile, Plan(dp_shard=4, micro_batch_size=1, cpu_offload=True), ranks_per_node=2)
+    assert offload.offloaded_bytes_per_rank == pytest.approx(16 * params / 4, rel=1e-9)
+    assert offload.node_bytes == pytest.approx(2 * (16 * params / 4 + HOST_PROCESS_BYTES), rel=1e-9)
+    on_gpu = predict_host_memory(profile, Plan(dp_shard=4, micro_batch_size=1), ranks_per_node=2)
+    assert on_gpu.offloaded_bytes_per_rank == 0 and on_gpu.node_bytes == 2 * HOST_PROCESS_BYTES

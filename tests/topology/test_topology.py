@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from autopar.errors import TopologyError
-from autopar.topology import Topology, lookup_device
+from autopar.topology import Topology, lookup_device, resolve_topology
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -161,3 +161,42 @@ def test_from_dict_rejects_bad_input():
     bad_device = {**good, "device": {**good["device"], "tflops": 1}}
     with pytest.raises(TopologyError, match="unknown tflops"):
         Topology.from_dict(bad_device)
+
+
+# ---- host memory ------------------------------------------------------------------------------------
+def test_host_memory_is_detected_from_the_os_and_a_containers_cgroup_limit_lowers_it(tmp_path, monkeypatch):
+    from autopar.topology import cpu
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    unlimited = tmp_path / "memory.max"
+    unlimited.write_text("max\n")
+    monkeypatch.setattr(cpu, "_CGROUP_LIMIT_FILES", (str(unlimited), str(tmp_path / "absent")))
+    assert Topology.detect().host_memory_bytes == physical == Topology.cpu(2).host_memory_bytes
+    limited = tmp_path / "memory.limit_in_bytes"
+    limited.write_text(f"{physical // 4}\n")
+    monkeypatch.setattr(cpu, "_CGROUP_LIMIT_FILES", (str(unlimited), str(limited)))
+    assert Topology.detect().host_memory_bytes == physical // 4
+    assert "host memory" in Topology.detect().describe()
+
+
+def test_a_spec_plans_with_its_gpus_dgx_host_memory_and_takes_an_override(tmp_path):
+    TiB = 2**40
+    assert Topology.from_spec("8xH100-SXM").host_memory_bytes == 2 * TiB  # DGX H100: 2 TB
+    assert Topology.from_spec("2x8xA100-SXM-40GB").host_memory_bytes == 1 * TiB  # DGX A100 320GB: 1 TB
+    unknown = Topology.from_spec("8xL40S")  # sold in many servers: no default, and describe says so
+    assert unknown.host_memory_bytes is None and "host memory   unknown" in unknown.describe()
+    given = Topology.from_spec("8xH100-SXM", host_memory_bytes=TiB)
+    assert given.host_memory_bytes == TiB and "1,024 GiB per node" in given.describe()
+    assert given.fingerprint() == Topology.from_spec("8xH100-SXM").fingerprint()  # the caches' keys stay the GPUs'
+    assert Topology.from_dict(yaml.safe_load(yaml.safe_dump(given.to_dict()))) == given
+    # in a topology file (`autopar topology --yaml`, edited), read with autopar's YAML reader
+    data = Topology.from_spec("8xH100-SXM").to_dict()
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({**data, "host_memory_bytes": 4 * TiB}))
+    assert Topology.load(path).host_memory_bytes == 4 * TiB == resolve_topology(str(path)).host_memory_bytes
+    for bad in (0, -1, 2.5, "2TiB", True):
+        with pytest.raises(TopologyError, match="host_memory_bytes"):
+            Topology.from_spec("8xH100-SXM", host_memory_bytes=bad)
+        path.write_text(yaml.safe_dump({**data, "host_memory_bytes": bad}))
+        with pytest.raises(TopologyError, match=f"{path}: .*host_memory_bytes"):
+            Topology.load(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, LaunchError
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 from autopar.plans import Plan
 from autopar.profile import ModelProfile, model_fingerprint, profile_model
@@ -134,6 +134,33 @@ def test_contract_names_and_argument_checks(tmp_path):
     assert r.status == "exit" and r.returncode == 0 and "without a result" in r.cause and r.step_s is None
     assert (_trial_dir(tmp_path) / "plan.yaml").is_file()  # kept under workdir
     assert Plan.load(_trial_dir(tmp_path) / "plan.yaml") == PLAN
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["autopar-no-such-launcher", "--nproc-per-node", "2", "train.py"],
+     "'autopar-no-such-launcher' is not an executable on PATH"),
+    (["./bin/torchrun", "train.py"], "'./bin/torchrun' is not an executable at "),
+    ([sys.executable, "-u", "no_such_train.py", "--lr", "1e-3"], "script no_such_train.py does not exist"),
+    ([*torchrun_argv(2), "missing/train.py"], "script missing/train.py does not exist"),
+])
+def test_a_missing_launcher_or_script_is_refused_in_one_line_before_anything_runs(tmp_path, monkeypatch, argv, named):
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    for call in (lambda: probe(argv, workdir=runs), lambda: run_trial(argv, PLAN, workdir=runs)):
+        with pytest.raises(LaunchError) as refused:
+            call()
+        assert named in str(refused.value) and "\n" not in str(refused.value) and "after --" in str(refused.value)
+        assert not list(runs.glob("autopar-*"))  # no run was started
+
+
+def test_the_tune_command_refuses_a_missing_launcher_with_exit_2_in_one_line(tmp_path, monkeypatch, capsys):
+    from autopar.cli import main
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    code = main(["tune", "--study", str(tmp_path / "s.db"), "--", "autopar-no-such-launcher", "train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("autopar tune: the launch command's program")
+    assert not (tmp_path / "s.db").exists()  # refused before the study was opened
 
 
 def test_install_from_env_only_in_a_tuners_run(tmp_path, monkeypatch):
