@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Mapping
 
 import yaml
 
-from ._util.io import atomic_write_text, cache_dir, cache_root, cache_subdir, read_private_bytes
+from ._util.io import atomic_write_text, cache_root, cache_subdir, read_private_bytes
 from ._util.yaml_text import load_yaml
 from .cost.calibration import MODEL_FACTORS, Calibration
 from .errors import CacheError
@@ -56,7 +57,7 @@ def calibration_folder() -> Path:
 
 def calibration_path(fingerprint: str) -> Path:
     """Where the calibration of the topology with this fingerprint is (or would be) cached."""
-    return cache_dir() / _FOLDER / f"{_checked(fingerprint)}.yaml"
+    return calibration_folder() / f"{_checked(fingerprint)}.yaml"
 
 
 def save_calibration(cal: Calibration, fingerprint: str) -> Path:
@@ -72,7 +73,7 @@ def save_calibration(cal: Calibration, fingerprint: str) -> Path:
 def load_calibration(fingerprint: str) -> Calibration | None:
     """The cached calibration of this topology, or None. A file that is not ours or not plain YAML is refused
     (CacheError). One written for another version of the cost model (CALIBRATION_VERSION) is ignored, with a
-    warning (it stays on disk; the next tuning study overwrites it)."""
+    warning (it stays on disk until removed)."""
     path, data = _read(f"{_checked(fingerprint)}.yaml", what="calibration file")
     if data is None:
         return None
@@ -99,8 +100,9 @@ class CachedRefit:
         if unknown:
             raise CacheError(f"{self.path} refits {', '.join(unknown)}, which a refit never changes (it changes only "
                              f"{', '.join(MODEL_FACTORS)}): remove it.")
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in self.factors.values()):
-            raise CacheError(f"{self.path}: a refit's factors are non-negative numbers: remove it.")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+                   for v in self.factors.values()):
+            raise CacheError(f"{self.path}: a refit's factors are positive finite numbers: remove it.")
         if isinstance(self.fitted_runs, bool) or not isinstance(self.fitted_runs, int) or self.fitted_runs < 1:
             raise CacheError(f"{self.path}: fitted_runs must be a positive integer, got {self.fitted_runs!r}: remove it.")
         object.__setattr__(self, "factors", {k: float(v) for k, v in self.factors.items()})
@@ -118,7 +120,7 @@ class CachedRefit:
 
 def refit_path(topology_fingerprint: str, *, model_fingerprint: str, sample_signature: str) -> Path:
     """Where the refit of this model (fingerprint and sample size) on this topology is (or would be) cached."""
-    return cache_dir() / _FOLDER / _refit_name(topology_fingerprint, model_fingerprint, sample_signature)
+    return calibration_folder() / _refit_name(topology_fingerprint, model_fingerprint, sample_signature)
 
 
 def save_refit(cal: Calibration, *, topology_fingerprint: str, model_fingerprint: str, sample_signature: str) -> Path:
@@ -181,7 +183,8 @@ def _read(name: str, *, what: str) -> tuple[Path | None, Mapping | None]:
     if data.get("version") != CALIBRATION_VERSION:
         warnings.warn(f"{path} was written for another version of autopar's cost model (version "
                       f"{data.get('version')!r}, this one is {CALIBRATION_VERSION}): ignored, the defaults stand. "
-                      "Run autopar tune again to refit, or remove the file.", stacklevel=3)
+                      "Remove the file: a topology's calibration is made again by measuring the GPU, a model's refit "
+                      "by its next autopar tune study.", stacklevel=3)
         return path, None
     return path, data
 

@@ -104,8 +104,11 @@ def calibration_for(topology: Topology, *, profile: ModelProfile | None = None) 
     refit = _read_cache(lambda: load_refit(fingerprint, **key), refit_path(fingerprint, **key))
     if refit is None:
         return cal
+    refitted = _read_cache(lambda: refit.apply(cal), refit.path)  # a factor the calibration refuses
+    if refitted is None:
+        return cal
     _announce(refit.path, f"this model's refit ({refit.source})", refit.changes(cal))
-    return refit.apply(cal)
+    return refitted
 
 
 def _default_calibration(topology: Topology) -> Calibration:

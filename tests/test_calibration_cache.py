@@ -111,3 +111,24 @@ def test_a_cached_refit_in_use_is_logged_and_named_in_the_prediction(profiles, a
     assert f"launch_s {default.launch_s:.3g} -> {default.launch_s * 2:.3g}" in lines[0]
     assert str(path) in pred.calibration_source
     assert pred.step_s > predict_profile(a, plan, TOPO, default).step_s
+
+
+def test_planning_where_no_cache_folder_can_be_made_predicts_with_the_defaults(profiles, tmp_path, monkeypatch):
+    """A cache root under a regular file (or a read-only HOME): reading the cache creates nothing, so planning goes on."""
+    a, _ = profiles
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(blocker / "cache"))
+    assert calibration_for(TOPO, profile=a) == calibration_for(TOPO)
+    assert not (blocker / "cache").exists()
+
+
+def test_a_refit_file_whose_factor_is_zero_is_skipped_with_a_warning(profiles):
+    a, _ = profiles
+    path = _store_refit(a, launch_s=9e-6)
+    data = yaml.safe_load(path.read_text())
+    data["factors"]["matmul_efficiency"] = 0.0
+    path.write_text(yaml.safe_dump(data))
+    with pytest.warns(UserWarning, match="positive finite"):
+        cal = calibration_for(TOPO, profile=a)
+    assert cal == calibration_for(TOPO)  # the hardware's, not a crash and not a zero efficiency

@@ -36,17 +36,19 @@ class GraphCount:
 
     num_graphs: int
     break_reasons: tuple[str, ...] = ()
-    break_sites: tuple[tuple[str, int], ...] = ()  # (file, line) of every frame of every break's user stack
+    break_sites: tuple[tuple[tuple[str, int], ...], ...] = ()  # per break, (file, line) of each frame of its user stack
 
     def in_forward_of(self, modules: Iterable[nn.Module]) -> bool | None:
         """Whether a break lies in the `forward` of one of these modules' classes (or of a class of a module
         inside them): True, False, or None where dynamo gave no sites for a break it made."""
         if not self.num_breaks:
             return False
-        if not self.break_sites:
-            return None
         spans = _forward_spans(modules)
-        return any(lo <= line <= hi for file, line in self.break_sites for lo, hi in spans.get(file, ()))
+        if any(lo <= line <= hi for stack in self.break_sites for file, line in stack for lo, hi in spans.get(file, ())):
+            return True
+        if not self.break_sites or not all(self.break_sites):  # a break whose place dynamo did not give
+            return None
+        return False
 
     def __post_init__(self) -> None:
         if self.num_graphs < 0:
@@ -75,8 +77,8 @@ def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_c
     except Exception:  # dynamo could not run the forward here: unknown, not a verdict on compile
         return None
     reasons = tuple(str(getattr(b, "reason", b)).splitlines()[0][:200] for b in out.break_reasons[:max_reasons])
-    sites = tuple((f.filename, int(f.lineno)) for b in out.break_reasons for f in getattr(b, "user_stack", ())
-                  if f.lineno is not None)
+    sites = tuple(tuple((f.filename, int(f.lineno)) for f in getattr(b, "user_stack", ()) if f.lineno is not None)
+                  for b in out.break_reasons)
     return GraphCount(num_graphs=int(out.graph_count), break_reasons=reasons, break_sites=sites)
 
 

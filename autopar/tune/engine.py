@@ -107,7 +107,7 @@ class StudyEngine:
         self._wall_mark = self.started
         self.topology, self.profile = probe.topology, probe.profile
         self.variants = dict(probe.variants or {})
-        self._rejected: str | None = None  # the last refit rejection warned of
+        self._rejected: tuple[object, str] | None = None  # the last refit rejection warned of: (problem, factor)
 
     def run(self) -> TuneReport:
         with study_lock(self.study_path):
@@ -206,9 +206,10 @@ class StudyEngine:
                            model_fingerprint=self.profile.fingerprint, sample_signature=sample_signature(self.profile))
             except (OSError, AutoparError) as exc:  # the study goes on; the fit is in the study too
                 warnings.warn(f"could not save the fitted calibration: {exc}", stacklevel=2)
-        elif self.fit.rejection is not None and self.fit.rejection.message() != self._rejected:
-            self._rejected = self.fit.rejection.message()
-            warnings.warn(self._rejected, RefitRejectedWarning, stacklevel=2)
+        elif self.fit.rejection is not None and (self.fit.rejection.problem, self.fit.rejection.factor) != self._rejected:
+            # once per reason: the fitted value in the message moves with every trial
+            self._rejected = (self.fit.rejection.problem, self.fit.rejection.factor)
+            warnings.warn(self.fit.rejection.message(), RefitRejectedWarning, stacklevel=2)
         self.study.set_user_attr(STUDY_FIT, self.fit.to_attr())
 
     # ---- the loop -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import os
 import sqlite3
+import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +29,7 @@ def study_lock(study_path: Path | None) -> Iterator[None]:
         yield
         return
     lock_path = study_path.with_name(study_path.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)  # a new study's folder: the study file will go there too
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
@@ -75,6 +77,10 @@ def open_study(study_path: Path | None, name: str) -> tuple[Any, Any]:
     try:
         storage = study_storage(study_path)
         study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+    except sqlalchemy.exc.OperationalError as exc:  # locked, disk full, I/O: nothing says the file is damaged
+        cause = getattr(exc, "orig", None) or exc
+        raise StorageError(f"cannot open the study {study_path} ({str(cause).splitlines()[0]}): the file is kept; check "
+                           "the disk's free space and your permissions, then run again.", path=str(study_path)) from None
     except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
         cause = getattr(exc, "orig", None) or exc.__cause__ or exc
         raise StorageError(f"{study_path} is not a study autopar can open ({str(cause).splitlines()[0]}): "
@@ -112,8 +118,7 @@ def check_places(study_path: Path | None, *, plan_out: str | os.PathLike[str] | 
     env_fix = "point AUTOPAR_CACHE_DIR at a folder you can write"
     cache_fix = env_fix if cache_directory is None else "pass another cache_directory"
     places = [(plans_folder(cache_directory), "the plan cache folder",
-               f"make it writable, or {cache_fix} (the best plan is cached there for autopar.wrap).", True),
-              (calibration_folder(), "the calibration cache folder", f"make it writable, or {env_fix}.", True)]
+               f"make it writable, or {cache_fix} (the best plan is cached there for autopar.wrap).", True)]
     if study_path is not None:
         fix = "make it and its folder writable, or use another --study file."
         places += [(study_path, "the study file", fix, False),
@@ -124,6 +129,11 @@ def check_places(study_path: Path | None, *, plan_out: str | os.PathLike[str] | 
     for path, what, remedy, folder in places:
         check_writable(path, what=what, remedy=remedy, folder=folder)
     cache_subdir("plans", directory=cache_directory, create=False)  # the privacy checks store() makes
-    cache_subdir("calibration", create=False)
+    try:  # the refit's file is optional (a failed save is a warning, engine._refit): said, never a refusal
+        check_writable(calibration_folder(), what="the calibration cache folder", remedy=f"make it writable, or "
+                       f"{env_fix}.", folder=True)
+        cache_subdir("calibration", create=False)
+    except AutoparError as exc:
+        warnings.warn(f"{exc} The study runs; its refit of the cost model will not be kept.", stacklevel=2)
     if study_path is not None:
         check_study_file(study_path)

@@ -107,6 +107,9 @@ def test_a_break_outside_the_blocks_leaves_compiled_plans_offered():
 def test_breaks_whose_place_is_not_known_count_as_inside_the_blocks():
     count = GraphCount(num_graphs=3)
     assert count.in_forward_of([_Layer(cut=True)]) is None
+    elsewhere = (("/nowhere/model.py", 3),)
+    assert GraphCount(num_graphs=3, break_sites=(elsewhere, ())).in_forward_of([_Layer(cut=True)]) is None
+    assert GraphCount(num_graphs=3, break_sites=(elsewhere, elsewhere)).in_forward_of([_Layer(cut=True)]) is False
     assert GraphCount(num_graphs=1).in_forward_of([_Layer(cut=True)]) is False
 
 

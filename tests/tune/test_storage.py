@@ -22,6 +22,7 @@ from autopar import plan_cache as cache
 from autopar.cli import main
 from autopar.errors import ResultNotSavedError, StorageError
 from autopar.plans import Plan
+from autopar.tune.storage import check_places, study_lock
 from autopar.tune.study import tune
 from tests.tune.test_study import (  # noqa: F401 - the fixtures are used by name
     NO_PRUNING,
@@ -96,6 +97,22 @@ def test_an_unwritable_place_is_refused_before_the_probe_and_any_trial(probe_res
     assert str(folders[place]) in message and remedy in message and "cannot write" in message
     assert prober.calls == 0 and runner.ran == []  # nothing ran, nothing was measured for nothing
     assert list(tmp_path.rglob(".autopar-write-check-*")) == []  # the check's own files are gone
+
+
+def test_a_calibration_folder_that_cannot_be_written_is_said_and_the_study_still_runs(tmp_path, read_only,
+                                                                                     monkeypatch):
+    """The refit's file is optional (a failed save is a warning): it never refuses the study."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "root"))
+    read_only(tmp_path / "root" / "calibration")
+    with pytest.warns(UserWarning, match="calibration cache folder.*refit of the cost model will not be kept"):
+        check_places(tmp_path / "s.db", plan_out=None, cache_directory=tmp_path / "plans")
+
+
+def test_a_study_in_a_folder_that_does_not_exist_yet_gets_its_lock(tmp_path):
+    study = tmp_path / "runs" / "new" / "s.db"
+    check_places(study, plan_out=None, cache_directory=tmp_path / "plans")
+    with study_lock(study):
+        assert study.with_name("s.db.lock").exists()
 
 
 # ---- (b) a write that fails after the trials keeps the result ---------------------------------------------
