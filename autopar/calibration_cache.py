@@ -112,11 +112,6 @@ class CachedRefit:
         return cal.replace(**self.factors, fitted_runs=self.fitted_runs,
                            source=f"{cal.source}; refit of this model cached in {self.path} ({self.source})")
 
-    def changes(self, cal: Calibration) -> str:
-        """What it changes of `cal`, as "name before -> after" (or "nothing")."""
-        moved = [f"{k} {getattr(cal, k):.3g} -> {v:.3g}" for k, v in self.factors.items() if v != getattr(cal, k)]
-        return ", ".join(moved) or "nothing"
-
 
 def refit_path(topology_fingerprint: str, *, model_fingerprint: str, sample_signature: str) -> Path:
     """Where the refit of this model (fingerprint and sample size) on this topology is (or would be) cached."""

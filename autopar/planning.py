@@ -91,11 +91,11 @@ def calibration_for(topology: Topology, *, profile: ModelProfile | None = None) 
     calibration's `source`, which a prediction records (`Prediction.calibration_source`)."""
     defaults = _default_calibration(topology)
     fingerprint = topology.fingerprint()
-    cal = _read_cache(lambda: load_calibration(fingerprint), calibration_path(fingerprint))
+    path = calibration_path(fingerprint)
+    cal = _read_cache(lambda: load_calibration(fingerprint), path)
     if cal is None:
         cal = defaults
     else:
-        path = calibration_path(fingerprint)
         _announce(path, f"this topology's calibration ({cal.source})", _changes(defaults, cal))
         cal = cal.replace(source=f"{cal.source}, cached in {path}")
     if profile is None:
@@ -107,7 +107,7 @@ def calibration_for(topology: Topology, *, profile: ModelProfile | None = None) 
     refitted = _read_cache(lambda: refit.apply(cal), refit.path)  # a factor the calibration refuses
     if refitted is None:
         return cal
-    _announce(refit.path, f"this model's refit ({refit.source})", refit.changes(cal))
+    _announce(refit.path, f"this model's refit ({refit.source})", _changes(cal, refitted))
     return refitted
 
 

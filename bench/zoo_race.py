@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from bench._common import host_op_us
-from bench.zoo_h200 import (FAMILIES, Measurement, Options, Predictor, Runner, Step, batch_of, build_on_device,
-                            environment, first_line, real_sample, sync, time_steps)
+from bench.zoo_h200 import (FAMILIES, Measurement, Options, Predictor, Runner, Step, append, batch_of,
+                            build_on_device, environment, first_line, real_sample, sync, time_steps)
 
 MODES = ("hand", "hand_compile", "wrap")
 
@@ -163,34 +163,35 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "zoo_race.jsonl"
-    command = " ".join(["python -m bench.zoo_race", *(sys.argv[1:] if argv is None else argv)])
+    given = sys.argv[1:] if argv is None else list(argv)
     opts = Options(device=device, size=args.size, batch=None, warmup=args.warmup, steps=args.steps, lr=args.lr,
-                   hand_predictions=False, compile_on_cpu=False, out=out, command=command)
-    modes = args.modes.split(",")
+                   hand_predictions=False, compile_on_cpu=False, out=out,
+                   command=" ".join(["python -m bench.zoo_race", *given]))
     if args.child:
-        rec = race_family(args.child, modes, opts, args.rounds)
-        with open(out, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
+        append(out, race_family(args.child, args.modes.split(","), opts, args.rounds))
         return 0
+    run_families(args, given)
+    if out.exists():
+        print(report(read_races([out])), flush=True)
+    return 0
+
+
+def run_families(args: argparse.Namespace, given: list[str]) -> None:
+    """Each family in its own process (`--child`, the same arguments), killed at its time limit."""
     start = time.perf_counter()
     for name in args.families.split(","):
         left = args.time_budget_s - (time.perf_counter() - start)
         if left < 30:
             print(f"{name}: not reached (the time budget is spent)", flush=True)
             continue
-        argv_child = [sys.executable, "-m", "bench.zoo_race", "--child", name, *sys.argv[1:]] if argv is None else \
-            [sys.executable, "-m", "bench.zoo_race", "--child", name, *argv]
-        proc = subprocess.Popen(argv_child, cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "bench.zoo_race", "--child", name, *given],
+                                cwd=Path(__file__).resolve().parents[1], start_new_session=True)
         try:
             proc.wait(timeout=min(args.family_timeout_s, left))
         except subprocess.TimeoutExpired:
             Runner._kill(proc)
             print(f"{name}: killed at its time limit", flush=True)
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
-    if out.exists():
-        print(report(read_races([out])), flush=True)
-    return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

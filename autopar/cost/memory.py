@@ -219,8 +219,11 @@ class HostMemoryPrediction:
     process_bytes_per_rank: float  # the process itself (HOST_PROCESS_BYTES)
 
     def __post_init__(self) -> None:
-        assert self.ranks_per_node >= 1, f"ranks_per_node must be at least 1, got {self.ranks_per_node}"
-        assert self.offloaded_bytes_per_rank >= 0 and self.process_bytes_per_rank >= 0, "negative host memory"
+        if self.ranks_per_node < 1:
+            raise ValueError(f"HostMemoryPrediction.ranks_per_node must be at least 1, got {self.ranks_per_node}.")
+        if self.offloaded_bytes_per_rank < 0 or self.process_bytes_per_rank < 0:
+            raise ValueError("HostMemoryPrediction: host memory bytes must be >= 0, got "
+                             f"{self.offloaded_bytes_per_rank} and {self.process_bytes_per_rank}.")
 
     @property
     def node_bytes(self) -> float:

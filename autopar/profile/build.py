@@ -81,10 +81,11 @@ def profile_model(
                          "shaped by values): torch.compile breaks its graph there, which the cost model cannot "
                          "price, so compiled plans are chosen only by measuring them (autopar tune)")
         counted = dynamo_graphs(model, sample) if graphs and not t.value_reads else None
+        in_blocks = None if counted is None else counted.in_forward_of(m for _, m in units)
         if counted is not None and counted.num_breaks:
-            notes.append(_breaks_note(counted, counted.in_forward_of(m for _, m in units)))
+            notes.append(_breaks_note(counted, in_blocks))
     else:
-        counted = None
+        counted = in_blocks = None
         t = Trace.untraced(len(units))
         notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
     first = first_tensor(sample)
@@ -118,7 +119,7 @@ def profile_model(
         traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes, op_groups=t.op_groups,
         value_reads=t.value_reads,
         graph_breaks=None if counted is None else counted.num_breaks,
-        graph_breaks_in_blocks=None if counted is None else counted.in_forward_of(m for _, m in units),
+        graph_breaks_in_blocks=in_blocks,
         matmul_calls=t.matmul_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,

@@ -49,14 +49,12 @@ def _read_limit(path: str) -> int | None:
     return int(text) if text.isdigit() and 0 < int(text) < 2**60 else None
 
 
-def _physical_memory_bytes() -> int:
-    return detected_host_memory_bytes() or _CPU_FALLBACK_RAM_BYTES
-
-
-def _cpu_device(processes_per_node: int) -> DeviceSpec:
+def _cpu_device(processes_per_node: int, *, host_memory_bytes: int | None = None) -> DeviceSpec:
+    """CPU processes' device: this machine's RAM (`host_memory_bytes`, else detected) shared by the processes."""
+    ram = host_memory_bytes or detected_host_memory_bytes() or _CPU_FALLBACK_RAM_BYTES
     return DeviceSpec(
         name="cpu",
-        memory_bytes=max(1, _physical_memory_bytes() // processes_per_node),
+        memory_bytes=max(1, ram // processes_per_node),
         compute_capability=None,
         bf16_flops=_CPU_FLOPS,
         fp8_flops=None,

@@ -19,13 +19,12 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from .._util.yaml_text import load_yaml
+from .._util.yaml_text import MAX_YAML_CHARS, load_yaml
 from ..errors import TopologyError
 from .cpu import _CPU_NETWORK_BYTES_PER_S, _cpu_device, detected_host_memory_bytes
 from .detect import _world_from_env, detect_gpus
@@ -193,15 +192,16 @@ class Topology:
                 f"use a multiple of {num_nodes} processes."
             )
         per_node = num_processes // num_nodes
+        host = detected_host_memory_bytes()
         return cls(
             device_type="cpu",
             num_nodes=num_nodes,
             devices_per_node=per_node,
-            device=_cpu_device(per_node),
+            device=_cpu_device(per_node, host_memory_bytes=host),
             inter_node_bytes_per_s=_CPU_NETWORK_BYTES_PER_S / per_node,
             nvlink_pairs=None,
             source="cpu",
-            host_memory_bytes=detected_host_memory_bytes(),
+            host_memory_bytes=host,
         )
 
     @classmethod
@@ -292,7 +292,8 @@ class Topology:
         """A topology from a YAML file: `Topology.to_dict()`'s fields (what `autopar topology --yaml` prints),
         read with autopar's one YAML reader (plain values only); e.g. a spec's with `host_memory_bytes` changed."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            with open(path, encoding="utf-8") as f:
+                text = f.read(MAX_YAML_CHARS + 1)  # bounded: load_yaml refuses what is longer
         except (OSError, UnicodeDecodeError) as exc:
             raise TopologyError(f"cannot read the topology file {path} ({exc}).") from None
         try:

@@ -29,7 +29,7 @@ from .report import TuneReport, report_from_study
 from .schema import (PARAM, STUDY_BEST, STUDY_CAL_BEFORE, STUDY_FIT, STUDY_FORMAT, STUDY_META, STUDY_NAME, STUDY_QUEUE,
                      STUDY_SPACE, STUDY_WALL)
 from .space import PlanSampler, Queue, Space, build_space, unit_of
-from .storage import open_study, study_lock
+from .storage import create_or_load_study, study_lock
 
 #: A plan whose corrected predicted step exceeds this times the best measured step is pruned (not run).
 PRUNE_FACTOR = 1.5
@@ -123,7 +123,7 @@ class StudyEngine:
     def _open(self) -> None:
         import optuna  # lazy: optuna loads when a study runs, not on `import autopar` (which imports autotune)
 
-        self.storage, self.study = open_study(self.study_path, STUDY_NAME)
+        self.storage, self.study = create_or_load_study(self.study_path, STUDY_NAME)
         if STUDY_SPACE not in self.study.user_attrs:
             self._initialise()
         else:

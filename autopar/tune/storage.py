@@ -21,6 +21,11 @@ from ..plan_cache import check_plan_out, plans_folder
 _NEW_STUDY = "delete it (or move it aside) to start a new study, or use another --study file."
 
 
+def _lock_path(study_path: Path) -> Path:
+    """STUDY.lock, beside the study file."""
+    return study_path.with_name(study_path.name + ".lock")
+
+
 @contextlib.contextmanager
 def study_lock(study_path: Path | None) -> Iterator[None]:
     """An exclusive lock on STUDY.lock while a tuner works on the study (released by the kernel if killed);
@@ -28,7 +33,7 @@ def study_lock(study_path: Path | None) -> Iterator[None]:
     if study_path is None:
         yield
         return
-    lock_path = study_path.with_name(study_path.name + ".lock")
+    lock_path = _lock_path(study_path)
     lock_path.parent.mkdir(parents=True, exist_ok=True)  # a new study's folder: the study file will go there too
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -68,7 +73,7 @@ def study_storage(study_path: Path | None) -> Any:
     return storage
 
 
-def open_study(study_path: Path | None, name: str) -> tuple[Any, Any]:
+def create_or_load_study(study_path: Path | None, name: str) -> tuple[Any, Any]:
     """(storage, study): the study `name` of the file, created or loaded. What SQLite or Optuna still refuse in a
     file that passed `check_study_file` is a StorageError naming the file, never a raw sqlalchemy traceback."""
     import optuna  # lazy, as in study_storage
@@ -122,7 +127,7 @@ def check_places(study_path: Path | None, *, plan_out: str | os.PathLike[str] | 
     if study_path is not None:
         fix = "make it and its folder writable, or use another --study file."
         places += [(study_path, "the study file", fix, False),
-                   (study_path.with_name(study_path.name + ".lock"), "the study's lock file", fix, False)]
+                   (_lock_path(study_path), "the study's lock file", fix, False)]
     if plan_out is not None:
         places.append((check_plan_out(plan_out).parent, "the --plan-out folder",
                        "make it writable, or choose another --plan-out.", True))
