@@ -185,6 +185,14 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     #     activations exist again;
     # (d) the last block's backward / the optimizer step: nearly every gradient alive, that block's activations
     #     (recomputed under checkpointing) still held.
+    live = _live_peak(act.prof, plan, all_gradients)
+    if live is not None:  # the trace's own replay of the eager step: every moment, no rule
+        activations, gradients = live
+        allocated = parameters + buffers + gradients + optimizer + gathered + activations
+        return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
+                                gathered_bytes=gathered, activations_bytes=activations, transient_bytes=0.0,
+                                overhead_bytes=_overhead_bytes(act.prof, plan, cal, allocated, largest),
+                                buffers_bytes=buffers)
     moment_a = act.blocks + act.outside + transient
     moment_b = act.blocks + act.recompute
     moment_d = act.recompute + act.first_block if plan.checkpointing != "none" else act.first_block
@@ -202,6 +210,27 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
                             gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
                             overhead_bytes=_overhead_bytes(act.prof, plan, cal, allocated, largest),
                             buffers_bytes=buffers)
+
+
+def _live_peak(prof: ModelProfile, plan: Plan, all_gradients: float) -> tuple[float, float] | None:
+    """(activations, gradients) in bytes at the eager step's peak, from the trace's replay of what is alive op by
+    op (the profile's live_frontier: autopar.profile.live), for the plans whose step is the traced one
+    split by data parallelism only: eager, no checkpointing, no tensor or pipeline parallelism. The
+    activations (saved tensors, transients, the loss's buffers: all but weights and gradients) scale with the
+    micro-batch; the gradients alive at that moment are their traced share of the rank's gradients (all of
+    them with accumulation: earlier micro-batches left them). None for other plans, or without a frontier."""
+    if not prof.live_frontier or plan.compile or plan.checkpointing != "none" or plan.tp > 1 or plan.pp > 1:
+        return None
+    scale = plan.micro_batch_size / prof.sample_batch_size
+    traced_gradients = max(g for _, g in prof.live_frontier)
+
+    def at(point: tuple[int, int]) -> tuple[float, float]:
+        other, grads = point
+        if plan.grad_accum > 1:
+            return scale * other, all_gradients
+        return scale * other, all_gradients * (grads / traced_gradients if traced_gradients else 0.0)
+
+    return max((at(p) for p in prof.live_frontier), key=sum)
 
 
 #: A training process's own host memory beside what CPU offload puts there: the interpreter, torch and the CUDA,

@@ -161,6 +161,8 @@ class ModelProfile:
     notes: tuple[str, ...] = field(default=())
     buffer_bytes: int = 0  # unique buffers (BatchNorm running statistics, position ids): on every GPU, not sharded
     compiled_saved_bytes_outside_blocks: int | None = None  # saved_bytes_outside_blocks of a torch.compile'd step
+    live_frontier: tuple[tuple[int, int], ...] = ()  # the eager step's live bytes on the sample at the moments that
+    # can peak, as (non-gradient bytes, gradient bytes) pairs (autopar.profile.live); empty: not known
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
@@ -270,6 +272,7 @@ class ModelProfile:
                                        for c in values.get("matmul_calls", ()))
         values["op_groups"] = tuple(_op_group(g) for g in values.get("op_groups", ()))
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
+        values["live_frontier"] = tuple((int(a), int(g)) for a, g in values.get("live_frontier", ()))
         for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names"):
             if name in values:
                 values[name] = tuple(values[name])

@@ -23,6 +23,7 @@ from .flops import flash_like_sdpa, flop_formulas
 from .hf_masks import CompileMasks
 from .model_profile import MatmulCall, OpGroup
 from .shadow import InputShadows
+from .live import Frontier
 from .watch import StepWatcher, storage_key
 
 Units = list[tuple[str, nn.Module]]
@@ -54,6 +55,7 @@ class Trace:
     weight_traffic_bytes: int = 0
     op_groups: tuple[OpGroup, ...] = ()  # every op by kind and shape (autopar.cost.ops prices them)
     value_reads: int = 0  # the model's forward's reads of tensor values (InputShadows.reads)
+    live_frontier: Frontier = ()  # (non-gradient, gradient) bytes alive at the moments that can peak (LiveMemory)
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -98,6 +100,7 @@ class StepTrace:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str) -> None:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
+        self.live_frontier: Frontier = ()
         device = _profile_device(model, sample)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
@@ -154,12 +157,17 @@ class StepTrace:
                     self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
                     output = _as_returned(output, self.precision)  # in the loss's scope
                     loss = self.loss_fn(output, self.sample) if self.loss_fn is not None else default_loss(output)
+                    # The loop `loss = loss_fn(model(x), y)` drops the model's output once the loss is made: what
+                    # backward needs of it is saved; the rest (the logits) is freed before backward runs.
+                    del output
             forward_flops = float(self.flop_counter.get_total_flops())
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ProfileError("loss_fn must return a scalar tensor.")
             self.watcher.label_loss(loss)
             self.watcher.forward = False
             loss.backward()
+            self.live_frontier = self.watcher.live.frontier(
+                t.grad for t in self.state.values() if isinstance(t, torch.Tensor) and t.grad is not None)
         return forward_flops
 
     @contextlib.contextmanager
@@ -198,7 +206,7 @@ class StepTrace:
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
-            value_reads=self.value_reads)
+            value_reads=self.value_reads, live_frontier=self.live_frontier)
 
     # ---- the hooks -------------------------------------------------------------------------------
     def running_block(self) -> int | None:

@@ -19,6 +19,7 @@ from .flops import fp32_grouped_mm, matmul_ops
 from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbytes, reduction_loops,
                      storage_key)
 from .hf_masks import CompileMasks
+from .live import LiveMemory
 from .model_profile import OpGroup, OpRecord
 
 BEFORE, AFTER, LOSS = -1, -2, -3  # scopes of ops outside the blocks: before the first block runs, the rest of the
@@ -271,6 +272,7 @@ class StepWatcher(TorchDispatchMode):
         self._after_blocks = False
         self._backward_started = False
         self.fusion = FusionModel()
+        self.live = LiveMemory()  # the bytes alive op by op: the eager step's peak (autopar.profile.live)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
@@ -368,11 +370,16 @@ class StepWatcher(TorchDispatchMode):
             if from_weights:
                 self.weight_storages.add(key)
             elif key not in inputs:
+                self.live.allocated(t, self._op_label(func))
                 nbytes = _nbytes(t)
                 allocated += nbytes
                 if nbytes > self.largest_bytes:
                     self.largest_bytes, self.largest_op = nbytes, str(func.overloadpacket.__name__)
         return allocated
+
+    def _op_label(self, func: Any) -> str:
+        name = str(func.overloadpacket.__name__)
+        return name if self.forward else name + " (backward)"
 
     def _count_matmul(self, allocated: int) -> None:
         """A matmul's or attention's output, in a block's forward: what selective checkpointing keeps."""
