@@ -32,6 +32,7 @@ def _meta_gpt(cfg: GPTConfig, n: int):
 
 
 def test_loop_values_and_what_each_runs():
+    assert autopar.Loop is Loop
     assert [m.value for m in Loop] == ["plain", "accumulates", "train_step"]
     assert Loop.parse("accumulates") is Loop.ACCUMULATES and Loop("plain") == "plain"
     with pytest.raises(PlanError, match="loop must be one of 'plain', 'accumulates', 'train_step', got 'trainer'"):

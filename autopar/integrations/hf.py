@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -164,6 +165,10 @@ def prepare(
     chosen = plan_of(model)
     _refuse(chosen, device_type)  # a chosen plan the Trainer cannot run here: said before training starts
     mark_for_trainer(model, chosen)
+    if args.bf16 and chosen.precision != "bf16" and _dist.world().rank == 0:
+        warnings.warn(f"autopar: the arguments ask for bf16, but the plan trains in {chosen.precision} (autopar chooses "
+                      "bf16 only on GPUs that have it); pass plan= with precision='bf16' to train in bf16 anyway.",
+                      stacklevel=2)
     settings = trainer_settings(chosen)
     changes = settings.changes(args)
     if verbose and _dist.world().rank == 0 and changes:

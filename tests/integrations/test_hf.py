@@ -191,6 +191,13 @@ def test_callback_measures_beside_the_prediction_and_feeds_the_plan_cache(tmp_pa
     assert lookup(key).grad_accum == 4
 
 
+def test_bf16_asked_of_an_fp32_plan_is_said(tmp_path):
+    with pytest.warns(UserWarning, match="the arguments ask for bf16, but the plan trains in fp32"):
+        _, args = hf.prepare(_hf.make_model(), _hf.args(str(tmp_path), per_device=_hf.GLOBAL, bf16=True),
+                             sample=_hf.sample(_hf.GLOBAL), verbose=False)
+    assert not args.bf16  # autopar applies the plan's precision; the Trainer's own autocast stays off
+
+
 def test_callback_refuses_a_model_prepare_did_not_wrap(tmp_path):
     with pytest.raises(PlanError, match="AutoparCallback needs the model autopar.integrations.hf.prepare returned"):
         _hf.train(_hf.make_model(), _hf.args(str(tmp_path), per_device=_hf.GLOBAL, max_steps=1),
