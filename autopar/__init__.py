@@ -14,7 +14,7 @@ from .data import dataloader, local_batch, sampler
 from .errors import (AutoparError, InfeasiblePlanError, MaterializeError, PlanError, PlanMismatchError, ProfileError,
                      StaleOptimizerError, TopologyError)
 from .planning import candidates, predict
-from .plans import Plan
+from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .step import train_step
 from .strategies.state import applied, data_shard, plan_of
@@ -30,6 +30,7 @@ __all__ = [
     "AutoparError",
     "DeviceSpec",
     "InfeasiblePlanError",
+    "Loop",
     "MaterializeError",
     "ModelProfile",
     "Plan",

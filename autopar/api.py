@@ -19,7 +19,7 @@ from .errors import InfeasiblePlanError, PlanError, TraceError
 from .hooks import Profiled, wrap_hook
 from .plan_cache import cached_plan_for
 from .planning import bf16_variants, calibration_for, check_traced_for, profile_variants, resolve_topology
-from .plans import Plan
+from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .search import DropKind, search
 from .strategies.apply import apply_plan, check_plan
@@ -60,18 +60,22 @@ def plan(
     global_batch_size: int | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     blocks: Any = None,
-    uses_train_step: bool = False,
+    loop: Loop | str | None = None,
+    uses_train_step: bool | None = None,
 ) -> Plan:
     """Choose a plan for `model` without touching it (profiled on fake tensors: no memory, no gradients).
 
     `sample` is one batch as one rank's loop feeds it today; the global batch defaults to that batch times
     the world size. `topology` defaults to the hardware here; pass a spec ("4x8xH100-SXM") to plan for
-    hardware that is not here, and then `world_size` defaults to its GPU count. `uses_train_step=True`
-    lets autopar choose plans that only autopar.train_step and autopar.dataloader can drive
-    (accumulation, pipelines, tensor parallelism); by default every process reads its own batch.
+    hardware that is not here, and then `world_size` defaults to its GPU count. `loop` says what drives the
+    step (autopar.plans.Loop): "plain" (the default: every process reads its own batch, pure data
+    parallelism), "accumulates" (a framework that accumulates: accumulation and tensor parallelism too) or
+    "train_step" (autopar.train_step and autopar.dataloader: pipelines too). `uses_train_step=True` is the
+    deprecated spelling of loop="train_step".
     The plan is the search's first (autopar.candidates ranks them all). A model that cannot be traced on
     fake tensors gets a safe plan from its structure instead, with a warning saying why (as `wrap` applies).
     """
+    chosen_loop = Loop.resolve(loop, uses_train_step) or Loop.PLAIN
     topo = resolve_topology(topology)
     if world_size is None:
         world_size = topo.world_size if topology is not None else _dist.world().size
@@ -84,8 +88,7 @@ def plan(
         warnings.warn("autopar: " + _untraced_message(structure, safe, exc), stacklevel=2)
         return safe
     return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
-                   variants=variants, uses_train_step=uses_train_step,
-                   tp_refusal=tensor_parallel_refusal(model, profile))
+                   variants=variants, loop=chosen_loop, tp_refusal=tensor_parallel_refusal(model, profile))
 
 
 def _safe_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
@@ -127,7 +130,7 @@ def _trace_hint(why: str) -> str:
 
 
 def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
-            variants: Any = None, uses_train_step: bool = False, tp_refusal: str | None = None) -> Plan:
+            variants: Any = None, loop: Loop = Loop.PLAIN, tp_refusal: str | None = None) -> Plan:
     """The fastest plan the cost model predicts to fit (autopar.search), or a clear error."""
     if not profile.traced:
         raise PlanError("choosing a plan needs a traced profile (FLOPs and activation bytes); pass a plan instead.")
@@ -139,8 +142,7 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
         )
     calibration = calibration_for(topology, profile=profile)
     ranked = search(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
-                    variants=variants, calibration=calibration, allow_train_step=uses_train_step,
-                    tp_refusal=tp_refusal)
+                    variants=variants, calibration=calibration, loop=loop, tp_refusal=tp_refusal)
     if not ranked:
         raise PlanError(
             f"the global batch of {global_batch_size} samples does not split over {world_size} data-parallel ranks: "
@@ -153,7 +155,7 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
         need = f" (the smallest needs {smallest.prediction.memory_bytes / 2**30:.1f} GiB per device, with " \
                f"{smallest.plan.checkpointing} checkpointing{' and CPU offload' if smallest.plan.cpu_offload else ''})" \
             if smallest is not None else (f" ({best.reason})" if best.reason else "")
-        hint = "" if uses_train_step else " or let autopar split the step (uses_train_step=True with autopar.train_step),"
+        hint = "" if loop is Loop.TRAIN_STEP else " or let autopar split the step (loop='train_step' with autopar.train_step),"
         if any(c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY for c in ranked):
             hint += " nodes with more host memory for CPU offload (Topology host_memory_bytes),"
         raise InfeasiblePlanError(
@@ -176,7 +178,8 @@ def wrap(
     force: bool = False,
     init_fn: Callable[[nn.Module], None] | None = None,
     verbose: bool = True,
-    uses_train_step: bool = False,
+    loop: Loop | str | None = None,
+    uses_train_step: bool | None = None,
 ) -> nn.Module:
     """Choose (or take) a plan for `model` and apply it in place; returns the same module, ready to train.
 
@@ -196,10 +199,17 @@ def wrap(
       of the output); called on fake tensors, so it must take its targets from `sample`.
     - `init_fn(model)`: initialises a meta-device model after sharding (default: the model's own
       `reset_parameters` / `init_weights`).
-    - `uses_train_step`: True if the loop drives each step with `autopar.train_step` and reads its data
-      with `autopar.dataloader` (or `autopar.data_shard`); autopar may then choose plans a plain loop
-      cannot run: gradient accumulation, pipeline and tensor parallelism (whose peers read the same samples).
+    - `loop`: what drives each step (autopar.plans.Loop). "plain" (the default): your own loop, every
+      process reading its own batch, so autopar chooses pure data parallelism. "accumulates": a framework
+      that accumulates gradients and is told the plan's degrees (the Hugging Face Trainer through
+      autopar.integrations.hf, Lightning): accumulation and tensor parallelism may be chosen, pipelines not.
+      "train_step": `autopar.train_step` with `autopar.dataloader` (or `autopar.data_shard`): every plan.
+      Passed explicitly, it also refuses a given plan that loop cannot run (a pipeline outside train_step,
+      accumulation in a plain loop); left out, a given plan is applied as it is. `uses_train_step=True` is
+      the deprecated spelling of loop="train_step" (False: left out); passing both is refused.
     """
+    declared = Loop.resolve(loop, uses_train_step)
+    chosen_loop = declared or Loop.PLAIN
     if is_wrapped(model):
         raise PlanError("this model is already wrapped by autopar: wrap the original model once.")
     inner = next((name for name, m in model.named_modules() if name and is_wrapped(m)), None)
@@ -223,22 +233,22 @@ def wrap(
                       "plan for hardware that is not here use autopar.plan(model, sample=..., topology=...); to train "
                       "here, leave topology out.", stacklevel=2)
     hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
-                           global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks,
-                           uses_train_step=uses_train_step))
+                           global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks, loop=chosen_loop))
     # 2. Rank 0 decides (the plan cache, the cost model, or the given plan); every rank applies its plan,
     #    sent as YAML text (nothing is unpickled).
     decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
                        world_size=world.size, global_batch_size=global_batch,
-                       uses_train_step=uses_train_step, untraced=untraced) if world.rank == 0 else None
+                       loop=chosen_loop, untraced=untraced) if world.rank == 0 else None
     chosen = _broadcast(decision)
     # 3. Checks before anything is changed: processes, batch, model, hardware.
     if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
         global_batch = _global_batch(sample, None, chosen.dp_size)
-    _check(chosen, profile, topo, model=model, world_size=world.size, global_batch_size=global_batch, force=force)
+    _check(chosen, profile, topo, model=model, world_size=world.size, global_batch_size=global_batch, force=force,
+           loop=declared)
     if decision is not None and decision.warning:  # rank 0, also when not verbose
         get_logger().warning("%s", decision.warning)
     if say:
-        _log_choice(chosen, profile, topo, decision)
+        _log_choice(chosen, profile, topo, decision, chosen_loop)
     # 4. Apply, and keep what was applied on the model.
     mesh = build_mesh(chosen, _dist.device_type())
     before = list(model.parameters())  # as the user built it
@@ -305,7 +315,7 @@ SAFE_SOURCE = "a safe plan from the model's structure, not chosen by the cost mo
 
 def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology, *, plan: Any, force: bool,
             loss_fn: Callable | None, blocks: Any, world_size: int, global_batch_size: int,
-            uses_train_step: bool, untraced: TraceError | None = None) -> _Decision:
+            loop: Loop, untraced: TraceError | None = None) -> _Decision:
     """Rank 0: the given plan (loaded and checked against the model), else a plan tuned for this model,
     hardware, batch and torch (autopar tune's cache), else the cost model's choice; for a model whose step
     could not be traced (`untraced`), a safe plan from its structure, with the warning that says why."""
@@ -317,13 +327,12 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
             return _Decision(safe, SAFE_SOURCE, warning=_untraced_message(profile, safe, untraced))
         # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
         hit, note = cached_plan_for(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                                    allow_train_step=uses_train_step)
+                                    loop=loop)
         if hit is not None:
             return _Decision(hit, "from the plan cache", note)
         variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile)
         chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                         variants=variants, uses_train_step=uses_train_step,
-                         tp_refusal=tensor_parallel_refusal(model, profile))
+                         variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
         return _Decision(chosen, "chosen by the cost model", note)
     except Exception as exc:  # sent to the other ranks so that none waits forever
         return _Decision(None, "", error=exc)
@@ -344,15 +353,19 @@ def _broadcast(decision: _Decision | None) -> Plan:
 
 
 def _check(chosen: Plan, profile: ModelProfile, topo: Topology, *, model: nn.Module, world_size: int,
-           global_batch_size: int, force: bool) -> None:
-    """Refuse, before the model is touched, a plan for another world, batch, model or hardware."""
+           global_batch_size: int, force: bool, loop: Loop | None = None) -> None:
+    """Refuse, before the model is touched, a plan for another world, batch, model or hardware, or one the
+    declared `loop` cannot run."""
+    if loop is not None:
+        loop.check(chosen)
     chosen.check_world(world_size)
     chosen.check_batch(global_batch_size)
     chosen.check_model(profile.fingerprint, force=force)
     check_plan(chosen, profile, topo, world_size=world_size, model=model)
 
 
-def _log_choice(chosen: Plan, profile: ModelProfile, topo: Topology, decision: _Decision | None) -> None:
+def _log_choice(chosen: Plan, profile: ModelProfile, topo: Topology, decision: _Decision | None,
+                loop: Loop = Loop.PLAIN) -> None:
     log = get_logger()
     if decision is not None and decision.cache_note:
         (log.info if decision.source == "from the plan cache" else log.warning)("%s", decision.cache_note)
@@ -360,5 +373,5 @@ def _log_choice(chosen: Plan, profile: ModelProfile, topo: Topology, decision: _
     if chosen.topology_fingerprint not in (None, topo.fingerprint()):
         log.warning("this plan was made for other hardware (topology %s; here: %s): it runs, but its memory "
                     "and speed estimates may not hold.", chosen.topology_fingerprint, topo.fingerprint())
-    if chosen.needs_train_step:
+    if loop.refusal(chosen) is not None:
         log.info("this plan splits the step (pp > 1 or grad_accum > 1): drive it with autopar.train_step.")

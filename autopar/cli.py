@@ -26,7 +26,7 @@ from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVaria
                            model_sample_batch, resolve_model)
 from .plan_cache import write_plan_out
 from .planning import GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name
-from .plans import Plan
+from .plans import Loop, Plan
 from .profile import ModelProfile
 from .search import Candidate, DropKind, data_parallel_degrees
 from .topology import Topology
@@ -75,8 +75,11 @@ def _plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default=None, metavar="SPEC",
                    help="hardware as a spec like 4x8xH100-SXM, or a topology YAML file (autopar topology --yaml, e.g. "
                         "with host_memory_bytes changed; default: the hardware detected here)")
-    p.add_argument("--plain-loop", action="store_true",
-                   help="only plans a plain loop runs: no gradient accumulation, no pipeline (as wrap chooses)")
+    p.add_argument("--loop", choices=[m.value for m in Loop], default=None,
+                   help="what drives the step, so which plans are ranked: plain (pure data parallelism, as wrap "
+                        "chooses by default), accumulates (a framework that accumulates, such as the Hugging Face "
+                        "Trainer: no pipeline), train_step (autopar.train_step: every plan; the default)")
+    p.add_argument("--plain-loop", action="store_true", help="the same as --loop plain (its older spelling)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="rows of the table (default 10)")
     p.add_argument("--out", default=PLAN_DEFAULT_OUT, metavar="FILE",
                    help=f"where to write the chosen plan (default {PLAN_DEFAULT_OUT}; '-' prints it instead)")
@@ -131,7 +134,19 @@ def _plan_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be a positive integer, got {value}.")
+    args.loop = _loop_option(args) or Loop.TRAIN_STEP
+    args.plain_loop = args.loop is Loop.PLAIN
     return args
+
+
+def _loop_option(args: argparse.Namespace) -> Loop | None:
+    """--loop, or --plain-loop (its older spelling); None when neither is given. Both, disagreeing: refused."""
+    loop = None if args.loop is None else Loop(args.loop)
+    if args.plain_loop:
+        if loop not in (None, Loop.PLAIN):
+            raise AutoparError(f"--plain-loop is --loop plain; it contradicts --loop {loop.value}: give one.")
+        return Loop.PLAIN
+    return loop
 
 
 def _run_plan(args: argparse.Namespace) -> _PlanRun:
@@ -142,7 +157,7 @@ def _run_plan(args: argparse.Namespace) -> _PlanRun:
     profile, variants = model_profiles(source, topo, seq_len=args.seq)
     profiled = time.perf_counter()
     global_batch = _global_batch(args, source, profile.tokens_per_sample, topo.world_size)
-    _check_batch_splits(global_batch, profile, topo, plain_loop=args.plain_loop)
+    _check_batch_splits(global_batch, profile, topo, loop=args.loop)
     ranked = _rank(args, source, profile, variants, topo, global_batch)
     searched = time.perf_counter()
     feasible = [c for c in ranked if c.feasible]
@@ -176,13 +191,13 @@ def _global_batch(args: argparse.Namespace, source: ModelSource, seq: int | None
     return model_sample_batch(source) * world
 
 
-def _check_batch_splits(global_batch: int, profile: ModelProfile, topo: Topology, *, plain_loop: bool) -> None:
+def _check_batch_splits(global_batch: int, profile: ModelProfile, topo: Topology, *, loop: Loop) -> None:
     """Refuse a global batch that no data-parallel degree of a plan on this world divides."""
     world = topo.world_size
-    degrees = data_parallel_degrees(profile, topo, world_size=world, allow_train_step=not plain_loop)
+    degrees = data_parallel_degrees(profile, topo, world_size=world, loop=loop)
     if any(global_batch % d == 0 for d in degrees):
         return
-    hint = " (or drop --plain-loop: pipelines and tensor parallelism leave fewer data-parallel ranks)" if plain_loop else ""
+    hint = " (or drop --loop plain: pipelines and tensor parallelism leave fewer data-parallel ranks)" if loop is Loop.PLAIN else ""
     raise PlanError(
         f"a global batch of {global_batch} samples splits over none of the data-parallel degrees a plan on "
         f"{world} GPUs can have ({', '.join(map(str, degrees))}): use a global batch divisible by one of them, "
@@ -195,7 +210,7 @@ def _rank(args: argparse.Namespace, source: ModelSource, profile: ModelProfile, 
     model_fn, sample = _exact_check_inputs(source, profile.tokens_per_sample) if args.verify else (None, None)
     return candidates(profile, sample=sample, topology=topo, world_size=topo.world_size,
                       global_batch_size=global_batch, loss_fn=source.loss_fn, variants=variants,
-                      allow_train_step=not args.plain_loop, headroom=HEADROOM, verify=args.verify, model_fn=model_fn)
+                      loop=args.loop, headroom=HEADROOM, verify=args.verify, model_fn=model_fn)
 
 
 def _exact_check_inputs(source: ModelSource, seq: int | None) -> tuple[Callable[[], nn.Module] | nn.Module, Any]:
@@ -218,7 +233,8 @@ def _plan_json(args: argparse.Namespace, run: _PlanRun) -> dict[str, Any]:
         "topology": {"spec": args.cluster, "fingerprint": topo.fingerprint(), "world_size": topo.world_size,
                      "device": topo.device.name, "memory_bytes_per_gpu": topo.device.memory_bytes},
         "global_batch_size": run.global_batch, "seq_len": seq,
-        "tokens_per_step": run.global_batch * seq if seq else None, "allow_train_step": not args.plain_loop,
+        "tokens_per_step": run.global_batch * seq if seq else None, "loop": args.loop.value,
+        "allow_train_step": args.loop is Loop.TRAIN_STEP,  # the field before --loop, for older readers
         "candidates": len(run.ranked), "feasible": len(feasible),
         "ranked": [{"rank": i, "plan": c.plan.strategy(), "prediction": dict(c.plan.prediction or {})}
                    for i, c in enumerate(feasible[:args.top], 1)],
@@ -259,7 +275,7 @@ def _print_model(run: _PlanRun) -> None:
 
 def _print_search(args: argparse.Namespace, run: _PlanRun) -> None:
     budget = HEADROOM * run.topology.device.memory_bytes / GiB
-    plain = "; plain loop only (--plain-loop)" if args.plain_loop else ""
+    plain = f"; loop {args.loop.value} (--loop)" if args.loop is not Loop.TRAIN_STEP else ""
     t = run.timings
     print(f"search: {len(run.ranked)} plans considered, {len(run.feasible)} fit in {budget:.1f} GiB per GPU and are "
           f"not dominated{plain} ({t['total_s']:.1f} s: profile {t['profile_s']:.1f} s, "
@@ -336,7 +352,7 @@ def _infeasible_message(name: str, topo: Topology, ranked: list[Candidate], glob
     if host:
         helps.append("nodes with more host memory (a topology file --cluster FILE.yaml with host_memory_bytes)")
     if plain_loop:
-        helps.insert(0, "dropping --plain-loop (gradient accumulation, pipelines and tensor parallelism hold fewer activations)")
+        helps.insert(0, "dropping --loop plain (gradient accumulation, pipelines and tensor parallelism hold fewer activations)")
     if global_batch > 1:
         helps.append(f"a smaller global batch (--global-batch, now {global_batch})")
     if seq:
@@ -384,9 +400,11 @@ def _tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--trial-timeout", type=float, default=600.0, metavar="S",
                    help="a trial running longer is ended and recorded as timed out (default 600)")
     p.add_argument("--plan-out", default=None, metavar="FILE", help="also write the best plan to FILE (YAML)")
-    p.add_argument("--plain-loop", action="store_true",
-                   help="only plans a plain loop runs (pure data parallelism, no accumulation, no pipeline, no "
-                        "tensor parallelism); default: follow the script's wrap(uses_train_step=...)")
+    p.add_argument("--loop", choices=[m.value for m in Loop], default=None,
+                   help="what drives the script's step, so which plans are tried: plain (pure data parallelism), "
+                        "accumulates (a framework that accumulates, such as the Hugging Face Trainer: no pipeline), "
+                        "train_step (every plan); default: follow the script's wrap(loop=...)")
+    p.add_argument("--plain-loop", action="store_true", help="the same as --loop plain (its older spelling)")
     p.add_argument("--compiled-only", action="store_true",
                    help="measure only compiled plans where torch.compile is available (default: eager ones too; "
                         "the cost model ranks compiled plans first, but compilation can fail or lose on a model)")
@@ -467,7 +485,7 @@ def _tune(argv: list[str]) -> int:
     try:
         report = tune(command, study_path=args.study, trials=args.trials or None, time_budget_s=args.time_budget,
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
-                      allow_train_step=False if args.plain_loop else None, top_k_enqueue=args.top_k, plan_out=args.plan_out,
+                      loop=_loop_option(args), top_k_enqueue=args.top_k, plan_out=args.plan_out,
                       progress=bar, eager=not args.compiled_only)
     except ResultNotSavedError as exc:  # measured, not saved: the table first, then main's one line (exit 2)
         bar.close()

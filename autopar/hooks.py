@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from .plans import Plan
+from .plans import Loop, Plan
 from .profile import ModelProfile
 from .topology import Topology
 
@@ -35,7 +35,12 @@ class Profiled:
     global_batch_size: int
     loss_fn: Callable[[Any, Any], Any] | None
     blocks: Any
-    uses_train_step: bool
+    loop: Loop  # what drives the step (wrap's loop=; Loop.PLAIN when left out)
+
+    @property
+    def uses_train_step(self) -> bool:
+        """Whether the loop is autopar.train_step (the field this event had before the loop had three values)."""
+        return self.loop is Loop.TRAIN_STEP
 
 
 class WrapHook:

@@ -4,9 +4,10 @@ One YAML file per key, `<root>/plans/<digest>.yaml`, where `<root>` is `autopar.
 ($AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar) unless a `directory=` is given.
 The key (`CacheKey`) is the model's fingerprint, the topology's fingerprint, the global batch, torch's
 version (major.minor.patch and any pre-release part, without the local build tag: "2.13.0+cu128" keys as
-"2.13.0") and whether the plan may need `autopar.train_step` (plans for a plain loop and for train_step
-loops are cached apart). The file name is the key's digest, so another model, topology, batch or torch
-never finds the entry.
+"2.13.0") and the loop that drives the step (`autopar.plans.Loop`: plans for a plain loop, a framework that
+accumulates and autopar.train_step are cached apart). The file name is the key's digest, so another model,
+topology, batch, torch or loop never finds the entry. Files written before the loop had three values (their
+key says `allow_train_step: true/false`) are read as Loop.TRAIN_STEP / Loop.PLAIN, under the same names.
 
 A cache file is data autopar will act on, so it is read with care: `yaml.safe_load` only (a YAML tag such as
 `!!python/object` is refused, never run), and a file or directory is refused (`CacheError`, saying what to
@@ -40,7 +41,7 @@ from ._util.io import atomic_write_text, cache_root, cache_subdir, read_private_
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, CacheError, PlanError
 from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
-from .plans import Plan
+from .plans import Loop, Plan
 
 #: Version of the cache file layout (the top-level mapping). It is part of every key's digest, so files of
 #: another layout are never read under this one's names.
@@ -74,7 +75,7 @@ class CacheKey:
     topology_fingerprint: str
     global_batch_size: int
     torch_version: str
-    allow_train_step: bool
+    loop: Loop
     sample_signature: str = ""  # the sample's size per sample (sample_signature); "" given only a fingerprint
 
     def __post_init__(self) -> None:
@@ -87,35 +88,67 @@ class CacheKey:
         n = self.global_batch_size
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise CacheError(f"CacheKey.global_batch_size must be a positive integer, got {n!r}.")
-        if not isinstance(self.allow_train_step, bool):
-            raise CacheError(f"CacheKey.allow_train_step must be true or false, got {self.allow_train_step!r}.")
+        if not isinstance(self.loop, Loop):
+            raise CacheError(f"CacheKey.loop must be an autopar Loop ({', '.join(m.value for m in Loop)}), "
+                             f"got {self.loop!r}.")
+
+    @property
+    def allow_train_step(self) -> bool:
+        """Whether the key's loop is autopar.train_step (the key's field before the loop had three values)."""
+        return self.loop is Loop.TRAIN_STEP
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "loop": self.loop.value}
 
     @classmethod
     def from_dict(cls, data: Any) -> "CacheKey":
         if not isinstance(data, Mapping):
             raise CacheError(f"a cache key must be a mapping, got {type(data).__name__}.")
+        data = _upgraded(data)
         names = [f.name for f in dataclasses.fields(cls)]
         if set(map(str, data)) != set(names):  # (a key of schema 1 lacks sample_signature: not this schema's)
             raise CacheError(f"a cache key has exactly the fields {', '.join(names)}; got {', '.join(map(str, data))}.")
-        return cls(**{name: data[name] for name in names})
+        try:
+            loop = Loop(data["loop"])
+        except ValueError:
+            raise CacheError(f"a cache key's loop must be one of {', '.join(m.value for m in Loop)}, "
+                             f"got {data['loop']!r}.") from None
+        return cls(**{name: data[name] for name in names if name != "loop"}, loop=loop)
 
     def digest(self) -> str:
         """sha256 of the canonical JSON of the key (with the cache and plan schema versions), first 32 hex
-        digits (128 bits): the cache file's name. Stable across runs, processes and machines."""
+        digits (128 bits): the cache file's name. Stable across runs, processes and machines. A plain or
+        train_step loop is hashed as the boolean `allow_train_step` it was before the loop had three values,
+        so files written then keep their names."""
+        fields = self.to_dict()
+        loop = Loop(fields.pop("loop"))
+        if loop is Loop.ACCUMULATES:
+            fields["loop"] = loop.value
+        else:
+            fields["allow_train_step"] = loop is Loop.TRAIN_STEP
         blob = json.dumps(
-            {"cache_schema": CACHE_SCHEMA_VERSION, "plan_schema": PLAN_SCHEMA_VERSION, **self.to_dict()},
+            {"cache_schema": CACHE_SCHEMA_VERSION, "plan_schema": PLAN_SCHEMA_VERSION, **fields},
             sort_keys=True, separators=(",", ":"),
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:32]
 
     def describe(self) -> str:
-        loop = "train_step allowed" if self.allow_train_step else "plain loop"
+        loop = {Loop.PLAIN: "plain loop", Loop.ACCUMULATES: "a framework that accumulates",
+                Loop.TRAIN_STEP: "train_step allowed"}[self.loop]
         return (f"model {self.model_fingerprint}, topology {self.topology_fingerprint}, global batch "
                 f"{self.global_batch_size}, torch {self.torch_version}, {loop}"
                 + (f", sample {self.sample_signature}" if self.sample_signature else ""))
+
+
+def _upgraded(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A key as written before the loop had three values (`allow_train_step: true/false`) in today's fields."""
+    out = {str(k): v for k, v in data.items()}
+    if "allow_train_step" in out and "loop" not in out:
+        old = out.pop("allow_train_step")
+        if not isinstance(old, bool):
+            raise CacheError(f"a cache key's allow_train_step must be true or false, got {old!r}.")
+        out["loop"] = (Loop.TRAIN_STEP if old else Loop.PLAIN).value
+    return out
 
 
 def _fingerprint_of(value: Any, what: str) -> str:
@@ -134,20 +167,20 @@ def cache_key(
     topology: Any,
     *,
     global_batch_size: int,
-    allow_train_step: bool,
+    loop: Loop | str,
     torch_version: str | None = None,
     profile: Any = None,
 ) -> CacheKey:
     """The key of a plan for this model (a ModelProfile or its fingerprint), topology (a Topology or its
-    fingerprint), global batch, loop kind and sample size (`sample_signature` of the ModelProfile given, or of
-    `profile` beside a fingerprint), under this torch (or `torch_version`)."""
+    fingerprint), global batch, loop (`autopar.plans.Loop`) and sample size (`sample_signature` of the
+    ModelProfile given, or of `profile` beside a fingerprint), under this torch (or `torch_version`)."""
     traced = profile if profile is not None else profile_or_fingerprint
     return CacheKey(
         model_fingerprint=_fingerprint_of(profile_or_fingerprint, "ModelProfile"),
         topology_fingerprint=_fingerprint_of(topology, "Topology"),
         global_batch_size=global_batch_size,
         torch_version=torch_version if torch_version is not None else current_torch_version(),
-        allow_train_step=allow_train_step,
+        loop=Loop.parse(loop),
         sample_signature=sample_signature(traced) if not isinstance(traced, str) else "",
     )
 
@@ -231,8 +264,7 @@ def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
         raise CacheError(f"{path} has no valid key ({exc}). {remedy}") from None
     if expected is not None and key != expected:
         labels = {"model_fingerprint": "model", "topology_fingerprint": "topology",
-                  "global_batch_size": "global batch", "torch_version": "torch",
-                  "allow_train_step": "train_step allowed"}
+                  "global_batch_size": "global batch", "torch_version": "torch", "loop": "loop"}
         diffs = [f"{labels[name]} {getattr(key, name)}, not {getattr(expected, name)}"
                  for name in labels if getattr(key, name) != getattr(expected, name)]
         raise CacheError(
@@ -285,7 +317,7 @@ def store(
 ) -> Path:
     """Cache `plan` under `key` (replacing what was there), with its measurement (`measurement`, else the
     plan's own); returns the file. The plan must fit the key: its global batch, its fingerprints if set, and
-    no train_step need under a plain-loop key. Written atomically, mode 0600, in a folder made 0700."""
+    nothing the key's loop cannot run. Written atomically, mode 0600, in a folder made 0700."""
     if not isinstance(plan, Plan):
         raise CacheError(f"store takes a Plan, got {type(plan).__name__}.")
     if not isinstance(key, CacheKey):
@@ -295,9 +327,9 @@ def store(
             f"the plan's global batch is {plan.global_batch_size}, the key's {key.global_batch_size}: a plan is "
             "cached under the batch it runs."
         )
-    if plan.needs_train_step and not key.allow_train_step:
-        raise CacheError("this plan needs autopar.train_step (pp > 1 or grad_accum > 1) but the key is for a plain "
-                         "loop: make the key with allow_train_step=True.")
+    refusal = key.loop.refusal(plan)
+    if refusal is not None:
+        raise CacheError(f"this plan cannot be cached under a key for loop={key.loop.value!r}: {refusal}")
     changes: dict[str, Any] = {}
     for name in ("model_fingerprint", "topology_fingerprint"):
         have = getattr(plan, name)
@@ -387,14 +419,15 @@ def cached_plan_for(
     *,
     world_size: int,
     global_batch_size: int,
-    allow_train_step: bool,
+    loop: Loop | str,
     directory: str | os.PathLike[str] | None = None,
 ) -> tuple[Plan | None, str | None]:
     """What `wrap` asks before planning: (plan, "using the tuned plan cached at PATH (measured ...)") on a
     hit; (None, None) when nothing is cached for this model, topology, batch, torch and loop kind; (None,
-    why) when the cached plan does not fit this job (world size, batch, loop kind): the caller logs `why`
+    why) when the cached plan does not fit this job (world size, batch, loop): the caller logs `why`
     as a warning and plans afresh. A refused (tampered) file raises CacheError, with the remedy."""
-    key = cache_key(profile, topology, global_batch_size=global_batch_size, allow_train_step=allow_train_step)
+    loop = Loop.parse(loop)
+    key = cache_key(profile, topology, global_batch_size=global_batch_size, loop=loop)
     entry = lookup_entry(key, directory=directory)
     if entry is None:
         return None, None
@@ -409,8 +442,8 @@ def cached_plan_for(
             plan.check_batch(global_batch_size)
         except PlanError:
             why = f"its global batch is {plan.global_batch_size}, this job's {global_batch_size}"
-    if why is None and plan.needs_train_step and not allow_train_step:
-        why = "it needs autopar.train_step (pp > 1 or grad_accum > 1) and this job runs a plain loop"
+    if why is None and loop.refusal(plan) is not None:
+        why = f"this job's loop ({loop.value}) cannot run it ({loop.refusal(plan)})"
     if why is not None:
         return None, (
             f"ignoring the plan cached at {entry.path}: {why}. autopar plans afresh; delete the file to stop "

@@ -27,7 +27,7 @@ from .cost import Calibration, Prediction, predict_profile
 from .errors import AutoparError, PlanError, TraceError
 from .exact import exact_memory
 from .plan_cache import sample_signature
-from .plans import Plan
+from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .search import Candidate, Drop, DropKind, rank_key, search
 from .strategies.tensor_parallel import tensor_parallel_refusal
@@ -174,24 +174,28 @@ def candidates(
     blocks: Any = None,
     variants: Mapping[str, ModelProfile] | None = None,
     calibration: Calibration | None = None,
-    allow_train_step: bool = True,
+    loop: Loop | str | None = None,
     headroom: float = 0.95,
     verify: int = 0,
     model_fn: Callable[[], nn.Module] | nn.Module | None = None,
     eager: bool = True,
+    allow_train_step: bool | None = None,
 ) -> list[Candidate]:
     """Every plan the search considers for this model on this hardware, predicted and ranked: the ones
     that fit first, fastest first, then the ones dropped, each with its reason.
 
     `global_batch_size` defaults to the sample's batch times the world size (the topology's GPUs).
-    `allow_train_step=False` keeps to plans a plain loop runs (no accumulation, no pipeline), as `wrap`
-    does unless told otherwise. `headroom`: the share of a GPU's memory a plan may fill.
+    `loop` (autopar.plans.Loop) is what drives the step: by default "train_step" (every plan); "plain" keeps
+    to plans a plain loop runs (pure data parallelism), as `wrap` does unless told otherwise; "accumulates"
+    (a framework such as the Hugging Face Trainer) leaves out pipelines. `allow_train_step=` is its deprecated
+    spelling (True: "train_step", False: "plain"). `headroom`: the share of a GPU's memory a plan may fill.
     `verify=N` runs the exact memory check (autopar.exact) on the N best candidates (a few seconds
     to minutes each, no memory used) and drops those it finds too big; it builds the model with
     `model_fn()` (or copies a meta-device model) and needs `sample`. Eager plans are ranked beside compiled
     ones (compile is chosen where the prediction says it pays); `eager=False` keeps compiled ones only
     (autopar.search.search).
     """
+    loop = _candidates_loop(loop, allow_train_step)
     topo = resolve_topology(topology)
     world = world_size or topo.world_size
     profile, var = _inputs(model_or_profile, sample, topo, loss_fn, blocks, variants)
@@ -202,7 +206,7 @@ def candidates(
     cal = calibration or calibration_for(topo, profile=profile)
     tp_refusal = tensor_parallel_refusal(model_or_profile, profile) if isinstance(model_or_profile, nn.Module) else None
     ranked = search(profile, topo, world_size=world, global_batch_size=global_batch_size, variants=var,
-                    calibration=cal, allow_train_step=allow_train_step, headroom=headroom, eager=eager,
+                    calibration=cal, loop=loop, headroom=headroom, eager=eager,
                     tp_refusal=tp_refusal)
     if verify:
         if model_fn is None:
@@ -216,6 +220,19 @@ def candidates(
         ranked = verify_candidates(ranked, model_fn, sample, top=verify, topology=topo, loss_fn=loss_fn,
                                    blocks=blocks, headroom=headroom)
     return ranked
+
+
+def _candidates_loop(loop: Loop | str | None, allow_train_step: bool | None) -> Loop:
+    """candidates' loop: `loop`, else the deprecated `allow_train_step` (True: TRAIN_STEP, False: PLAIN), else
+    TRAIN_STEP (every plan)."""
+    if allow_train_step is None:
+        return Loop.TRAIN_STEP if loop is None else Loop.parse(loop)
+    if loop is not None:
+        raise PlanError("pass loop= only: allow_train_step= is its deprecated spelling "
+                        "(allow_train_step=False is loop='plain').")
+    warnings.warn("autopar.candidates: allow_train_step= is deprecated; pass loop='train_step' (True) or "
+                  "loop='plain' (False).", DeprecationWarning, stacklevel=3)
+    return Loop.TRAIN_STEP if allow_train_step else Loop.PLAIN
 
 
 def verify_candidates(ranked: Sequence[Candidate], model_fn: Callable[[], nn.Module] | nn.Module, sample: Any, *,

@@ -13,7 +13,9 @@ Files are YAML, read with `yaml.safe_load` only: a plan file can hold plain valu
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
+import warnings
 import json
 import math
 import os
@@ -42,6 +44,78 @@ _STRATEGY_FIELDS = (
     "pp_stages_per_rank", "reshard_after_forward", "cpu_offload", "sequence_parallel", "checkpointing",
     "checkpoint_every", "precision", "compile",
 )
+
+
+class Loop(str, enum.Enum):
+    """What drives each training step after `wrap`, and so which plans can run (`wrap(..., loop=...)`).
+
+    - `PLAIN`: `loss = loss_fn(model(x), x); loss.backward(); opt.step()`, every process reading its own
+      batch. One forward per step: no accumulation, no pipeline. The search keeps to pure data parallelism
+      (tensor-parallel peers would read different samples); a tensor-parallel plan you give runs if your loop
+      feeds the peers of a group the same samples (`autopar.data_shard`).
+    - `ACCUMULATES`: a framework that accumulates gradients itself and is told the plan's degrees, so that it
+      gives the ranks of a tensor-parallel group the same samples (Hugging Face Trainer, Lightning):
+      accumulation and tensor parallelism, no pipeline (its loop calls `model(x)`, which a pipeline refuses).
+    - `TRAIN_STEP`: `autopar.train_step` with `autopar.dataloader`: every plan.
+    """
+
+    PLAIN = "plain"
+    ACCUMULATES = "accumulates"
+    TRAIN_STEP = "train_step"
+
+    @classmethod
+    def parse(cls, value: "Loop | str") -> "Loop":
+        """`value` as a Loop; anything else is refused, naming the values."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise PlanError(f"loop must be one of {', '.join(repr(m.value) for m in cls)}, got {value!r}.") from None
+
+    @classmethod
+    def resolve(cls, loop: "Loop | str | None", uses_train_step: bool | None) -> "Loop | None":
+        """The loop of `loop=` and the deprecated `uses_train_step=` (True: TRAIN_STEP; False: as if left out);
+        None when neither says. Both given is refused."""
+        if uses_train_step is not None:
+            if loop is not None:
+                raise PlanError("pass loop= only: uses_train_step= is its deprecated spelling "
+                                "(uses_train_step=True is loop='train_step').")
+            warnings.warn("autopar: uses_train_step= is deprecated; pass loop='train_step' (True) or leave it out "
+                          "(False, a plain loop).", DeprecationWarning, stacklevel=3)
+            return cls.TRAIN_STEP if uses_train_step else None
+        return None if loop is None else cls.parse(loop)
+
+    @property
+    def accumulates(self) -> bool:
+        """Whether the loop runs several micro-batches per optimizer step (grad_accum > 1)."""
+        return self is not Loop.PLAIN
+
+    @property
+    def pipelines(self) -> bool:
+        """Whether the loop runs a pipeline schedule (pp > 1): only autopar.train_step does."""
+        return self is Loop.TRAIN_STEP
+
+    @property
+    def shares_data(self) -> bool:
+        """Whether the loop gives the ranks of a tensor-parallel group the same samples, so that the search may
+        choose tensor parallelism."""
+        return self is not Loop.PLAIN
+
+    def refusal(self, plan: "Plan") -> str | None:
+        """Why this loop cannot run `plan` (one line saying what to change), or None."""
+        if plan.pp > 1 and not self.pipelines:
+            return (f"a pipeline plan (pp={plan.pp}) runs only under autopar.train_step, not under loop={self.value!r}: "
+                    "give a plan with pp=1, or drive the step with autopar.train_step (loop='train_step').")
+        if plan.grad_accum > 1 and not self.accumulates:
+            return (f"a plan with gradient accumulation (grad_accum={plan.grad_accum}) needs a loop that accumulates, "
+                    "not loop='plain': give a plan with grad_accum=1, or use loop='accumulates' (a framework that "
+                    "accumulates) or loop='train_step'.")
+        return None
+
+    def check(self, plan: "Plan") -> None:
+        """Raise PlanError when this loop cannot run `plan`."""
+        why = self.refusal(plan)
+        if why is not None:
+            raise PlanError(why)
 
 
 def _check_positive_int(name: str, value: Any) -> None:

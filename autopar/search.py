@@ -24,9 +24,11 @@ Pruned as dominated, never predicted for time:
 The work is one step per plan considered: the loops run over divisors of the world size and of the
 local batch, never over ranks, and only plans that fit are predicted for time.
 
-Without `allow_train_step` only plans a plain loop can run are enumerated: pure data parallelism (every
-process reads its own batch), no accumulation, no pipeline, no tensor parallelism. With it (a loop that
-steps with autopar.train_step and reads with autopar.dataloader / data_shard) everything is.
+What is enumerated follows the loop that drives the step (`autopar.plans.Loop`): for `Loop.PLAIN` only
+pure data parallelism (every process reads its own batch: no accumulation, no pipeline, no tensor
+parallelism); for `Loop.ACCUMULATES` (a framework that accumulates and is told the degrees) accumulation and
+tensor parallelism too, no pipeline; for `Loop.TRAIN_STEP` (autopar.train_step with autopar.dataloader /
+data_shard) everything.
 torch.compile is enumerated on GPUs, and for the GPUs here only where Triton (inductor's GPU backend) is
 installed.
 """
@@ -42,7 +44,7 @@ from .cost import Calibration, Prediction, predict_profile
 from .cost.memory import MemoryPrediction, predict_host_memory, predict_memory
 from .errors import PlanError
 from .layout import check_pipeline, sequence_parallel_refusal
-from .plans import Plan
+from .plans import Loop, Plan
 from .profile import ModelProfile
 from .topology import Topology
 
@@ -170,12 +172,12 @@ def tensor_parallel_degrees(profile: ModelProfile, topology: Topology, world_siz
 
 
 def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_size: int,
-                          allow_train_step: bool = False) -> list[int]:
-    """The data-parallel degrees the search tries, ascending: a global batch must divide by one of them."""
-    out = set()
-    for tp in (tensor_parallel_degrees(profile, topology, world_size) if allow_train_step else [1]):
+                          loop: Loop | str = Loop.PLAIN) -> list[int]:
+    """The data-parallel degrees the search tries under `loop`, ascending: a global batch must divide by one."""
+    out, loop = set(), Loop.parse(loop)
+    for tp in (tensor_parallel_degrees(profile, topology, world_size) if loop.shares_data else [1]):
         for pp in _divisors(world_size // tp):
-            if pp == 1 or (allow_train_step and pp <= len(profile.blocks)):
+            if pp == 1 or (loop.pipelines and pp <= len(profile.blocks)):
                 out.add(world_size // (tp * pp))
     return sorted(out)
 
@@ -193,10 +195,10 @@ def breaks_cut_blocks(profile: ModelProfile) -> bool:
 
 
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
-                    allow_train_step: bool = False, offload: bool = False, compile_available: bool = True,
+                    loop: Loop | str = Loop.PLAIN, offload: bool = False, compile_available: bool = True,
                     eager: bool = True, measured: bool = False) -> Iterator[Plan]:
-    """Every plan the search considers (see the module docstring). Plans that need autopar.train_step and
-    autopar.dataloader (accumulation, pipelines, tensor parallelism) only with `allow_train_step`; CPU
+    """Every plan the search considers (see the module docstring). Accumulation and tensor parallelism only
+    where `loop` runs them (Loop.ACCUMULATES, Loop.TRAIN_STEP), pipelines only under Loop.TRAIN_STEP; CPU
     offload only with `offload`; eager plans beside compiled ones (where compile is available) unless
     `eager=False` (compiled ones only: compile is not always faster, on a GPU or in the cost model). A model
     whose forward reads tensor values (`profile.value_reads`: torch.compile's graph breaks there, which the cost
@@ -204,10 +206,12 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
+    loop = Loop.parse(loop)
     sp_ok = sequence_parallel_refusal(profile) is None  # else TP runs without sequence parallelism
     # A plain loop gives every process its own batch: only pure data parallelism keeps that true (tensor-
-    # parallel peers must read the same samples, which autopar.dataloader / data_shard arrange).
-    tps = tensor_parallel_degrees(profile, topology, world_size) if allow_train_step else [1]
+    # parallel peers must read the same samples, which autopar.dataloader / data_shard or a framework told the
+    # degrees arrange: Loop.shares_data).
+    tps = tensor_parallel_degrees(profile, topology, world_size) if loop.shares_data else [1]
     # Pruned as dominated: fp32 where bf16 exists (slower and larger), and tensor parallelism without
     # sequence parallelism (the same communication, more activation memory). Eager is not: compiled BERT
     # and ViT ran no faster than eager on an H200 and compiled GPT-2 1.5B slower
@@ -226,7 +230,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     fingerprints = {"model_fingerprint": profile.fingerprint, "topology_fingerprint": topology.fingerprint()}
     for tp in tps:
         for pp in _divisors(world_size // tp):
-            if pp > 1 and (not allow_train_step or pp > blocks or offload):
+            if pp > 1 and (not loop.pipelines or pp > blocks or offload):
                 continue
             dp = world_size // (tp * pp)
             if global_batch_size % dp:
@@ -241,7 +245,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
             for replicate, shard in sorted(splits):
                 for mb in _micro_batches(local):
                     accum = local // mb
-                    if accum > 1 and not allow_train_step:
+                    if accum > 1 and not loop.accumulates:
                         continue
                     schedules: list[tuple[str | None, int]] = [(None, 1)]
                     if pp > 1:
@@ -264,7 +268,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
 
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
            variants: Mapping[str, ModelProfile] | None = None, calibration: Calibration | None = None,
-           allow_train_step: bool = False, headroom: float = 0.95, eager: bool = True,
+           loop: Loop | str = Loop.PLAIN, headroom: float = 0.95, eager: bool = True,
            tp_refusal: str | None = None, measured: bool = False) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
@@ -294,7 +298,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     for offload in ((False, True) if topology.is_gpu else (False,)):
         groups: dict[tuple, list[Plan]] = {}
         for plan in enumerate_plans(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
-                                    allow_train_step=allow_train_step, offload=offload,
+                                    loop=loop, offload=offload,
                                     compile_available=compile_available, eager=eager, measured=measured):
             groups.setdefault(_group_key(plan), []).append(plan)
         memories: dict[int, MemoryPrediction] = {}  # id(plan that fits) -> its memory, computed once

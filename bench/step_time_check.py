@@ -120,7 +120,7 @@ def check_zoo(names: list[str]) -> list[str]:
             continue
         for spec in TOPOLOGIES:  # both have bf16: the same traces
             topo = autopar.Topology.from_spec(spec)
-            ranked = autopar.candidates(profile, topology=topo, variants=variants, allow_train_step=False,
+            ranked = autopar.candidates(profile, topology=topo, variants=variants, loop="plain",
                                         global_batch_size=f.realistic_batch * topo.world_size)
             best = next(c for c in ranked if c.feasible)
             pred = best.prediction

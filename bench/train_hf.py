@@ -44,7 +44,7 @@ def main() -> None:
         model = build(args.model)
     data = RandomTokens(global_batch * 4, seq, 30000)
     model = autopar.wrap(model, sample=torch.utils.data.default_collate([data[0]]), global_batch_size=global_batch,
-                         uses_train_step=True)
+                         loop="train_step")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     step = autopar.train_step(model, opt)
     done = 0

@@ -92,7 +92,7 @@ def test_plan_is_the_search_first_candidate_for_two_nodes_of_h100():
     model = make_model()
     x = batch(0)[:4]
     p = autopar.plan(model, sample=x, topology="2x8xH100-SXM")
-    ranked = autopar.candidates(model, sample=x, topology="2x8xH100-SXM", allow_train_step=False)
+    ranked = autopar.candidates(model, sample=x, topology="2x8xH100-SXM", loop="plain")
     plain = [c for c in ranked if c.feasible and c.plan.dp_size == 16]
     assert _strategy(p) == _strategy(plain[0].plan)
     assert p.dp_size == 16 and p.world_size == 16 and (p.tp, p.pp, p.grad_accum) == (1, 1, 1)
@@ -117,13 +117,13 @@ def test_plan_for_cpu_processes_on_two_nodes_keeps_every_process_reading_its_own
     assert (p.precision, p.compile, p.cpu_offload) == ("fp32", False, False)
 
 
-def test_uses_train_step_opens_tensor_parallel_and_accumulation_plans():
+def test_loop_train_step_opens_tensor_parallel_and_accumulation_plans():
     model, x = _meta_gpt(GPTConfig(vocab_size=32000, seq_len=2048, num_layers=4, hidden_dim=4096, num_heads=32), 1)
     plain = autopar.plan(model, sample=x, topology="4xH100-SXM")
     assert plain.dp_size == 4 and plain.grad_accum == 1
     ranked = autopar.candidates(model, sample=x, topology="4xH100-SXM")
     assert any(c.plan.tp > 1 for c in ranked) and any(c.plan.grad_accum > 1 for c in ranked)
-    free = autopar.plan(model, sample=x, topology="4xH100-SXM", uses_train_step=True)
+    free = autopar.plan(model, sample=x, topology="4xH100-SXM", loop="train_step")
     assert _strategy(free) == _strategy([c for c in ranked if c.feasible][0].plan)
     assert free.prediction["step_s"] <= plain.prediction["step_s"]
 
@@ -195,7 +195,7 @@ def test_search_raises_when_nothing_fits():
         autopar.plan(model, sample=x, topology="8xH100-SXM")
     msg = str(info.value)
     assert re.search(r"no plan for GPT with a global batch of 8192 fits in \d+ GiB per device \(.+\)", msg), msg
-    assert "use more devices, a smaller batch" in msg and "uses_train_step=True" in msg
+    assert "use more devices, a smaller batch" in msg and "loop='train_step'" in msg
 
 
 def test_search_offloads_to_cpu_only_when_one_gpu_cannot_hold_the_model_state():
@@ -552,7 +552,7 @@ def test_wrap_uses_a_plan_cached_for_this_model_and_says_so(caplog):
     topo = Topology.detect()
     tuned = Plan(micro_batch_size=GLOBAL_BATCH, checkpointing="full")  # not what the cost model would pick
     assert autopar.plan(make_model(), sample=x).checkpointing != "full"
-    path = store(tuned, cache_key(profile, topo, global_batch_size=GLOBAL_BATCH, allow_train_step=False),
+    path = store(tuned, cache_key(profile, topo, global_batch_size=GLOBAL_BATCH, loop="plain"),
                  measurement={"tokens_per_s": 1234.0})
     logger = get_logger()
     logger.addHandler(caplog.handler)
@@ -571,7 +571,7 @@ def test_wrap_refuses_a_tampered_plan_cache():
     x = batch(0)
     profile = autopar.profile_model(make_model(), x, warn=False)
     path = store(Plan(micro_batch_size=GLOBAL_BATCH),
-                 cache_key(profile, Topology.detect(), global_batch_size=GLOBAL_BATCH, allow_train_step=False))
+                 cache_key(profile, Topology.detect(), global_batch_size=GLOBAL_BATCH, loop="plain"))
     os.chmod(path, 0o666)
     with pytest.raises(CacheError, match="can be written by others .* chmod 600"):
         autopar.wrap(make_model(), sample=x)

@@ -189,8 +189,8 @@ def test_bad_cluster_batch_and_sequence(capsys, factory):
     code, _, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "8xH100-SXM", "--global-batch", "3",
                         "--plain-loop")
     assert code == 2 and "splits over none of the data-parallel degrees" in err and "(8)" in err
-    assert "drop --plain-loop: pipelines and tensor parallelism leave fewer data-parallel ranks" in err
-    assert "drop --plain-loop" in err
+    assert "drop --loop plain: pipelines and tensor parallelism leave fewer data-parallel ranks" in err
+    assert "drop --loop plain" in err
     code, _, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "8xH100-SXM", "--tokens-per-step", "100")
     assert code == 2 and "not a whole number of 64-token samples" in err
     with pytest.raises(SystemExit):  # argparse: one of the two batch options

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from autopar.errors import AutoparError
-from autopar.plans import Plan
+from autopar.plans import Loop, Plan
 from autopar.topology import Topology
 from autopar import plan_cache as cache
 from autopar.plan_cache import CacheError, CacheKey, cache_key, cached_plan_for, entries, lookup, store
@@ -39,7 +39,7 @@ def _plan(**kw) -> Plan:
 
 
 def _key(topo, **kw) -> CacheKey:
-    args = dict(global_batch_size=32, allow_train_step=False, torch_version="2.13.0")
+    args = dict(global_batch_size=32, loop=Loop.PLAIN, torch_version="2.13.0")
     args.update(kw)
     return cache_key(MODEL, topo, **args)
 
@@ -66,10 +66,10 @@ def test_round_trip(root, topo):
 def test_key_digest_is_stable_and_distinguishes_fields(topo):
     key = _key(topo)
     assert key.digest() == _key(topo).digest() and len(key.digest()) == 32
-    assert cache_key(MODEL, topo.fingerprint(), global_batch_size=32, allow_train_step=False,
+    assert cache_key(MODEL, topo.fingerprint(), global_batch_size=32, loop=Loop.PLAIN,
                      torch_version="2.13.0") == key
-    others = [_key(topo, global_batch_size=64), _key(topo, allow_train_step=True), _key(topo, torch_version="2.14.0"),
-              cache_key(OTHER_MODEL, topo, global_batch_size=32, allow_train_step=False, torch_version="2.13.0"),
+    others = [_key(topo, global_batch_size=64), _key(topo, loop=Loop.TRAIN_STEP), _key(topo, torch_version="2.14.0"),
+              cache_key(OTHER_MODEL, topo, global_batch_size=32, loop=Loop.PLAIN, torch_version="2.13.0"),
               _key(Topology.from_spec("4xH200"))]
     assert len({key.digest(), *(k.digest() for k in others)}) == 1 + len(others)
     assert "+" not in cache.current_torch_version()
@@ -81,7 +81,7 @@ def test_other_torch_version_misses(root, topo):
 
 
 def test_other_models_file_copied_over_is_refused(root, topo):
-    theirs = cache_key(OTHER_MODEL, topo, global_batch_size=32, allow_train_step=False, torch_version="2.13.0")
+    theirs = cache_key(OTHER_MODEL, topo, global_batch_size=32, loop=Loop.PLAIN, torch_version="2.13.0")
     src = store(_plan(), theirs, directory=root)
     mine = _key(topo)
     os.replace(src, root / "plans" / f"{mine.digest()}.yaml")
@@ -188,22 +188,22 @@ def test_invalid_plan_and_junk_refused(root, topo):
 def test_store_checks_plan_against_key(root, topo):
     with pytest.raises(CacheError, match="global batch"):
         store(_plan(micro_batch_size=2), _key(topo), directory=root)
-    with pytest.raises(CacheError, match="allow_train_step=True"):
+    with pytest.raises(CacheError, match="loop='plain'"):
         store(_plan(micro_batch_size=2, grad_accum=2), _key(topo), directory=root)
-    store(_plan(micro_batch_size=2, grad_accum=2), _key(topo, allow_train_step=True), directory=root)
+    store(_plan(micro_batch_size=2, grad_accum=2), _key(topo, loop=Loop.TRAIN_STEP), directory=root)
 
 
 def test_cached_plan_for(root, topo):
-    assert cached_plan_for(MODEL, topo, world_size=8, global_batch_size=32, allow_train_step=False,
+    assert cached_plan_for(MODEL, topo, world_size=8, global_batch_size=32, loop=Loop.PLAIN,
                            directory=root) == (None, None)
-    key = cache_key(MODEL, topo, global_batch_size=32, allow_train_step=False)  # this torch
+    key = cache_key(MODEL, topo, global_batch_size=32, loop=Loop.PLAIN)  # this torch
     store(_plan(), key, measurement={"tokens_per_s": 123456.0}, directory=root)
-    plan, msg = cached_plan_for(MODEL, topo, world_size=8, global_batch_size=32, allow_train_step=False,
+    plan, msg = cached_plan_for(MODEL, topo, world_size=8, global_batch_size=32, loop=Loop.PLAIN,
                                 directory=root)
     assert plan is not None and plan.dp_shard == 8
     assert msg.startswith("using the tuned plan cached at ") and "measured 123,456 tokens/s on 20" in msg
     # a world-size mismatch: ignored with the reason, never a crash
-    plan, msg = cached_plan_for(MODEL, topo, world_size=4, global_batch_size=32, allow_train_step=False,
+    plan, msg = cached_plan_for(MODEL, topo, world_size=4, global_batch_size=32, loop=Loop.PLAIN,
                                 directory=root)
     assert plan is None and "ignoring the plan cached at" in msg and "tuned for 8 processes and this job has 4" in msg
 
@@ -247,14 +247,14 @@ def test_a_plan_cached_at_one_sequence_length_is_not_used_at_another(root, topo)
     short, long = (profile_model(model, torch.zeros(4, n, dtype=torch.long, device="meta"), warn=False)
                    for n in (16, 64))
     assert short.fingerprint == long.fingerprint  # the same model: only the sample's size tells them apart
-    k_short = cache_key(short, topo, global_batch_size=32, allow_train_step=False)
-    k_long = cache_key(long, topo, global_batch_size=32, allow_train_step=False)
+    k_short = cache_key(short, topo, global_batch_size=32, loop=Loop.PLAIN)
+    k_long = cache_key(long, topo, global_batch_size=32, loop=Loop.PLAIN)
     assert "tokens=16" in k_short.sample_signature and "tokens=64" in k_long.sample_signature
     assert k_short.digest() != k_long.digest()
-    assert cache_key(short.fingerprint, topo, global_batch_size=32, allow_train_step=False,
+    assert cache_key(short.fingerprint, topo, global_batch_size=32, loop=Loop.PLAIN,
                      profile=short) == k_short  # a fingerprint with its profile: the same key
     store(_plan(), k_short, directory=root)
-    assert cached_plan_for(long, topo, world_size=8, global_batch_size=32, allow_train_step=False,
+    assert cached_plan_for(long, topo, world_size=8, global_batch_size=32, loop=Loop.PLAIN,
                            directory=root) == (None, None)
-    hit = cached_plan_for(short, topo, world_size=8, global_batch_size=32, allow_train_step=False, directory=root)[0]
+    hit = cached_plan_for(short, topo, world_size=8, global_batch_size=32, loop=Loop.PLAIN, directory=root)[0]
     assert hit is not None and hit.replace(model_fingerprint=None, topology_fingerprint=None) == _plan()

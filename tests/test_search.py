@@ -13,7 +13,7 @@ import torch
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.planning import dropped_reasons
-from autopar.plans import Plan
+from autopar.plans import Loop, Plan
 from autopar.profile import profile_model
 from autopar.search import (DOMINATED, Drop, DropKind, _divisors, data_parallel_degrees, enumerate_plans, search,
                             tensor_parallel_degrees)
@@ -55,7 +55,7 @@ def test_tensor_parallel_divides_the_heads_and_stays_in_a_node(six, eight):
     assert tensor_parallel_degrees(eight, Topology.from_spec("4x4xH100-SXM"), 16) == [1, 2, 4]  # 4 GPUs a node
     for spec in ("2x8xH100-SXM", "4x4xH100-SXM"):
         topo = Topology.from_spec(spec)
-        plans = _plans(eight, spec, 32, allow_train_step=True)
+        plans = _plans(eight, spec, 32, loop=Loop.TRAIN_STEP)
         assert {p.tp for p in plans} == set(tensor_parallel_degrees(eight, topo, 16))
         for p in plans:
             assert p.tp <= topo.devices_per_node and EIGHT_HEADS.num_heads % p.tp == 0
@@ -64,7 +64,7 @@ def test_tensor_parallel_divides_the_heads_and_stays_in_a_node(six, eight):
 
 def test_every_plan_has_the_world_and_the_global_batch(eight):
     topo = Topology.from_spec("2x8xH100-SXM")
-    plans = _plans(eight, "2x8xH100-SXM", 48, allow_train_step=True)
+    plans = _plans(eight, "2x8xH100-SXM", 48, loop=Loop.TRAIN_STEP)
     assert plans
     for p in plans:
         assert p.world_size == 16 and p.global_batch_size == 48
@@ -79,7 +79,7 @@ def test_every_plan_has_the_world_and_the_global_batch(eight):
 
 
 def test_pipelines_leave_every_stage_a_block_and_need_train_step(eight):
-    plans = _plans(eight, "2x8xH100-SXM", 64, allow_train_step=True)
+    plans = _plans(eight, "2x8xH100-SXM", 64, loop=Loop.TRAIN_STEP)
     piped = [p for p in plans if p.pp > 1]
     assert {p.pp for p in piped} == {2, 4}  # 8 and 16 stages would exceed the 6 blocks
     for p in piped:
@@ -103,12 +103,12 @@ def test_plain_loop_plans_only_without_train_step(eight):
 def test_a_global_batch_splits_only_over_degrees_that_divide_it(six):
     topo = Topology.from_spec("8xH100-SXM")
     assert data_parallel_degrees(six, topo, world_size=8) == [8]  # a plain loop: pure data parallelism
-    assert data_parallel_degrees(six, topo, world_size=8, allow_train_step=True) == [1, 2, 4, 8]
+    assert data_parallel_degrees(six, topo, world_size=8, loop=Loop.TRAIN_STEP) == [1, 2, 4, 8]
     assert _plans(six, "8xH100-SXM", 6) == []  # 6 samples do not split over 8 ranks
     assert _plans(six, "8xH100-SXM", 12) == []
     assert {p.dp_size for p in _plans(six, "8xH100-SXM", 16)} == {8}
     # with train_step, tensor parallelism (tp 2 divides the 6 heads) and pipelines leave 4, 2 or 1 ranks
-    assert {p.dp_size for p in _plans(six, "8xH100-SXM", 12, allow_train_step=True)} == {1, 2, 4}
+    assert {p.dp_size for p in _plans(six, "8xH100-SXM", 12, loop=Loop.TRAIN_STEP)} == {1, 2, 4}
 
 
 def test_cost_follows_the_candidates_not_the_gpus(eight):
@@ -130,7 +130,7 @@ def test_a_profile_is_hashed_once_and_like_an_equal_copy(six):
 
 def test_ranking_feasible_first_fastest_first_then_dropped_with_reasons(eight):
     topo = Topology.from_spec("2x8xH100-SXM")
-    ranked = search(eight, topo, global_batch_size=64, allow_train_step=True)
+    ranked = search(eight, topo, global_batch_size=64, loop=Loop.TRAIN_STEP)
     flags = [c.feasible for c in ranked]
     assert flags == sorted(flags, reverse=True) and any(flags)
     feasible = [c for c in ranked if c.feasible]
@@ -233,14 +233,14 @@ def test_eager_twins_are_ranked_beside_compiled_plans_by_default(six):
     import autopar
 
     topo = Topology.from_spec("1xH200")
-    compiled = _plans(six, "1xH200", 4, allow_train_step=True, eager=False)
+    compiled = _plans(six, "1xH200", 4, loop=Loop.TRAIN_STEP, eager=False)
     assert compiled and all(p.compile for p in compiled)
-    both = _plans(six, "1xH200", 4, allow_train_step=True)
+    both = _plans(six, "1xH200", 4, loop=Loop.TRAIN_STEP)
     assert sorted(p.key() for p in both) == sorted([p.key() for p in compiled]
                                                    + [p.replace(compile=False).key() for p in compiled])
 
-    assert all(c.plan.compile for c in search(six, topo, global_batch_size=4, allow_train_step=True, eager=False))
-    for ranked in (search(six, topo, global_batch_size=4, allow_train_step=True),
+    assert all(c.plan.compile for c in search(six, topo, global_batch_size=4, loop=Loop.TRAIN_STEP, eager=False))
+    for ranked in (search(six, topo, global_batch_size=4, loop=Loop.TRAIN_STEP),
                    autopar.candidates(six, topology=topo, global_batch_size=4)):
         feasible = [c for c in ranked if c.feasible]
         eager = [c for c in feasible if not c.plan.compile]
@@ -273,7 +273,7 @@ def test_the_first_plan_is_eager_where_compile_is_predicted_not_to_pay(six, monk
     real = search_module.predict_profile
     for factor, want_compile in ((4.0, False), (0.25, True)):
         monkeypatch.setattr(search_module, "predict_profile", _scaled_compile(real, factor))
-        best = search(six, topo, global_batch_size=4, allow_train_step=True)[0]
+        best = search(six, topo, global_batch_size=4, loop=Loop.TRAIN_STEP)[0]
         assert best.feasible and best.plan.compile is want_compile
 
 
@@ -290,7 +290,7 @@ def test_llama3_405b_on_one_node_of_8_h100s_plans_no_offload_beyond_the_nodes_ho
     2 TiB. Every such plan is dropped with a typed host-memory reason; with 8 TiB of host memory offload fits."""
     profile, variants = llama3_405b
     topo = Topology.from_spec("8xH100-SXM")
-    ranked = search(profile, topo, global_batch_size=8, variants=variants, allow_train_step=True)
+    ranked = search(profile, topo, global_batch_size=8, variants=variants, loop=Loop.TRAIN_STEP)
     host = [c for c in ranked if c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY]
     assert not any(c.feasible for c in ranked) and host and all(c.plan.cpu_offload for c in host)
     limit = 0.95 * 2 * 2**40
@@ -301,7 +301,7 @@ def test_llama3_405b_on_one_node_of_8_h100s_plans_no_offload_beyond_the_nodes_ho
     assert any(why.startswith("CPU offload: need more host memory than 1945.6 GiB per node") and n == len(host)
                for n, why in dropped_reasons(ranked))
     roomy = Topology.from_spec("8xH100-SXM", host_memory_bytes=8 * 2**40)
-    best = search(profile, roomy, global_batch_size=8, variants=variants, allow_train_step=True)[0]
+    best = search(profile, roomy, global_batch_size=8, variants=variants, loop=Loop.TRAIN_STEP)[0]
     assert best.feasible and best.plan.cpu_offload
 
 

@@ -11,7 +11,7 @@ user's own `torch.autocast` (autopar._util.batch.autocast_outputs).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -38,14 +38,26 @@ def fsdp_policy(precision: str, *, root: bool) -> Any:
     )
 
 
-def _autocast_forward(forward: Any, device_type: str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:
-    with torch.autocast(device_type, dtype=dtype):
-        output = forward(*args, **kwargs)
-    return autocast_outputs(output)
+class AutocastForward:
+    """A model's forward run under `torch.autocast`, its floating outputs returned in fp32.
+
+    It keeps the forward's name, docstring and signature (`__wrapped__`, which `inspect.signature` follows):
+    frameworks read the forward's parameters, as the Hugging Face Trainer does to keep the dataset's columns
+    the model takes (`remove_unused_columns`), and a `functools.partial` would hide them."""
+
+    def __init__(self, forward: Callable[..., Any], *, device_type: str, dtype: torch.dtype) -> None:
+        functools.update_wrapper(self, forward)  # __wrapped__, __name__, __doc__, ...
+        self.device_type, self.dtype = device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            output = self.__wrapped__(*args, **kwargs)
+        return autocast_outputs(output)
 
 
 def apply_autocast(model: nn.Module, *, precision: str, device_type: str) -> None:
-    """Run `model`'s forward under autocast in `precision` (no-op for fp32). The module keeps its type and names."""
+    """Run `model`'s forward under autocast in `precision` (no-op for fp32). The module keeps its type and names,
+    and its forward its signature."""
     if precision == "fp32":
         return
-    model.forward = functools.partial(_autocast_forward, model.forward, device_type, compute_dtype(precision))
+    model.forward = AutocastForward(model.forward, device_type=device_type, dtype=compute_dtype(precision))

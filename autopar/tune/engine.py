@@ -15,14 +15,14 @@ import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..calibration_cache import save_refit
 from ..cost.calibration import Calibration
 from ..errors import AutoparError, ResultNotSavedError, TuneError
 from ..plan_cache import cache_key, path_for, sample_signature, store, write_plan_out
 from ..planning import calibration_for, short_name
-from ..plans import Plan
+from ..plans import Loop, Plan
 from .ledger import Ledger, Measured
 from .refit import StepModel
 from .report import TuneReport, report_from_study
@@ -71,7 +71,7 @@ class StudyOptions:
 
     trials: int | None = None
     time_budget_s: float | None = None
-    allow_train_step: bool = True
+    loop: Loop = Loop.TRAIN_STEP  # what drives the step in the tuned job: which plans are tried
     top_k_enqueue: int = 5
     plan_out: str | os.PathLike[str] | None = None
     progress: Callable[[Progress], None] | None = None
@@ -81,6 +81,9 @@ class StudyOptions:
     max_space: int = MAX_SPACE
     eager: bool = True  # eager plans beside compiled ones in the space (autopar.search.search(eager=))
     argv: Sequence[str] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loop", Loop.parse(self.loop))  # "plain" and the like, or refused
 
 
 def check_budget(trials: Any, time_budget_s: Any, steps: Any, warmup: Any, top_k: Any) -> None:
@@ -148,12 +151,12 @@ class StudyEngine:
         return {"model_fingerprint": self.probe.model_fingerprint or self.profile.fingerprint,
                 "topology_fingerprint": self.topology.fingerprint(), "world_size": int(self.probe.world_size),
                 "global_batch_size": int(self.probe.global_batch_size),
-                "allow_train_step": bool(self.options.allow_train_step), "eager": bool(self.options.eager)}
+                "loop": self.options.loop.value, "eager": bool(self.options.eager)}
 
     def _initialise(self) -> None:
         opts = self.options
         base = calibration_for(self.topology, profile=self.profile)
-        entries, candidates = build_space(self.probe, calibration=base, allow_train_step=opts.allow_train_step,
+        entries, candidates = build_space(self.probe, calibration=base, loop=opts.loop,
                                           eager=opts.eager, max_space=opts.max_space)
         meta = {"format": STUDY_FORMAT, **self._job(), "device": self.topology.device.name,
                 "unit": unit_of(self.profile), "tokens_per_sample": self.profile.tokens_per_sample,
@@ -169,11 +172,12 @@ class StudyEngine:
         if meta.get("format") != STUDY_FORMAT:
             raise AutoparError(f"{self.study_path} was written by another autopar (study format {meta.get('format')}, "
                                f"this one writes {STUDY_FORMAT}): use a new --study file.")
+        meta = _upgraded_meta(meta)
         diffs = [f"{k} {meta.get(k, True if k == 'eager' else None)!r} there, {v!r} here"
                  for k, v in self._job().items() if meta.get(k, True if k == "eager" else None) != v]
         if diffs:
             raise AutoparError(f"{self.study_path} is a study of another job ({'; '.join(diffs)}): resume it with the "
-                               "same model, hardware, batch, --plain-loop and --compiled-only settings, or use a new "
+                               "same model, hardware, batch, --loop and --compiled-only settings, or use a new "
                                "--study file.")
 
     def _fail_stale(self) -> None:
@@ -394,7 +398,7 @@ class StudyEngine:
     def _cache_key(self) -> Any:
         return cache_key(self.probe.model_fingerprint or self.profile, self.topology,
                          global_batch_size=int(self.probe.global_batch_size),
-                         allow_train_step=bool(self.options.allow_train_step), profile=self.profile)
+                         loop=self.options.loop, profile=self.profile)
 
     def _cache_file(self) -> Path:
         return path_for(self._cache_key(), directory=self.options.cache_directory)
@@ -421,6 +425,15 @@ class StudyEngine:
         return (f"{head} It is kept {' and '.join(kept)}. Make that place writable (or point AUTOPAR_CACHE_DIR or "
                 "--plan-out elsewhere) and run the same command again: the study resumes, runs no measured plan "
                 "again, and saves it.")
+
+
+def _upgraded_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A study's job as written before the loop had three values (`allow_train_step: true/false`), in today's
+    terms (`loop`), so that such a study resumes."""
+    out = dict(meta)
+    if "loop" not in out and isinstance(out.get("allow_train_step"), bool):
+        out["loop"] = (Loop.TRAIN_STEP if out.pop("allow_train_step") else Loop.PLAIN).value
+    return out
 
 
 def _attempt(write: Callable[[], Any]) -> tuple[str | None, str | None]:

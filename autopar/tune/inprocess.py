@@ -18,7 +18,7 @@ import torch
 from .._util.batch import map_tensors, sample_batch_size
 from ..api import wrap
 from ..planning import resolve_topology
-from ..plans import Plan
+from ..plans import Loop, Plan
 from ..step import train_step
 from ..topology import Topology
 
@@ -83,7 +83,7 @@ def measure_in_process(model_fn: Callable[[], Any], sample: Any, plan: Plan, *, 
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         model = model_fn()
-        wrap(model, sample=sample, plan=plan, topology=topology, loss_fn=loss_fn, verbose=False, uses_train_step=True,
+        wrap(model, sample=sample, plan=plan, topology=topology, loss_fn=loss_fn, verbose=False, loop=Loop.TRAIN_STEP,
              global_batch_size=plan.global_batch_size)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = optimizer_fn(params) if optimizer_fn is not None else torch.optim.AdamW(params, lr=1e-4)

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 
 from ..errors import LaunchError, ProbeError
-from ..plans import Plan
+from ..plans import Loop, Plan
 from ..profile import ModelProfile
 from ..topology import Topology
 from .worker import (
@@ -90,7 +90,12 @@ class ProbeResult:
     world_size: int
     global_batch_size: int
     model_fingerprint: str
-    uses_train_step: bool | None = None  # what the script passed to wrap (None: not recorded)
+    loop: Loop | None = None  # what drives the script's step, as its wrap(loop=...) said (None: not recorded)
+
+    @property
+    def uses_train_step(self) -> bool | None:
+        """Whether the script's loop is autopar.train_step (None: not recorded)."""
+        return None if self.loop is None else self.loop is Loop.TRAIN_STEP
 
 
 # ===================================================================================================
@@ -464,13 +469,22 @@ def run_trial(argv: Sequence[str], plan: Plan, *, steps: int = 10, warmup: int =
 
 
 def _probe_result(data: dict) -> ProbeResult:
-    uses_train_step = data.get("uses_train_step")
     return ProbeResult(
         profile=ModelProfile.from_dict(data["profile"]),
         variants={k: ModelProfile.from_dict(v) for k, v in data.get("variants", {}).items()},
         topology=Topology.from_dict(data["topology"]), world_size=int(data["world_size"]),
         global_batch_size=int(data["global_batch_size"]), model_fingerprint=str(data["model_fingerprint"]),
-        uses_train_step=uses_train_step if isinstance(uses_train_step, bool) else None)
+        loop=_probe_loop(data))
+
+
+def _probe_loop(data: Mapping[str, Any]) -> Loop | None:
+    """The script's loop from probe.json: `loop`, or from a probe written before the loop had three values,
+    `uses_train_step` (True: TRAIN_STEP, False: PLAIN); None when neither was recorded."""
+    loop = data.get("loop")
+    if isinstance(loop, str) and loop in {m.value for m in Loop}:
+        return Loop(loop)
+    old = data.get("uses_train_step")
+    return (Loop.TRAIN_STEP if old else Loop.PLAIN) if isinstance(old, bool) else None
 
 
 def probe(argv: Sequence[str], *, timeout_s: float = 600.0, env: Mapping[str, str] | None = None,

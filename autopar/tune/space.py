@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..errors import InfeasiblePlanError
 from ..planning import dropped_reasons, short_name
-from ..plans import Plan
+from ..plans import Loop, Plan
 from ..search import search
 from .schema import PARAM, STUDY_QUEUE, STUDY_SPACE, trial_key
 
@@ -34,14 +34,14 @@ def unit_of(profile: Any) -> str:
     return "tokens/s" if profile.tokens_per_sample else "samples/s"
 
 
-def build_space(probe: Any, *, calibration: Any, allow_train_step: bool, eager: bool,
+def build_space(probe: Any, *, calibration: Any, loop: Loop, eager: bool,
                 max_space: int) -> tuple[list[dict[str, Any]], int]:
     """The space's entries (what `autopar.space` stores), best predicted first, and how many candidates
     the search ranked. Raises InfeasiblePlanError when no plan fits."""
     profile = probe.profile
     ranked = search(profile, probe.topology, world_size=probe.world_size, global_batch_size=probe.global_batch_size,
                     variants=dict(probe.variants or {}), calibration=calibration,
-                    allow_train_step=allow_train_step, eager=eager, measured=True)
+                    loop=loop, eager=eager, measured=True)
     feasible = [c for c in ranked if c.feasible][:max_space]
     if not feasible:
         why = "; ".join(f"{n} {r}" for n, r in dropped_reasons(ranked)[:3]) or "no plan was enumerated"

@@ -65,13 +65,15 @@ from __future__ import annotations
 import gc
 import os
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Sequence
 
 from .._util.batch import sample_batch_size
+from ..errors import TuneError
 from ..planning import profile_variants
-from ..plans import Plan
+from ..plans import Loop, Plan
 from . import launcher
 from .engine import MAX_SPACE, PRUNE_FACTOR, STALE_CAUSE, Progress, StudyEngine, StudyOptions, check_budget
 from .inprocess import InProcessResult, measure_in_process, single_device
@@ -88,7 +90,7 @@ def tune(
     steps: int = 10,
     warmup: int = 3,
     trial_timeout_s: float = 600.0,
-    allow_train_step: bool | None = None,
+    loop: Loop | str | None = None,
     top_k_enqueue: int = 5,
     plan_out: str | os.PathLike[str] | None = None,
     progress: Callable[[Progress], None] | None = None,
@@ -101,6 +103,7 @@ def tune(
     prune_factor: float = PRUNE_FACTOR,
     max_space: int = MAX_SPACE,
     eager: bool = True,
+    allow_train_step: bool | None = None,
 ) -> TuneReport:
     """Tune the parallelism plan of the job `argv` (the user's launch command, e.g. `["torchrun",
     "--nproc-per-node", "8", "train.py"]`, whose script calls autopar.wrap) by measured trials, in the
@@ -108,10 +111,12 @@ def tune(
 
     `trials`: plans to measure over the study's life (resumed runs included); `time_budget_s`: seconds for
     this call; with neither, every feasible plan is measured or pruned. `steps` timed optimizer steps after
-    `warmup` per trial, each trial at most `trial_timeout_s`. `allow_train_step`: whether plans that need
-    autopar.train_step (accumulation, pipelines, tensor parallelism) are tried; None (the default) follows
-    the script's own `wrap(uses_train_step=...)`, as the probe saw it, so that the cached plan is the one
-    later runs of the script look up. `eager`: measure eager plans beside compiled ones (the cost model
+    `warmup` per trial, each trial at most `trial_timeout_s`. `loop` (autopar.plans.Loop): what drives the
+    script's step, so which plans are tried ("plain": pure data parallelism; "accumulates": accumulation and
+    tensor parallelism too; "train_step": pipelines too); None (the default) follows the script's own
+    `wrap(loop=...)` (or `autopar.integrations.hf.prepare`, "accumulates"), as the probe saw it, so that the
+    cached plan is the one later runs of the script look up. `allow_train_step=` is its deprecated spelling
+    (True: "train_step", False: "plain"). `eager`: measure eager plans beside compiled ones (the cost model
     ranks compiled plans first, but compilation can fail or lose on a given model); False keeps the search's
     compiled plans only. The best plan is cached (autopar.plan_cache; in
     `cache_directory` when given) and written to `plan_out`. `progress(Progress)` is called at each event.
@@ -122,15 +127,15 @@ def tune(
     prober = prober or launcher.probe
     started = time.perf_counter()
     argv = [str(a) for a in argv]
+    loop = _legacy_loop(loop, allow_train_step)
     probe = prober(argv, timeout_s=trial_timeout_s, env=env, workdir=workdir)
-    if allow_train_step is None:
-        declared = getattr(probe, "uses_train_step", None)
-        allow_train_step = True if declared is None else bool(declared)
+    if loop is None:
+        loop = _probed_loop(probe)
 
     def measure(plan: Plan) -> Any:
         return runner(argv, plan, steps=steps, warmup=warmup, timeout_s=trial_timeout_s, env=env, workdir=workdir)
 
-    options = StudyOptions(trials=trials, time_budget_s=time_budget_s, allow_train_step=allow_train_step,
+    options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
                            top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
                            cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, max_space=max_space,
                            eager=eager, argv=argv)
@@ -149,7 +154,7 @@ def autotune(
     topology: Any = None,
     global_batch_size: int | None = None,
     study_path: str | os.PathLike[str] | None = None,
-    allow_train_step: bool = True,
+    loop: Loop | str | None = None,
     top_k_enqueue: int = 5,
     plan_out: str | os.PathLike[str] | None = None,
     progress: Callable[[Progress], None] | None = None,
@@ -159,6 +164,7 @@ def autotune(
     prune_factor: float = PRUNE_FACTOR,
     blocks: Any = None,
     eager: bool = True,
+    allow_train_step: bool | None = None,
 ) -> TuneReport:
     """Tune the plan of one process (one GPU, or the CPU) in this process: for a notebook or a single-GPU
     script. The same study as `autopar tune` (the module docstring), with each trial run here: a fresh model
@@ -166,8 +172,10 @@ def autotune(
     on `sample` repeated to the plan's batch; out of memory is a failed trial, and memory is freed after
     each. `sample`: one batch (its batch size is the global batch unless `global_batch_size` is given).
     `study_path`: a SQLite file to keep (and resume) the study; default: in memory. `optimizer_fn(params)`:
-    the optimizer (default AdamW, lr 1e-4). `eager`: as in `tune`. Returns the TuneReport; the best plan is
-    cached for `wrap`."""
+    the optimizer (default AdamW, lr 1e-4). `eager`: as in `tune`. `loop`: as in `tune`; by default "train_step"
+    (each trial runs autopar.train_step), the deprecated `allow_train_step=False` is "plain". Returns the
+    TuneReport; the best plan is cached for `wrap`."""
+    loop = _legacy_loop(loop, allow_train_step) or Loop.TRAIN_STEP
     check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
     path = Path(study_path) if study_path is not None else None
     check_places(path, plan_out=plan_out, cache_directory=cache_directory)  # before any trial
@@ -187,10 +195,30 @@ def autotune(
         return measure_in_process(model_fn, sample, plan, loss_fn=loss_fn, topology=topo, steps=steps, warmup=warmup,
                                   optimizer_fn=optimizer_fn, tokens_per_sample=profile.tokens_per_sample)
 
-    options = StudyOptions(trials=trials, time_budget_s=time_budget_s, allow_train_step=allow_train_step,
+    options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
                            top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
                            cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, eager=eager)
     return StudyEngine(probe, measure, path, options, started=started).run()
+
+
+def _legacy_loop(loop: Loop | str | None, allow_train_step: bool | None) -> Loop | None:
+    """`loop`, or the deprecated `allow_train_step` (True: TRAIN_STEP, False: PLAIN); None when neither says."""
+    if allow_train_step is None:
+        return None if loop is None else Loop.parse(loop)
+    if loop is not None:
+        raise TuneError("pass loop= only: allow_train_step= is its deprecated spelling (False is loop='plain').")
+    warnings.warn("autopar tune: allow_train_step= is deprecated; pass loop='train_step' (True) or loop='plain' "
+                  "(False).", DeprecationWarning, stacklevel=3)
+    return Loop.TRAIN_STEP if allow_train_step else Loop.PLAIN
+
+
+def _probed_loop(probe: Any) -> Loop:
+    """The loop the probed script's wrap declared; a probe that recorded none (an older run) allows every plan."""
+    loop = getattr(probe, "loop", None)
+    if isinstance(loop, Loop):
+        return loop
+    declared = getattr(probe, "uses_train_step", None)  # a probe of another shape (tests, older runs)
+    return Loop.TRAIN_STEP if declared is None else (Loop.TRAIN_STEP if declared else Loop.PLAIN)
 
 
 __all__ = ["InProcessResult", "Progress", "STALE_CAUSE", "TuneReport", "autotune", "measure_in_process", "tune"]

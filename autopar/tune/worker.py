@@ -265,7 +265,7 @@ class ProbeHook(WrapHook):
                 "profile": event.profile.to_dict(), "variants": {k: v.to_dict() for k, v in variants.items()},
                 "topology": event.topology.to_dict(), "world_size": event.world_size,
                 "global_batch_size": event.global_batch_size, "model_fingerprint": event.profile.fingerprint,
-                "uses_train_step": event.uses_train_step})
+                "loop": event.loop.value, "uses_train_step": event.uses_train_step})  # the latter for older readers
         self.run.progress("probed")
 
     def applied(self, model: nn.Module, plan: Plan, profile: ModelProfile) -> None:

@@ -187,3 +187,22 @@ def test_an_output_with_the_models_own_loss_keeps_autocasts_dtypes():
     assert out["logits"].dtype == torch.bfloat16 and out["loss"].dtype == torch.float32
     plain = model(x)
     assert plain["logits"].dtype == torch.float32
+
+
+def test_autocast_keeps_the_forwards_signature_name_and_doc():
+    # The Hugging Face Trainer keeps the dataset columns the forward's signature names (remove_unused_columns):
+    # a forward whose signature hides its parameters loses input_ids (issue 12).
+    import inspect
+
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional dependency (the test extra has it)
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    before = inspect.signature(model.forward)
+    apply_autocast(model, precision="bf16", device_type="cpu")
+    after = inspect.signature(model.forward)
+    assert after == before and {"input_ids", "attention_mask", "labels"} <= set(after.parameters)
+    assert model.forward.__name__ == "forward" and model.forward.__doc__ == type(model).forward.__doc__
+    ids = torch.randint(0, 64, (2, 8))
+    assert model(input_ids=ids, labels=ids).loss.dtype == torch.float32  # keyword arguments pass through
+    assert model(ids).logits.dtype == torch.float32  # without labels: fp32 outputs

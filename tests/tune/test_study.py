@@ -66,10 +66,10 @@ def probe_result():
                                  global_batch_size=GLOBAL, model_fingerprint=profile.fingerprint)
 
 
-def _feasible(probe_result, allow_train_step=True) -> list:
+def _feasible(probe_result, loop="train_step") -> list:
     ranked = search(probe_result.profile, probe_result.topology, world_size=WORLD, global_batch_size=GLOBAL,
                     variants=probe_result.variants, calibration=calibration_for(probe_result.topology),
-                    allow_train_step=allow_train_step)
+                    loop=loop)
     return ranked
 
 
@@ -229,7 +229,7 @@ def test_best_plan_is_cached_and_written(probe_result, tmp_path):
     out = tmp_path / "best.yaml"
     report = _tune(probe_result, runner, tmp_path / "s.db", trials=6, prune_factor=NO_PRUNING, plan_out=out,
                    cache_directory=tmp_path / "plans")
-    key = cache.cache_key(probe_result.profile, probe_result.topology, global_batch_size=GLOBAL, allow_train_step=True)
+    key = cache.cache_key(probe_result.profile, probe_result.topology, global_batch_size=GLOBAL, loop="train_step")
     cached = cache.lookup(key, directory=tmp_path / "plans")
     assert cached is not None and cached.key() == report.best.key()
     best_row = report.best_row
@@ -240,7 +240,7 @@ def test_best_plan_is_cached_and_written(probe_result, tmp_path):
     assert report.cached_path == str(cache.path_for(key, directory=tmp_path / "plans"))
     # wrap in the same job finds it
     plan, message = cache.cached_plan_for(probe_result.profile, probe_result.topology, world_size=WORLD,
-                                          global_batch_size=GLOBAL, allow_train_step=True, directory=tmp_path / "plans")
+                                          global_batch_size=GLOBAL, loop="train_step", directory=tmp_path / "plans")
     assert plan.key() == report.best.key() and "measured" in message
 
 
@@ -251,7 +251,7 @@ def test_the_space_follows_the_scripts_wrap_call_so_its_wrap_finds_the_cached_pl
     assert report.rows and all(r.plan.dp_size == WORLD and not r.plan.needs_train_step for r in report.rows)
     # cached under the key that script's wrap (uses_train_step=False) looks up
     plan, message = cache.cached_plan_for(plain.profile, plain.topology, world_size=WORLD, global_batch_size=GLOBAL,
-                                          allow_train_step=False, directory=tmp_path / "plans")
+                                          loop="plain", directory=tmp_path / "plans")
     assert plan is not None and plan.key() == report.best.key()
 
 
@@ -495,7 +495,7 @@ from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 cfg = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
 GLOBAL = 8
 torch.manual_seed(0)
-model = autopar.wrap(GPT(cfg), sample=synthetic_tokens(GLOBAL // 2, cfg), loss_fn=lm_loss, uses_train_step=True,
+model = autopar.wrap(GPT(cfg), sample=synthetic_tokens(GLOBAL // 2, cfg), loss_fn=lm_loss, loop="train_step",
                      global_batch_size=GLOBAL, verbose=False)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 step = autopar.train_step(model, opt, lm_loss)

@@ -1,0 +1,228 @@
+"""`AutoparCallback`: the Hugging Face Trainer's steps measured against autopar's prediction, fed back to the
+plan cache the way a tuner's trial is, and the training state saved through `autopar.save`.
+
+The step time is the time between consecutive ends of optimizer steps (`on_step_end`, the device synchronised),
+after `warmup_steps`, as a tuner's trial times the steps between its optimizer-step hooks: it holds the data
+loading and everything else the Trainer does per step. From it: tokens/s (samples/s for inputs without a
+sequence) at the plan's global batch, MFU as the prediction's MFU scaled by predicted / measured step time (the
+same model FLOPs), and the peak memory (CUDA's reserved peak, the most of any rank; on CPU the process's peak
+resident set, which holds more than the model's tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import transformers  # this module is the Hugging Face integration: `pip install autopar[hf]`
+from accelerate.optimizer import AcceleratedOptimizer  # the Trainer's optimizer wrapper (accelerate: autopar[hf])
+
+from .._util.log import get_logger
+from ..checkpoint import save
+from ..errors import AutoparError, PlanError
+from ..plan_cache import cache_key, lookup, store
+from ..plans import Loop
+from ..strategies.state import Applied, applied, is_wrapped
+
+#: Where in a Trainer checkpoint folder (`checkpoint-N`) the callback saves the training state.
+STATE_FOLDER = "autopar"
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """What `AutoparCallback` measured over a Trainer run, beside the plan's prediction (None: not predicted)."""
+
+    steps: int  # timed optimizer steps (after the warm-up)
+    step_s: float  # median seconds per optimizer step
+    samples_per_s: float  # the plan's global batch per step_s
+    tokens_per_s: float | None  # samples_per_s x tokens per sample (None without a sequence)
+    mfu: float | None  # the predicted MFU x predicted step_s / measured step_s
+    peak_memory_bytes: int | None  # CUDA's reserved peak, the most of any rank (None on CPU)
+    peak_rss_bytes: int  # this process's peak resident set (host memory)
+    predicted_step_s: float | None = None
+    predicted_tokens_per_s: float | None = None
+    predicted_mfu: float | None = None
+    predicted_memory_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise AutoparError(f"StepMeasurement.steps must be a positive integer, got {self.steps!r}.")
+        for name in ("step_s", "samples_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, float) and math.isfinite(value) and value > 0):
+                raise AutoparError(f"StepMeasurement.{name} must be a positive number, got {value!r}.")
+
+    def throughput(self) -> float:
+        """tokens/s where the inputs have a sequence, else samples/s (what a tuner's study maximises)."""
+        return self.tokens_per_s if self.tokens_per_s is not None else self.samples_per_s
+
+    def to_cache(self) -> dict[str, float]:
+        """The measurement as the plan cache keeps it (autopar.plan_cache.store)."""
+        out = {"step_s": self.step_s, "samples_per_s": self.samples_per_s, "steps": float(self.steps)}
+        if self.tokens_per_s is not None:
+            out["tokens_per_s"] = self.tokens_per_s
+        if self.peak_memory_bytes is not None:
+            out["peak_reserved_bytes"] = float(self.peak_memory_bytes)
+        return out
+
+    def describe(self) -> str:
+        """One line: each measured figure with its prediction beside it."""
+        def beside(value: str, predicted: str | None) -> str:
+            return value if predicted is None else f"{value} (predicted {predicted})"
+
+        parts = [beside(f"{self.step_s * 1e3:,.1f} ms/step", _ms(self.predicted_step_s))]
+        if self.tokens_per_s is not None:
+            parts.append(beside(f"{self.tokens_per_s:,.0f} tokens/s", _count(self.predicted_tokens_per_s)))
+        else:
+            parts.append(f"{self.samples_per_s:,.1f} samples/s")
+        if self.mfu is not None:
+            parts.append(beside(f"MFU {self.mfu:.1%}", _share(self.predicted_mfu)))
+        if self.peak_memory_bytes is not None:
+            parts.append(beside(f"peak {self.peak_memory_bytes / 2**30:.2f} GiB", _gib(self.predicted_memory_bytes)))
+        else:
+            parts.append(beside(f"peak host RSS {self.peak_rss_bytes / 2**30:.2f} GiB", None))
+        return f"measured over {self.steps} steps: " + ", ".join(parts)
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+
+
+def _ms(value: float | None) -> str | None:
+    return None if value is None else f"{value * 1e3:,.1f} ms"
+
+
+def _count(value: float | None) -> str | None:
+    return None if value is None else f"{value:,.0f}"
+
+
+def _share(value: float | None) -> str | None:
+    return None if value is None else f"{value:.1%}"
+
+
+def _gib(value: float | None) -> str | None:
+    return None if value is None else f"{value / 2**30:.2f} GiB"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _peak_device_bytes() -> int | None:
+    """CUDA's reserved peak, the most of any rank; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    peak = torch.tensor([torch.cuda.max_memory_reserved()], dtype=torch.float64, device="cuda")
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
+def _peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+
+
+def measure(state: Applied, step_times_s: list[float]) -> StepMeasurement:
+    """The measurement of the timed steps of a run of the plan in `state`, beside its prediction."""
+    plan, profile = state.plan, state.profile
+    step = float(statistics.median(step_times_s))
+    samples = plan.global_batch_size / step
+    tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
+    pred = dict(plan.prediction or {})
+    p_step, p_mfu = _finite(pred.get("step_s")), _finite(pred.get("mfu"))
+    return StepMeasurement(
+        steps=len(step_times_s), step_s=step, samples_per_s=samples, tokens_per_s=tokens,
+        mfu=p_mfu * p_step / step if p_mfu is not None and p_step is not None else None,
+        peak_memory_bytes=_peak_device_bytes(), peak_rss_bytes=_peak_rss_bytes(), predicted_step_s=p_step,
+        predicted_tokens_per_s=_finite(pred.get("tokens_per_s")), predicted_mfu=p_mfu,
+        predicted_memory_bytes=_finite(pred.get("memory_bytes")))
+
+
+def feed_back(state: Applied, measured: StepMeasurement, *, loop: Loop,
+              directory: str | Path | None = None) -> Path | None:
+    """Keep the measured plan in the plan cache for this job (model, hardware, global batch, torch, loop), as the
+    tuner keeps its best measured plan, unless a plan is cached there that was measured faster; returns the file
+    written, or None. The next `prepare` (or `wrap`) of the same job then applies the faster plan."""
+    key = cache_key(state.profile, state.topology, global_batch_size=state.plan.global_batch_size, loop=loop)
+    cached = lookup(key, directory=directory)
+    if cached is not None and cached.measurement:
+        best = cached.measurement.get("tokens_per_s", cached.measurement.get("samples_per_s"))
+        if isinstance(best, (int, float)) and best >= measured.throughput():
+            return None
+    return store(state.plan, key, measurement=measured.to_cache(),
+                 directory=directory)
+
+
+class AutoparCallback(transformers.TrainerCallback):
+    """Measures the Trainer's steps against autopar's prediction, logs them (rank 0), keeps the measured plan in
+    the plan cache when it is the fastest measured for the job (`feedback`), and saves the training state with
+    `autopar.save` at each of the Trainer's checkpoints (`save`), so that it loads under another plan.
+
+    `warmup_steps`: optimizer steps not timed (compilation, the allocator). `feedback=False` writes nothing to the
+    plan cache; `cache_directory`: its root (default, autopar's). `measurement` holds the last run's result."""
+
+    def __init__(self, *, warmup_steps: int = 3, feedback: bool = True, save: bool = True,
+                 cache_directory: str | Path | None = None) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise AutoparError(f"warmup_steps must be a non-negative integer, got {warmup_steps!r}.")
+        self.warmup_steps, self.feedback, self.save = warmup_steps, feedback, save
+        self.cache_directory = cache_directory
+        self.measurement: StepMeasurement | None = None
+        self._state: Applied | None = None
+        self._last: float | None = None
+        self._times: list[float] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if model is None or not is_wrapped(model):
+            raise PlanError("AutoparCallback needs the model autopar.integrations.hf.prepare returned: pass that "
+                            "model to the Trainer.")
+        self._state, self._last, self._times, self.measurement = applied(model), None, [], None
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self._last is not None and state.global_step > self.warmup_steps:
+            self._times.append(now - self._last)
+        self._last = now
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if not self._times or self._state is None:
+            return
+        self.measurement = measure(self._state, self._times)
+        if logs is not None:  # for the callbacks after this one (reporters)
+            logs.update({f"autopar/{k}": v for k, v in self.measurement.to_cache().items()})
+        if _rank() == 0:
+            get_logger().info("step %d: %s", state.global_step, self.measurement.describe())
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                **kwargs: Any) -> None:
+        if self.save and model is not None and optimizer is not None:
+            # the optimizer itself (AdamW, ...), not accelerate's wrapper: autopar.load checks its kind
+            inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+            save(model, inner, Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FOLDER)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._state is None or not self._times:
+            if _rank() == 0 and self._state is not None:
+                get_logger().info("no step timed: the run had at most %d warm-up steps.", self.warmup_steps)
+            return
+        self.measurement = measure(self._state, self._times)
+        if _rank() != 0:
+            return
+        get_logger().info("%s", self.measurement.describe())
+        if self.feedback:
+            path = feed_back(self._state, self.measurement, loop=Loop.ACCUMULATES, directory=self.cache_directory)
+            if path is not None:
+                get_logger().info("kept this plan, measured, in the plan cache at %s: the next prepare of this job "
+                                  "applies it.", path)
