@@ -86,6 +86,11 @@ class Recorder(L.Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.rows: list[list[str]] = []
+        self.sampler: tuple[int, int] | None = None
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        sampler = trainer.train_dataloader.sampler  # the one Lightning put in: (num_replicas, rank)
+        self.sampler = (sampler.num_replicas, sampler.rank)
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -98,11 +103,13 @@ class Recorder(L.Callback):
 
 
 def fit(*, plan: dict | None = None, batch_size: int = 4, strategy: Any = None, measure: dict | None = None,
-        train_step: bool = False, steps: int = STEPS, **trainer_kwargs: Any) -> dict:
-    """One Trainer.fit of a fresh GPTModule; what it recorded, as plain values."""
+        train_step: bool = False, steps: int = STEPS, sample_size: int | None = None, **trainer_kwargs: Any) -> dict:
+    """One Trainer.fit of a fresh GPTModule; what it recorded, as plain values. `sample_size`: give the strategy a
+    sample of that many sequences (default: it takes the first training batch)."""
     module = GPTModule(batch_size)
     if strategy is None:
-        strategy = AutoparStrategy(plan=autopar.Plan(**plan) if plan is not None else None, loss_fn=lm_loss,
+        sample = dataset()[:sample_size] if sample_size is not None else None
+        strategy = AutoparStrategy(plan=autopar.Plan(**plan) if plan is not None else None, loss_fn=lm_loss, sample=sample,
                                    train_step=train_step, verbose=False,
                                    measure=MeasureOptions(**measure) if measure is not None else None)
     recorder = Recorder()
@@ -112,7 +119,7 @@ def fit(*, plan: dict | None = None, batch_size: int = 4, strategy: Any = None, 
                         callbacks=[recorder, *trainer_kwargs.pop("callbacks", [])], **trainer_kwargs)
     trainer.fit(module)
     state = autopar.applied(module)
-    out = {"losses": recorder.losses, "rows": recorder.rows, "plan": state.plan.to_yaml(),
+    out = {"losses": recorder.losses, "rows": recorder.rows, "sampler": recorder.sampler, "plan": state.plan.to_yaml(),
            "data_shard": tuple(state.data_shard), "automatic_optimization": module.automatic_optimization,
            "global_step": trainer.global_step}
     strat = trainer.strategy

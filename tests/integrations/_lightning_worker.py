@@ -8,16 +8,17 @@ A scenario is {"name", "run": one of RUNS, "args": keyword arguments}; its resul
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import BatchSizeFinder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import autopar  # noqa: E402
+import autopar.integrations.lightning  # noqa: E402 - registers "autopar"
 from autopar import plan_cache  # noqa: E402
 from autopar.models.gpt import lm_loss  # noqa: E402
 from autopar.topology import Topology  # noqa: E402
@@ -34,17 +35,9 @@ def run_by_name(**args) -> dict:
 
 
 def run_batch_size_finder(**args) -> dict:
-    from lightning.pytorch.tuner import Tuner
-
-    import lightning as L
-
-    module = GPTModule(4)
-    trainer = L.Trainer(strategy=autopar.integrations.lightning.AutoparStrategy(plan=autopar.Plan(**args["plan"]),
-                                                                               loss_fn=lm_loss, verbose=False),
-                        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    Tuner(trainer).scale_batch_size(module, mode="power", max_trials=2)
-    return {"batch_size": module.batch_size}
+    """BatchSizeFinder as a callback (Tuner.scale_batch_size is refused by Lightning itself under any distributed
+    strategy, before fit)."""
+    return fit(callbacks=[BatchSizeFinder(mode="power", max_trials=2)], **args)
 
 
 def run_cached(*, plan: dict, batch_size: int) -> dict:
@@ -85,6 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import autopar.integrations.lightning  # noqa: E402,F401 - registers "autopar"
-
     main()
