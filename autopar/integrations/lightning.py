@@ -63,11 +63,11 @@ LOSS_NAME = "train_loss"
 
 
 def _wrap(module: nn.Module, *, sample: Any, plan: Any, global_batch_size: int | None, loss_fn: Callable | None,
-          topology: Any, blocks: Any, verbose: bool, train_step: bool) -> None:
+          topology: Any, blocks: Any, init_fn: Callable | None, verbose: bool, train_step: bool) -> None:
     """The one call of autopar.wrap in this integration. `train_step`: the loop drives the plan through
     autopar.train_step under manual optimization (so wrap may choose accumulation, pipelines, tensor parallelism)."""
     wrap(module, sample=sample, plan=plan, topology=topology, global_batch_size=global_batch_size, loss_fn=loss_fn,
-         blocks=blocks, verbose=verbose, uses_train_step=train_step)
+         blocks=blocks, init_fn=init_fn, verbose=verbose, uses_train_step=train_step)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,6 +225,7 @@ class _Options:
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     topology: Topology | str | None
     blocks: Any
+    init_fn: Callable[[nn.Module], None] | None
     train_step: bool
     verbose: bool
     measure: MeasureOptions | None
@@ -252,20 +253,22 @@ class AutoparStrategy(ModelParallelStrategy):
     - `train_step`: run every plan through autopar.train_step (manual optimization), so that autopar may choose
       accumulation, pipelines and tensor parallelism; plans that split the step always run that way.
     - `measure`: MeasureOptions (the default) to time the run and feed it back; None: no measurement.
-    - `topology`, `blocks`, `verbose`: as autopar.wrap's.
+    - `topology`, `blocks`, `init_fn`, `verbose`: as autopar.wrap's (`init_fn` initialises a meta-device module).
     """
 
     strategy_name = "autopar"
 
     def __init__(self, *, sample: Any = None, plan: Plan | str | None = None, global_batch_size: int | None = None,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, topology: Topology | str | None = None,
-                 blocks: Any = None, train_step: bool = False, verbose: bool = True,
+                 blocks: Any = None, init_fn: Callable[[nn.Module], None] | None = None, train_step: bool = False,
+                 verbose: bool = True,
                  measure: MeasureOptions | None = MeasureOptions(), save_distributed_checkpoint: bool = True,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.options = _Options(sample=sample, plan=plan, global_batch_size=global_batch_size, loss_fn=loss_fn,
-                                topology=topology, blocks=blocks, train_step=train_step, verbose=verbose,
+                                topology=topology, blocks=blocks, init_fn=init_fn, train_step=train_step,
+                                verbose=verbose,
                                 measure=measure)
         self.runner: TrainStepRunner | None = None
         self.variants: dict[str, Any] = {}  # the bf16 traces, for predicting a given plan and for the refit
@@ -326,7 +329,8 @@ class AutoparStrategy(ModelParallelStrategy):
             if topo.is_gpu:  # the bf16 traces of the model, before it is wrapped (empty where there is no bf16)
                 self.variants = bf16_variants(module, sample, topo, loss_fn=opts.loss_fn, blocks=opts.blocks)
         _wrap(module, sample=sample, plan=opts.plan, global_batch_size=opts.global_batch_size, loss_fn=opts.loss_fn,
-              topology=opts.topology, blocks=opts.blocks, verbose=opts.verbose, train_step=opts.train_step)
+              topology=opts.topology, blocks=opts.blocks, init_fn=opts.init_fn, verbose=opts.verbose,
+              train_step=opts.train_step)
 
     def _sample(self, trainer: pl.Trainer, module: pl.LightningModule) -> Any:
         """The sample wrap profiles: given, else example_input_array, else the first training batch."""

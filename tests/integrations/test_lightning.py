@@ -24,6 +24,7 @@ import torch
 import yaml
 
 import autopar
+from autopar.integrations._measure import Comparison, MeasureOptions, StepMeasurement
 from tests.distributed._launch import ROOT, process_env, torchrun
 from tests.integrations._lightning_run import GLOBAL_BATCH, STEPS, reference_losses
 
@@ -161,3 +162,29 @@ def test_importing_autopar_does_not_import_lightning_and_the_integration_registe
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=process_env(tmp_path), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_the_example_trains_and_prints_its_tokens_per_second(tmp_path):
+    proc = subprocess.run([sys.executable, "examples/lightning_gpt.py", "--steps", "5", "--warmup", "1",
+                           "--measure-steps", "3", "--batch-size", "4"], cwd=ROOT,
+                          env=dict(process_env(tmp_path), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "measured: " in proc.stdout and " tokens/s, " in proc.stdout, proc.stdout[-2000:]
+    assert "[autopar] measured over 3 steps: " in proc.stderr and "(predicted " in proc.stderr
+
+
+def test_measure_options_and_measurements_validate_themselves():
+    with pytest.raises(autopar.AutoparError, match="steps must be an integer of at least 1"):
+        MeasureOptions(steps=0)
+    with pytest.raises(autopar.AutoparError, match="feed_back must be True or False"):
+        MeasureOptions(feed_back="yes")
+    with pytest.raises(autopar.AutoparError, match="step_s must be positive"):
+        StepMeasurement(steps=1, step_s=0.0, samples_per_s=1.0, tokens_per_s=None, mfu=0.1, peak_memory_bytes=1,
+                        memory_source="cuda max allocated")
+    m = StepMeasurement(steps=4, step_s=0.2, samples_per_s=40.0, tokens_per_s=None, mfu=0.25, peak_memory_bytes=2**30,
+                        memory_source="cuda max allocated")
+    line = Comparison(m, {"step_s": 0.1, "samples_per_s": 80.0, "mfu": 0.5, "memory_bytes": 2**29}).describe()
+    assert line == ("measured over 4 steps: 200.0 ms/step (predicted 100.0 ms, measured/predicted 2.00), 40.0 samples/s "
+                    "(predicted 80.0, measured/predicted 0.50), MFU 25.0% (predicted 50.0%, measured/predicted 0.50), "
+                    "peak 1.00 GiB (cuda max allocated) (predicted 0.50 GiB, measured/predicted 2.00)")
