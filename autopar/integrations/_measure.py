@@ -315,5 +315,6 @@ def feed_back(state: Applied, measured: StepMeasurement, *, variants: Mapping[st
     saved = None
     if fit.accepted:
         saved = save_refit(fit.calibration, topology_fingerprint=state.topology.fingerprint(),
-                           model_fingerprint=state.profile.fingerprint, sample_signature=sample_signature(state.profile))
+                           model_fingerprint=state.profile.fingerprint,
+                           sample_signature=sample_signature(state.profile))
     return FeedBack(ledger_path=path, plans_measured=len(records), fit=fit, refit_path=saved)

@@ -173,7 +173,7 @@ class TrainStepRunner:
 # ---------------------------------------------------------------------------------------------------------------
 class MeasureCallback(Callback):
     """Times the run's optimizer steps (one per training batch) and logs them beside the plan's prediction:
-    `autopar/*` metrics to the Trainer's loggers, one line on rank 0, and the feedback (autopar/integrations/_measure.py)."""
+    `autopar/*` metrics to the Trainer's loggers, one line on rank 0, and the feedback (integrations/_measure.py)."""
 
     def __init__(self, strategy: "AutoparStrategy", options: MeasureOptions) -> None:
         self.strategy, self.options = strategy, options
