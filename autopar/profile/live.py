@@ -42,7 +42,7 @@ class LiveMemory:
         self._labels.append((op, tuple(t.shape), str(t.dtype).replace("torch.", "")))
         self._events.append((serial, 1))
         self.num_allocations += 1
-        weakref.finalize(storage, self._freed, cdata, serial)
+        weakref.finalize(storage, self._freed, cdata, serial).atexit = False  # nothing to count at exit
 
     def _freed(self, cdata: int, serial: int) -> None:
         if self._serial_of.get(cdata) == serial:
