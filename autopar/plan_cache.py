@@ -442,8 +442,9 @@ def cached_plan_for(
             plan.check_batch(global_batch_size)
         except PlanError:
             why = f"its global batch is {plan.global_batch_size}, this job's {global_batch_size}"
-    if why is None and loop.refusal(plan) is not None:
-        why = f"this job's loop ({loop.value}) cannot run it ({loop.refusal(plan)})"
+    refusal = loop.refusal(plan)
+    if why is None and refusal is not None:
+        why = f"this job's loop ({loop.value}) cannot run it ({refusal})"
     if why is not None:
         return None, (
             f"ignoring the plan cached at {entry.path}: {why}. autopar plans afresh; delete the file to stop "

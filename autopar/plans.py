@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import warnings
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping

@@ -179,12 +179,6 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     act = _Activations.of(profile, plan, cal, variants, blocks, (first, last), pp_rank)
     transient, largest = _transient_bytes(act.prof, plan, cal, last)
 
-    # The peak is the largest of these moments (measured with the exact check, autopar.exact):
-    # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
-    # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
-    #     activations exist again;
-    # (d) the last block's backward / the optimizer step: nearly every gradient alive, that block's activations
-    #     (recomputed under checkpointing) still held.
     live = _live_peak(act.prof, plan, all_gradients)
     if live is not None:  # the trace's own replay of the eager step: every moment, no rule
         activations, gradients = live
@@ -193,6 +187,12 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
                                 gathered_bytes=gathered, activations_bytes=activations, transient_bytes=0.0,
                                 overhead_bytes=_overhead_bytes(act.prof, plan, cal, allocated, largest),
                                 buffers_bytes=buffers)
+    # The peak is the largest of these moments (measured with the exact check, autopar.exact):
+    # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
+    # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
+    #     activations exist again;
+    # (d) the last block's backward / the optimizer step: nearly every gradient alive, that block's activations
+    #     (recomputed under checkpointing) still held.
     moment_a = act.blocks + act.outside + transient
     moment_b = act.blocks + act.recompute
     moment_d = act.recompute + act.first_block if plan.checkpointing != "none" else act.first_block

@@ -28,7 +28,10 @@ class LiveMemory:
         self._bytes: list[int] = []  # serial -> bytes
         self._events: list[tuple[int, int]] = []  # (serial, +1 allocated / -1 freed), in order
         self._labels: list[tuple[str, tuple[int, ...], str]] = []  # serial -> (op, shape, dtype): what it was
-        self.num_allocations = 0
+
+    @property
+    def num_allocations(self) -> int:
+        return len(self._bytes)
 
     def allocated(self, t: torch.Tensor, op: str) -> None:
         """`t` is the output of `op` (its name): counts its storage once, and arranges to see it freed."""
@@ -41,7 +44,6 @@ class LiveMemory:
         self._bytes.append(int(storage.nbytes()))
         self._labels.append((op, tuple(t.shape), str(t.dtype).replace("torch.", "")))
         self._events.append((serial, 1))
-        self.num_allocations += 1
         weakref.finalize(storage, self._freed, cdata, serial).atexit = False  # nothing to count at exit
 
     def _freed(self, cdata: int, serial: int) -> None:
@@ -52,8 +54,8 @@ class LiveMemory:
     def frontier(self, gradients: Iterable[torch.Tensor]) -> Frontier:
         """The Pareto frontier of (non-gradient, gradient) live bytes over the step; `gradients`: the
         parameters' `.grad` after backward (alive, so their storages are known by their serials now)."""
-        grads = {self._serial_of[g.untyped_storage()._cdata] for g in gradients
-                 if g.untyped_storage()._cdata in self._serial_of}
+        cdatas = (g.untyped_storage()._cdata for g in gradients)
+        grads = {self._serial_of[c] for c in cdatas if c in self._serial_of}
         other = grad = 0
         points: list[tuple[int, int]] = []
         for serial, sign in self._events:
@@ -64,7 +66,6 @@ class LiveMemory:
             if sign > 0:
                 points.append((other, grad))
         return _pareto(points)
-
 
     def peak_contents(self) -> list[tuple[tuple[str, tuple[int, ...], str], int, int]]:
         """What is alive at the step's peak of all live bytes: (op, shape, dtype), count, bytes; largest first

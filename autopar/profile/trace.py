@@ -21,9 +21,9 @@ from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
 from .hf_masks import CompileMasks
+from .live import Frontier
 from .model_profile import MatmulCall, OpGroup
 from .shadow import InputShadows
-from .live import Frontier
 from .watch import StepWatcher, storage_key
 
 Units = list[tuple[str, nn.Module]]
@@ -100,7 +100,6 @@ class StepTrace:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str) -> None:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
-        self.live_frontier: Frontier = ()
         device = _profile_device(model, sample)
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
@@ -166,8 +165,6 @@ class StepTrace:
             self.watcher.label_loss(loss)
             self.watcher.forward = False
             loss.backward()
-            self.live_frontier = self.watcher.live.frontier(
-                t.grad for t in self.state.values() if isinstance(t, torch.Tensor) and t.grad is not None)
         return forward_flops
 
     @contextlib.contextmanager
@@ -206,7 +203,8 @@ class StepTrace:
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
-            value_reads=self.value_reads, live_frontier=self.live_frontier)
+            value_reads=self.value_reads,
+            live_frontier=w.live.frontier(t.grad for t in self.state.values() if t.grad is not None))
 
     # ---- the hooks -------------------------------------------------------------------------------
     def running_block(self) -> int | None:
