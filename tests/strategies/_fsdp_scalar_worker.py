@@ -3,7 +3,8 @@
 argv: MODE OUT.pt [CKPT_DIR]
   MODE "ranks": every scenario under its plan on the ranks; rank 0 writes the results.
   MODE "reference": the same models trained unwrapped in this one process, on the global batch.
-Results per scenario: the loss of every step, and after the last step every parameter and gradient in full.
+Results per scenario: the loss of every step, and after the last step every parameter and gradient in full;
+also the gradients of the first step (`first_grads`), where a loop of its own steps (not train_step).
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def run_ranks(name: str, ckpt: str | None) -> dict:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(**mine) if isinstance(mine, dict) else model(mine[0]), mine)
             loss.backward()
+            if i == 0:
+                first_grads = _state(model)["grads"]
             opt.step()
             loss = loss.detach()
         dist.all_reduce(loss)
@@ -125,6 +128,8 @@ def run_ranks(name: str, ckpt: str | None) -> dict:
         mine = _rows(batch_of(STEPS), slice(rank * local, (rank + 1) * local))
         loss_fn(model(**mine) if isinstance(mine, dict) else model(mine[0]), mine).backward()
     result = {"losses": losses, **_state(model)}
+    if step is None:
+        result["first_grads"] = first_grads
     scalar = model.get_parameter(scalar_name)
     on_ranks = [None] * dist.get_world_size()
     dist.all_gather_object(on_ranks, (scalar.detach().clone(), scalar.grad.detach().clone()))
@@ -175,12 +180,14 @@ def run_reference(name: str) -> dict:
         opt.zero_grad(set_to_none=True)
         loss = loss_of(batch_of(i))
         loss.backward()
+        if i == 0:
+            first_grads = _state(model)["grads"]
         opt.step()
         losses.append(loss.item())
     if with_step:
         opt.zero_grad(set_to_none=True)
         loss_of(batch_of(STEPS)).backward()
-    return {"losses": losses, **_state(model)}
+    return {"losses": losses, "first_grads": first_grads, **_state(model)}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from tests.distributed._launch import torchrun
 from tests.strategies import _fsdp_scalar_worker as worker
 
 RTOL = 1e-5
+ADAM_RTOL = 1e-4  # after 3 AdamW steps (test_clip_trains_on_two_ranks_as_unwrapped says why)
 WORKER = "tests/strategies/_fsdp_scalar_worker.py"
 
 
@@ -78,6 +79,13 @@ def test_the_0d_parameter_is_the_same_on_every_rank(runs, name):
     assert torch.equal(value0, value1) and torch.equal(grad0, grad1)
 
 
+def _above_rounding(grads: dict) -> list[str]:
+    """The parameters with a gradient above rounding (the key projections' biases get none: softmax ignores a
+    shift of a query's scores)."""
+    largest = max(g.norm().item() for g in grads.values())
+    return [n for n, g in grads.items() if g.norm().item() > 1e-6 * largest]
+
+
 def test_clip_trains_on_two_ranks_as_unwrapped(runs):
     if "clip" not in runs[0]:
         pytest.skip("transformers is not installed")
@@ -85,13 +93,16 @@ def test_clip_trains_on_two_ranks_as_unwrapped(runs):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=RTOL, atol=0)
     for key in ("params", "grads"):
         assert _rel(got[key]["logit_scale"], want[key]["logit_scale"]) < RTOL
-    # Every parameter with a gradient above rounding (the key projections' biases get none: softmax ignores a
-    # shift of a query's scores, and Adam turns the rounding left into steps of any sign).
-    largest = max(g.norm().item() for g in want["grads"].values())
-    for param, value in want["params"].items():
-        if want["grads"][param].norm().item() > 1e-6 * largest:
-            assert _rel(got["params"][param], value) < RTOL, (param, _rel(got["params"][param], value))
-            assert _rel(got["grads"][param], want["grads"][param]) < RTOL, param
+    # The first step's gradients, before any optimizer step, agree to fp32 rounding (measured: at most 1.1e-6).
+    for param in _above_rounding(want["first_grads"]):
+        assert _rel(got["first_grads"][param], want["first_grads"][param]) < RTOL, param
+    # After 3 AdamW steps at lr 1e-2 the rounding has grown: Adam divides each gradient by its own running
+    # magnitude, so a rounding difference in a small gradient becomes a step-sized difference in its update.
+    # Measured on 2 gloo ranks: at most 1.9e-5 on gradients, 1.0e-5 on parameters, varying run to run with the
+    # summation order. A fault (a gradient not averaged, a rank's shard lost) is O(1) and fails above.
+    for param in _above_rounding(want["grads"]):
+        assert _rel(got["params"][param], want["params"][param]) < ADAM_RTOL, param
+        assert _rel(got["grads"][param], want["grads"][param]) < ADAM_RTOL, param
 
 
 def test_a_checkpoint_saves_and_restores_the_0d_parameter(runs):
