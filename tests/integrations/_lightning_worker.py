@@ -40,18 +40,27 @@ def run_batch_size_finder(**args) -> dict:
     return fit(callbacks=[BatchSizeFinder(mode="power", max_trials=2)], **args)
 
 
+def _store_in_plan_cache(cached: autopar.Plan, batch_size: int) -> None:
+    module = GPTModule(batch_size)
+    sample = dataset()[:batch_size]
+    profile = autopar.profile_model(module, sample, loss_fn=lm_loss, warn=False)
+    key = plan_cache.cache_key(profile, Topology.detect(), global_batch_size=cached.global_batch_size, loop="plain")
+    plan_cache.store(cached, key, measurement={"step_s": 0.5, "tokens_per_s": 512.0})
+
+
 def run_cached(*, plan: dict, batch_size: int) -> dict:
     """A plan stored in the plan cache as `autopar tune` stores its best (plan_cache.store under the job's key),
     then a Trainer whose strategy is given no plan."""
     cached = autopar.Plan(**plan)
+    failure = [None]
     if dist.get_rank() == 0:
-        module = GPTModule(batch_size)
-        sample = dataset()[:batch_size]
-        profile = autopar.profile_model(module, sample, loss_fn=lm_loss, warn=False)
-        key = plan_cache.cache_key(profile, Topology.detect(), global_batch_size=cached.global_batch_size,
-                                   allow_train_step=False)
-        plan_cache.store(cached, key, measurement={"step_s": 0.5, "tokens_per_s": 512.0})
-    dist.barrier()
+        try:
+            _store_in_plan_cache(cached, batch_size)
+        except Exception as exc:  # noqa: BLE001 - told to rank 1 below, so that neither waits on the other
+            failure[0] = f"{type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise RuntimeError(f"storing the plan on rank 0 failed: {failure[0]}")
     out = fit(batch_size=batch_size)
     out["cached_key"] = cached.key()
     return out
