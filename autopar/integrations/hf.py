@@ -69,8 +69,18 @@ class TrainerSettings:
                 raise PlanError(f"TrainerSettings.{name} must be a positive integer, got {value!r}.")
 
     def changes(self, args: Any) -> dict[str, Any]:
-        """The fields of `args` these settings change, with their new values."""
-        return {name: value for name, value in dataclasses.asdict(self).items() if getattr(args, name) != value}
+        """The fields of `args` these settings change, with their new values (under the name this transformers
+        gives a field: `gradient_checkpointing` before `activation_checkpointing` replaced it)."""
+        out = {}
+        for name, value in dataclasses.asdict(self).items():
+            field = name if hasattr(args, name) else _OLDER_NAMES.get(name, name)
+            if getattr(args, field) != value:
+                out[field] = value
+        return out
+
+
+#: TrainingArguments fields under their names in transformers before 5.24 (5.17 has no activation_checkpointing).
+_OLDER_NAMES = {"activation_checkpointing": "gradient_checkpointing"}
 
 
 def trainer_settings(plan: Plan) -> TrainerSettings:
@@ -111,6 +121,15 @@ def _check_args(args: Any, model: nn.Module) -> None:
     if args.n_gpu > 1:
         raise PlanError(f"the Trainer sees {args.n_gpu} GPUs in one process and would wrap the model in DataParallel: "
                         "launch one process per GPU with torchrun, or make one GPU visible (CUDA_VISIBLE_DEVICES).")
+    if _dist.world().size > 1 and not TRAINER_TAKES_SHARDED_MODELS:
+        raise PlanError(f"transformers {transformers.__version__}'s Trainer would wrap the sharded model in DDP in a run "
+                        "of several processes: pip install 'transformers>=5.24' (or run one process).")
+
+
+#: Whether this transformers' Trainer takes a model sharded before it (the markers below, with the data-parallel
+#: degrees in DistributedConfig): from transformers 5.24. An older Trainer (5.17) reads only `_tp_size` and wraps a
+#: sharded model in DDP in a run of several processes; one process trains as it is.
+TRAINER_TAKES_SHARDED_MODELS = "dp_replicate_size" in {f.name for f in dataclasses.fields(DistributedConfig)}
 
 
 def mark_for_trainer(model: nn.Module, plan: Plan) -> None:
@@ -119,8 +138,8 @@ def mark_for_trainer(model: nn.Module, plan: Plan) -> None:
     object.__setattr__(model, "_is_distributed_loading_by_transformers", True)
     object.__setattr__(model, "_tp_size", plan.tp)
     object.__setattr__(model, "_fsdp_size", plan.dp_shard)
-    model.config.distributed_config = DistributedConfig(tp_size=plan.tp, fsdp_size=plan.dp_shard,
-                                                        dp_replicate_size=plan.dp_replicate)
+    degrees = {"dp_replicate_size": plan.dp_replicate} if TRAINER_TAKES_SHARDED_MODELS else {}
+    model.config.distributed_config = DistributedConfig(tp_size=plan.tp, fsdp_size=plan.dp_shard, **degrees)
 
 
 def _global_batch(args: Any, global_batch_size: int | None) -> int:

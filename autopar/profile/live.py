@@ -17,6 +17,8 @@ from typing import Iterable
 
 import torch
 
+from .allocator import StepEvents
+
 Frontier = tuple[tuple[int, int], ...]  # (non-gradient bytes, gradient bytes) at the moments that can peak
 
 
@@ -28,18 +30,23 @@ class LiveMemory:
         self._bytes: list[int] = []  # serial -> bytes
         self._events: list[tuple[int, int]] = []  # (serial, +1 allocated / -1 freed), in order
         self._labels: list[tuple[str, tuple[int, ...], str]] = []  # serial -> (op, shape, dtype): what it was
+        self._uncounted: set[int] = set()  # serials of the weights' casts: allocated, but counted with the weights
 
     @property
     def num_allocations(self) -> int:
         return len(self._bytes)
 
-    def allocated(self, t: torch.Tensor, op: str) -> None:
-        """`t` is the output of `op` (its name): counts its storage once, and arranges to see it freed."""
+    def allocated(self, t: torch.Tensor, op: str, *, counted: bool = True) -> None:
+        """`t` is the output of `op` (its name): records its storage once, and arranges to see it freed.
+        `counted=False`: a cast of the weights, which the frontier leaves out (the cost model counts it with the
+        weights) and the allocator's replay takes in."""
         storage = t.untyped_storage()
         cdata = storage._cdata
         if cdata in self._serial_of:
             return
         serial = len(self._bytes)
+        if not counted:
+            self._uncounted.add(serial)
         self._serial_of[cdata] = serial
         self._bytes.append(int(storage.nbytes()))
         self._labels.append((op, tuple(t.shape), str(t.dtype).replace("torch.", "")))
@@ -54,11 +61,12 @@ class LiveMemory:
     def frontier(self, gradients: Iterable[torch.Tensor]) -> Frontier:
         """The Pareto frontier of (non-gradient, gradient) live bytes over the step; `gradients`: the
         parameters' `.grad` after backward (alive, so their storages are known by their serials now)."""
-        cdatas = (g.untyped_storage()._cdata for g in gradients)
-        grads = {self._serial_of[c] for c in cdatas if c in self._serial_of}
+        grads = self._serials(gradients)
         other = grad = 0
         points: list[tuple[int, int]] = []
         for serial, sign in self._events:
+            if serial in self._uncounted:
+                continue
             if serial in grads:
                 grad += sign * self._bytes[serial]
             else:
@@ -67,12 +75,24 @@ class LiveMemory:
                 points.append((other, grad))
         return _pareto(points)
 
+    def step_events(self, gradients: Iterable[torch.Tensor]) -> StepEvents:
+        """Every storage of the step, the weights' casts included, for the caching allocator's replay
+        (autopar.profile.allocator); `gradients` as for `frontier`."""
+        return StepEvents(tuple(self._bytes), tuple(self._events), frozenset(self._serials(gradients)))
+
+    def _serials(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """The serials of these tensors' storages, where alive and recorded."""
+        cdatas = (t.untyped_storage()._cdata for t in tensors)
+        return {self._serial_of[c] for c in cdatas if c in self._serial_of}
+
     def peak_contents(self) -> list[tuple[tuple[str, tuple[int, ...], str], int, int]]:
         """What is alive at the step's peak of all live bytes: (op, shape, dtype), count, bytes; largest first
         (for reading a prediction, bench/memory_peak.py)."""
         alive: dict[int, int] = {}
         peak, at_peak, total = 0, {}, 0
         for serial, sign in self._events:
+            if serial in self._uncounted:
+                continue
             if sign > 0:
                 alive[serial] = self._bytes[serial]
                 total += self._bytes[serial]

@@ -21,6 +21,7 @@ from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
 from .hf_masks import CompileMasks
+from .allocator import ReplayedSteps, replay_steps
 from .live import Frontier
 from .model_profile import MatmulCall, OpGroup
 from .shadow import InputShadows
@@ -56,6 +57,8 @@ class Trace:
     op_groups: tuple[OpGroup, ...] = ()  # every op by kind and shape (autopar.cost.ops prices them)
     value_reads: int = 0  # the model's forward's reads of tensor values (InputShadows.reads)
     live_frontier: Frontier = ()  # (non-gradient, gradient) bytes alive at the moments that can peak (LiveMemory)
+    allocator_reserve_bytes: int | None = None  # the caching allocator's reserve over the allocated peak in a loop
+    # of this step (autopar.profile.allocator.replay_steps); None: not replayed
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -204,7 +207,23 @@ class StepTrace:
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
             value_reads=self.value_reads,
-            live_frontier=w.live.frontier(t.grad for t in self.state.values() if t.grad is not None))
+            live_frontier=w.live.frontier(self._gradients()),
+            allocator_reserve_bytes=self._allocator_replay().reserve_bytes)
+
+    def _gradients(self) -> list[torch.Tensor]:
+        return [t.grad for t in self.state.values() if t.grad is not None]
+
+    def _allocator_replay(self) -> ReplayedSteps:
+        """A training loop of this step through the caching allocator's model: the weights and buffers (once
+        each, tied ones once), the batch, and fused AdamW's state (a 4-byte step count and two tensors like the
+        parameter, per trainable parameter, as torch.optim.AdamW(fused=True) makes them at its first step)."""
+        unique = list({id(t): t for t in self.state.values()}.values())  # tied weights: one tensor
+        trainable = [t for t in unique if t.requires_grad]
+        state = [n for t in trainable for n in (4, _nbytes(t), _nbytes(t))]
+        batch: list[int] = []
+        map_tensors(lambda t: batch.append(_nbytes(t)), self.sample)
+        return replay_steps(self.watcher.live.step_events(self._gradients()),
+                            weight_bytes=[_nbytes(t) for t in unique], state_bytes=state, batch_bytes=batch)
 
     # ---- the hooks -------------------------------------------------------------------------------
     def running_block(self) -> int | None:
@@ -334,6 +353,10 @@ def _fake_sample(sample: Any, fake_mode: FakeTensorMode, device: torch.device, d
         return fake
 
     return map_tensors(convert, sample)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _profile_device(model: nn.Module, sample: Any) -> torch.device:

@@ -368,6 +368,8 @@ class StepWatcher(TorchDispatchMode):
         for t in tensors_out:
             key = storage_key(t)
             if from_weights:
+                if key not in self.weight_storages:  # a new cast of weights, not a view of one
+                    self.live.allocated(t, self._op_label(func), counted=False)
                 self.weight_storages.add(key)
             elif key not in inputs:
                 self.live.allocated(t, self._op_label(func))

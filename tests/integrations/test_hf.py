@@ -140,6 +140,21 @@ def test_prepare_refuses_arguments_it_cannot_honour(tmp_path, change, message):
         hf.prepare(torch.nn.Linear(2, 2), _hf.args(str(tmp_path), per_device=1), sample=torch.zeros(1, 2))
 
 
+def test_a_trainer_older_than_load_time_sharding_trains_one_process_and_refuses_several(tmp_path, monkeypatch):
+    # transformers 5.17: DistributedConfig has no dp_replicate_size and the Trainer wraps a sharded model in DDP
+    monkeypatch.setattr(hf, "TRAINER_TAKES_SHARDED_MODELS", False)
+    model, args = hf.prepare(_hf.make_model(), _hf.args(str(tmp_path), per_device=_hf.GLOBAL, max_steps=2),
+                             sample=_hf.sample(_hf.GLOBAL), plan=Plan(micro_batch_size=8), verbose=False)
+    assert model._is_distributed_loading_by_transformers and model.config.distributed_config.tp_size == 1
+    assert len(_hf.train(model, args)["losses"]) == 2
+    fresh, user = _hf.make_model(), _hf.args(str(tmp_path), per_device=_hf.GLOBAL)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun's second process sees it
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(PlanError, match=r"would wrap the sharded model in DDP .*transformers>=5.24") as info:
+        hf.prepare(fresh, user, sample=_hf.sample(_hf.GLOBAL))
+    assert "\n" not in str(info.value) and getattr(fresh, "_autopar_applied", None) is None
+
+
 def test_default_save_strategy_is_handled(tmp_path):
     # The Trainer refuses a model marked as sharded at load time under its default save_strategy ("steps")
     # unless save_only_model=True; prepare sets it (the callback saves the rest through autopar.save).
