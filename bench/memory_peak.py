@@ -42,6 +42,7 @@ def fake_peak(fam: Family, sample: dict[str, Any], device: str) -> dict[str, Any
     contents = trace.watcher.live.peak_contents()
     return {"frontier": [list(p) for p in result.live_frontier],
             "peak_bytes": max((a + g for a, g in result.live_frontier), default=0),
+            "allocator_reserve_bytes": result.allocator_reserve_bytes,
             "top": [[op, list(shape), dtype, n, b] for (op, shape, dtype), n, b in contents[:30]]}
 
 
@@ -81,6 +82,7 @@ def gpu_peak(fam: Family, sample: dict[str, Any], warmup: int, compiled: bool) -
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
     alive: dict[int, tuple[int, str]] = {}
     total, best, at_best = 0, 0, {}
     for event in snap["device_traces"][0]:
@@ -97,7 +99,8 @@ def gpu_peak(fam: Family, sample: dict[str, Any], warmup: int, compiled: bool) -
         entry[0] += 1
         entry[1] += size
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"peak_allocated_bytes": peak, "base_bytes": base, "replayed_peak_bytes": base + best,
+    return {"peak_allocated_bytes": peak, "peak_reserved_bytes": reserved, "reserve_bytes": reserved - peak,
+            "base_bytes": base, "replayed_peak_bytes": base + best,
             "parameter_bytes": params,
             "top": sorted(([w, n, b] for w, (n, b) in groups.items()), key=lambda g: -g[2])[:30]}
 

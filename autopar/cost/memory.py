@@ -183,9 +183,11 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     if live is not None:  # the trace's own replay of the eager step: every moment, no rule
         activations, gradients = live
         allocated = parameters + buffers + gradients + optimizer + gathered + activations
+        overhead = _replayed_overhead(act.prof, plan, cal)
         return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                                 gathered_bytes=gathered, activations_bytes=activations, transient_bytes=0.0,
-                                overhead_bytes=_overhead_bytes(act.prof, plan, cal, allocated, largest),
+                                overhead_bytes=overhead if overhead is not None else
+                                _overhead_bytes(act.prof, plan, cal, allocated, largest),
                                 buffers_bytes=buffers)
     # The peak is the largest of these moments (measured with the exact check, autopar.exact):
     # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
@@ -386,6 +388,17 @@ def _transient_bytes(prof: ModelProfile, plan: Plan, cal: "Calibration", last: b
         copies = cal.upcast_transient_factor if upcast else cal.transient_factor
         return copies * largest * cal.compile_transient_factor, largest
     return largest, largest
+
+
+def _replayed_overhead(prof: ModelProfile, plan: Plan, cal: "Calibration") -> float | None:
+    """What must fit beyond the allocated peak of an eager step the trace replayed: the CUDA context and the
+    caching allocator's reserve in a loop of that step (autopar.profile.allocator: the allocator's own rules
+    over the traced allocations, which no single factor fits). The reserve is the replay's at the traced
+    micro-batch, scaled to the plan's (its large blocks are activations, which scale so). None where the
+    profile has no replay."""
+    if prof.allocator_reserve_bytes is None:
+        return None
+    return cal.context_bytes + prof.allocator_reserve_bytes * plan.micro_batch_size / prof.sample_batch_size
 
 
 def _overhead_bytes(prof: ModelProfile, plan: Plan, cal: "Calibration", allocated: float, largest: float) -> float:

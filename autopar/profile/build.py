@@ -132,6 +132,7 @@ def profile_model(
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),  # each shared buffer once
         compiled_saved_bytes_outside_blocks=compiled.outside_bytes if compiled is not None else None,
         live_frontier=t.live_frontier,
+        allocator_reserve_bytes=t.allocator_reserve_bytes,
         **shape_facts(model, units if repeated else []),
     )
 

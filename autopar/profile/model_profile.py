@@ -163,6 +163,8 @@ class ModelProfile:
     compiled_saved_bytes_outside_blocks: int | None = None  # saved_bytes_outside_blocks of a torch.compile'd step
     live_frontier: tuple[tuple[int, int], ...] = ()  # the eager step's live bytes on the sample at the moments that
     # can peak, as (non-gradient bytes, gradient bytes) pairs (autopar.profile.live); empty: not known
+    allocator_reserve_bytes: int | None = None  # the CUDA caching allocator's reserve over the allocated peak in a
+    # loop of the traced step (autopar.profile.allocator); bytes; None: not known
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"

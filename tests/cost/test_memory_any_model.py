@@ -327,6 +327,7 @@ def test_the_reserve_is_the_block_of_the_tensor_freed_before_the_peak():
         bf16 = profile_model(GPT(cfg), torch.zeros(2, 64, dtype=torch.long), loss_fn=lm_loss, precision="bf16",
                              warn=False)
     assert bf16.largest_transient_op == "_to_copy"
+    bf16 = dataclasses.replace(bf16, allocator_reserve_bytes=None)  # the rule for profiles without the replay
     cal = Calibration(context_bytes=0.0, reserve_bytes=0.0, fragmentation_fraction=0.0, largest_reserve_factor=1.0)
     plan = P(micro_batch_size=4, precision="bf16")
     m = predict_memory(bf16, plan, cal, variants={"bf16": bf16})
@@ -335,3 +336,21 @@ def test_the_reserve_is_the_block_of_the_tensor_freed_before_the_peak():
     mm = predict_memory(dataclasses.replace(bf16, largest_transient_op="mm"), plan, cal,
                         variants={"bf16": dataclasses.replace(bf16, largest_transient_op="mm")})
     assert mm.overhead_bytes == pytest.approx(largest)
+
+
+def test_an_eager_step_the_trace_replayed_reserves_what_the_allocator_replay_says():
+    """An eager plan's reserve is the caching allocator's in the replayed loop (autopar.profile.allocator), scaled
+    to the plan's micro-batch, plus the context; a compiled plan, whose step is not the traced one, keeps the rule."""
+    cfg = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, hidden_dim=64, num_heads=2)
+    with torch.device("meta"):
+        prof = profile_model(GPT(cfg), torch.zeros(2, 64, dtype=torch.long), loss_fn=lm_loss, precision="bf16",
+                             warn=False)
+    assert prof.allocator_reserve_bytes is not None and prof.allocator_reserve_bytes > 0
+    cal = Calibration(context_bytes=1000.0)
+    eager = predict_memory(prof, P(micro_batch_size=4, precision="bf16"), cal, variants={"bf16": prof})
+    assert eager.overhead_bytes == pytest.approx(1000.0 + prof.allocator_reserve_bytes * 4 / prof.sample_batch_size)
+    compiled = predict_memory(prof, P(micro_batch_size=4, precision="bf16", compile=True), cal,
+                              variants={"bf16": prof})
+    unreplayed = dataclasses.replace(prof, allocator_reserve_bytes=None)
+    assert compiled.overhead_bytes == predict_memory(unreplayed, P(micro_batch_size=4, precision="bf16", compile=True),
+                                                     cal, variants={"bf16": unreplayed}).overhead_bytes
