@@ -97,7 +97,10 @@ def main() -> None:
                                    "mask": None if case[0] is None else [list(case[0]), str(case[1]), case[2]],
                                    "dropout": case[3], "v_head_dim": case[4]}
             q, k, v, mask = _inputs(case)
-            rec["default_kernel"] = _default_kernel(q, k, v, mask, case[3])
+            try:
+                rec["default_kernel"] = _default_kernel(q, k, v, mask, case[3])
+            except Exception as exc:  # the default dispatch refusing the case is the finding
+                rec["default_kernel"] = f"refused: {type(exc).__name__}: {str(exc)[:200]}"
             for label, backend in BACKENDS.items():
                 rec[label] = {**_check(label, q, k, v, mask, case[3]), **_runs(backend, q, k, v, mask, case[3])}
             out.write(json.dumps(rec) + "\n")
