@@ -95,6 +95,7 @@ def stage_ids(plan: Plan, pp_rank: int) -> tuple[int, ...]:
     return tuple(pp_rank + k * plan.pp for k in range(v))
 
 
+@functools.lru_cache(maxsize=64)  # the search asks once per pipeline plan, of one profile
 def pipeline_refusal(profile: ModelProfile) -> str | None:
     """Why pipeline parallelism cannot split this model's blocks (one line), or None.
 

@@ -351,8 +351,10 @@ def model_profiles(source: ModelSource, topology: Topology, *, seq_len: int | No
         models = {d: source.build(d, seq) for d in depths}
 
         def trace(precision: str) -> ModelProfile:
-            profiles = [profile_model(models[d], sample, loss_fn=source.loss_fn, precision=precision, warn=False)
-                        for d in depths]
+            # dynamo's graph probe (seconds a run) once: the search reads the fp32 profile's breaks, and an
+            # extended profile keeps the deeper trace's
+            profiles = [profile_model(models[d], sample, loss_fn=source.loss_fn, precision=precision, warn=False,
+                                      graphs=precision == "fp32" and d == depths[-1]) for d in depths]
             return profiles[0] if len(profiles) == 1 else extrapolate_profile(profiles[0], profiles[1], full)
     else:
         model = source.model
@@ -368,7 +370,8 @@ def model_profiles(source: ModelSource, topology: Topology, *, seq_len: int | No
                                  f"{seq_len}: drop --seq, or return a sample of that length.")
 
         def trace(precision: str) -> ModelProfile:
-            return profile_model(model, sample, loss_fn=source.loss_fn, precision=precision, warn=False)
+            return profile_model(model, sample, loss_fn=source.loss_fn, precision=precision, warn=False,
+                                 graphs=precision == "fp32")  # the search reads the fp32 profile's breaks
 
     return trace("fp32"), TracedVariants(trace, precisions_for(topology)[1:])
 

@@ -37,6 +37,7 @@ MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 CHECKPOINTING = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+ZERO_STAGES = (1, 2, 3)
 
 # Fields that say what the strategy is; provenance (fingerprints, prediction, measurement) is not part of it.
 _STRATEGY_FIELDS = (
@@ -105,6 +106,10 @@ class Loop(str, enum.Enum):
         if plan.pp > 1 and not self.pipelines:
             return (f"a pipeline plan (pp={plan.pp}) runs only under autopar.train_step, not under loop={self.value!r}: "
                     "give a plan with pp=1, or drive the step with autopar.train_step (loop='train_step').")
+        if plan.zero_stage < 3 and not self.pipelines:
+            return (f"zero_stage={plan.zero_stage} is run across micro-batches by autopar.train_step, not under "
+                    f"loop={self.value!r}: give a plan with zero_stage=3, or drive the step with autopar.train_step "
+                    "(loop='train_step').")
         if plan.grad_accum > 1 and not self.accumulates:
             return (f"a plan with gradient accumulation (grad_accum={plan.grad_accum}) needs a loop that accumulates, "
                     "not loop='plain': give a plan with grad_accum=1, or use loop='accumulates' (a framework that "
@@ -169,6 +174,12 @@ class Plan:
     Batch (micro_batch_size x grad_accum x dp_replicate x dp_shard is the global batch):
       micro_batch_size  samples per forward on one data-parallel rank
       grad_accum        micro-batches per optimizer step (with pp > 1: the pipeline's micro-batches)
+    Sharded data parallelism across the micro-batches of a step (dp_shard > 1, grad_accum > 1; ZeRO's stages,
+    Rajbhandari et al. 2020, as FSDP2 runs them):
+      zero_stage    3: parameters gathered and gradients reduce-scattered for every micro-batch (FSDP);
+                    2: parameters gathered once a step and kept whole across its micro-batches, gradients
+                       reduce-scattered every micro-batch (needs reshard_after_forward=False);
+                    1: as 2, and gradients accumulated whole, reduce-scattered once after the last micro-batch
     """
 
     pp: int = 1
@@ -180,6 +191,7 @@ class Plan:
     pp_schedule: str | None = None
     pp_stages_per_rank: int = 1
     reshard_after_forward: bool = True
+    zero_stage: int = 3
     cpu_offload: bool = False
     sequence_parallel: bool = False
     checkpointing: str = "none"
@@ -235,6 +247,20 @@ class Plan:
             )
         if self.cpu_offload and self.pp > 1:
             raise PlanError("cpu_offload is not combined with pipeline parallelism; set pp=1 or cpu_offload=False.")
+        self._check_zero_stage()
+
+    def _check_zero_stage(self) -> None:
+        _check_positive_int("zero_stage", self.zero_stage)
+        _check_choice("zero_stage", self.zero_stage, ZERO_STAGES)
+        if self.zero_stage == 3:
+            return
+        stage = f"zero_stage={self.zero_stage} keeps parameters gathered across a step's micro-batches"
+        if self.dp_shard == 1 or self.grad_accum == 1:
+            raise PlanError(f"{stage}: it needs dp_shard > 1 and grad_accum > 1 (with one micro-batch, "
+                            "reshard_after_forward=False is the same); set zero_stage=3.")
+        if self.reshard_after_forward or self.cpu_offload or self.pp > 1:
+            raise PlanError(f"{stage}: set reshard_after_forward=False, and use it without cpu_offload or pipeline "
+                            "parallelism (or set zero_stage=3).")
 
     # ---- derived values -------------------------------------------------------------------------
     @property
@@ -318,8 +344,12 @@ class Plan:
         return dataclasses.replace(self, **changes)
 
     def strategy(self) -> dict[str, Any]:
-        """The fields that define the strategy, without provenance."""
-        return {name: getattr(self, name) for name in _STRATEGY_FIELDS}
+        """The fields that define the strategy, without provenance. zero_stage is left out at its default (3),
+        so that plans made before it existed keep their keys (plan caches, studies)."""
+        out = {name: getattr(self, name) for name in _STRATEGY_FIELDS}
+        if self.zero_stage != 3:
+            out["zero_stage"] = self.zero_stage
+        return out
 
     def key(self) -> str:
         """A short stable hash of the strategy (the same on every rank for the same plan)."""
@@ -422,7 +452,8 @@ class Plan:
                 "replicated (DDP-like)" if self.dp_shard == 1 and self.dp_replicate > 1 else "FSDP2")
             lines.append(
                 f"  data parallel {kind}, reshard after forward: {self.reshard_after_forward}, "
-                f"CPU offload: {self.cpu_offload}"
+                f"CPU offload: {self.cpu_offload}" + ("" if self.zero_stage == 3 else f", ZeRO stage {self.zero_stage} "
+                                                     "(parameters gathered once a step)")
             )
         if self.tp > 1:
             lines.append(f"  tensor par.   tp={self.tp}, sequence parallel: {self.sequence_parallel}")

@@ -17,8 +17,8 @@ Pruned as dominated, never predicted for time:
   (`ModelProfile.value_reads`: torch.compile's graph breaks there, which the cost model cannot price) gets
   no compiled plans, unless `eager=False` or `measured=True` (the tuner, which runs its candidates).
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
-  (none < selective < full) and `reshard_after_forward` (False < True), one is dropped when another
-  with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
+  (none < selective < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without resharding
+  after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
   never slower; it is listed as dropped, with the plan that dominates it.
 
 The work is one step per plan considered: the loops run over divisors of the world size and of the
@@ -77,6 +77,7 @@ class Drop:
     limit_bytes: float | None = None  # MEMORY, EXACT_MEMORY: the budget per GPU; HOST_MEMORY: per node
     checkpointing: str | None = None  # DOMINATED: the dominating plan's checkpointing
     reshard_after_forward: bool | None = None  # DOMINATED: the dominating plan's resharding
+    zero_stage: int | None = None  # DOMINATED: the dominating plan's ZeRO stage
     detail: str | None = None  # UNRUNNABLE: what the model cannot do
 
     @classmethod
@@ -90,7 +91,8 @@ class Drop:
 
     @classmethod
     def dominated(cls, by: Plan) -> Drop:
-        return cls(DropKind.DOMINATED, checkpointing=by.checkpointing, reshard_after_forward=by.reshard_after_forward)
+        return cls(DropKind.DOMINATED, checkpointing=by.checkpointing, reshard_after_forward=by.reshard_after_forward,
+                   zero_stage=by.zero_stage)
 
     @classmethod
     def unrunnable(cls, detail: str) -> Drop:
@@ -106,8 +108,9 @@ class Drop:
             return (f"CPU offload needs {self.needed_bytes / GiB:,.0f} GiB of host memory per node, more than "
                     f"{self.limit_bytes / GiB:,.0f} GiB")
         if self.kind is DropKind.DOMINATED:
+            stage = "" if self.zero_stage in (None, 3) else f", zero_stage={self.zero_stage}"
             return (f"{DOMINATED} checkpointing={self.checkpointing}, "
-                    f"reshard_after_forward={self.reshard_after_forward}")
+                    f"reshard_after_forward={self.reshard_after_forward}{stage}")
         return self.detail or "not runnable"
 
 
@@ -257,13 +260,24 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                             for precision in precisions:
                                 for compile_ in compiles:
                                     for sp in ([True] if tp > 1 and sp_ok else [False]):
-                                        for reshard in ([True, False] if shard > 1 else [True]):
+                                        for reshard, zero in _gather_schedules(shard, accum, pp, offload, loop):
                                             yield Plan(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
                                                        micro_batch_size=mb, grad_accum=accum, pp_schedule=schedule,
                                                        pp_stages_per_rank=per_rank, reshard_after_forward=reshard,
-                                                       cpu_offload=offload, sequence_parallel=sp,
+                                                       zero_stage=zero, cpu_offload=offload, sequence_parallel=sp,
                                                        checkpointing=ckpt, precision=precision, compile=compile_,
                                                        **fingerprints)
+
+
+def _gather_schedules(shard: int, accum: int, pp: int, offload: bool, loop: Loop) -> list[tuple[bool, int]]:
+    """(reshard_after_forward, zero_stage) pairs for a data-parallel split: FSDP resharding after forward or
+    not; with accumulation under autopar.train_step, also ZeRO stages 2 and 1 (gathered once a step)."""
+    if shard == 1:
+        return [(True, 3)]
+    pairs = [(True, 3), (False, 3)]
+    if accum > 1 and pp == 1 and not offload and loop.pipelines:
+        pairs += [(False, 2), (False, 1)]
+    return pairs
 
 
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
@@ -351,15 +365,23 @@ def _host_drop(profile: ModelProfile, plan: Plan, topology: Topology, headroom: 
 
 
 def _group_key(plan: Plan) -> tuple[object, ...]:
-    """Everything but checkpointing and resharding: plans with one key differ only in work they redo."""
-    return tuple(v for k, v in plan.strategy().items() if k not in ("checkpointing", "reshard_after_forward"))
+    """Everything but checkpointing, resharding and the ZeRO stage: plans with one key differ only in work they
+    redo."""
+    return tuple(v for k, v in plan.strategy().items()
+                 if k not in ("checkpointing", "reshard_after_forward", "zero_stage"))
+
+
+def _regathers(plan: Plan) -> int:
+    """How much a plan gathers and reduces again, in order: resharding after forward (3), FSDP without it (2),
+    ZeRO stage 2 (1: one gather a step), stage 1 (0: one gather and one reduce-scatter a step)."""
+    return 3 if plan.reshard_after_forward else {3: 2, 2: 1, 1: 0}[plan.zero_stage]
 
 
 def _no_more_work(q: Plan, plan: Plan) -> bool:
     """Whether q (same group as plan) recomputes and re-gathers no more than plan, and is a different plan."""
     return (_CKPT_ORDER[q.checkpointing] <= _CKPT_ORDER[plan.checkpointing]
-            and q.reshard_after_forward <= plan.reshard_after_forward
-            and (q.checkpointing, q.reshard_after_forward) != (plan.checkpointing, plan.reshard_after_forward))
+            and _regathers(q) <= _regathers(plan)
+            and (q.checkpointing, _regathers(q)) != (plan.checkpointing, _regathers(plan)))
 
 
 def rank_key(c: Candidate) -> tuple[bool, int, float, bool]:

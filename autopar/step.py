@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .errors import PlanError
+from .plans import Plan
 from ._util.batch import call_model, default_loss, map_tensors, sample_batch_size
 from .strategies.tensor_parallel import loss_parallel_scope
 from .strategies.pipeline import sync_tied_grads
@@ -151,7 +152,6 @@ def train_step(
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
     loss_of = _loss(loss_fn)
     n = plan.grad_accum
-    replicate_only = plan.dp_shard == 1 and plan.dp_replicate > 1
 
     def _finish() -> None:
         if max_grad_norm is not None:
@@ -174,8 +174,7 @@ def train_step(
         else:
             total = torch.zeros((), device=state.device)
             for i, mb in enumerate(micro):
-                if replicate_only and hasattr(model, "set_requires_gradient_sync"):
-                    model.set_requires_gradient_sync(i == n - 1)
+                _before_micro_batch(model, plan, last=i == n - 1)
                 with loss_parallel_scope(vocab_parallel):
                     loss = _local(loss_of)(call_model(model, mb), mb)
                     (loss / n).backward()
@@ -185,6 +184,21 @@ def train_step(
         return loss
 
     return step
+
+
+def _before_micro_batch(model: nn.Module, plan: Plan, *, last: bool) -> None:
+    """FSDP2's switches for the next micro-batch, as the plan runs a step's micro-batches:
+    - replicas only (DDP-like): gradients all-reduced after the last micro-batch only;
+    - zero_stage 2 and 1: the parameters, gathered by the first micro-batch's forward, stay whole until the last
+      micro-batch's backward reshards them (set_reshard_after_backward); under stage 1 the gradients also stay
+      whole, accumulated, and are reduce-scattered after the last micro-batch only."""
+    if not hasattr(model, "set_requires_gradient_sync"):  # not an FSDP2 module: nothing to switch
+        return
+    replicate_only = plan.dp_shard == 1 and plan.dp_replicate > 1
+    if plan.zero_stage < 3:
+        model.set_reshard_after_backward(last)
+    if replicate_only or plan.zero_stage == 1:
+        model.set_requires_gradient_sync(last)
 
 
 def _local(loss_of: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:

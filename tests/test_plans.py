@@ -358,9 +358,9 @@ def test_version_zero_is_refused():
 
 def test_unknown_keys_are_refused_with_the_known_list():
     with pytest.raises(PlanError) as info:
-        Plan.from_yaml("dp_shard: 2\ndp: 4\nzero_stage: 3\n")
+        Plan.from_yaml("dp_shard: 2\ndp: 4\nzero_offload: 3\n")
     msg = str(info.value)
-    assert "unknown plan option(s) dp, zero_stage" in msg
+    assert "unknown plan option(s) dp, zero_offload" in msg
     known = msg.split("known options are:")[1]
     for f in dataclasses.fields(Plan):
         assert f.name in known

@@ -171,7 +171,9 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     buffers = float(profile.buffer_bytes)  # BatchNorm running statistics and the like: replicated, not sharded
     # Under GPipe every forward runs before the first backward: no gradient exists at its peak.
     grads_live = 1.0 if plan.grad_accum > 1 and plan.pp_schedule != "gpipe" else cal.gradient_peak_fraction
-    all_gradients = 4 * rp.trainable / shard * on_gpu  # fp32 gradients; bytes; ZeRO-3
+    # fp32 gradients; bytes; ZeRO-3, and ZeRO-2 (Plan.zero_stage 2); under stage 1 they accumulate whole (FSDP2
+    # keeps the unsharded gradients in its reduce dtype until the last micro-batch's reduce-scatter)
+    all_gradients = 4 * rp.trainable / (shard if plan.zero_stage > 1 else 1) * on_gpu
     gradients = all_gradients * grads_live
     optimizer = optimizer_state_bytes_per_param * rp.trainable / shard * on_gpu  # Adam m and v in fp32; bytes
     gathered = _gathered_bytes(plan, rp, blocks, compute)

@@ -318,16 +318,18 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     # Data parallelism: FSDP2 gathers the stage's weights in the compute dtype for each micro-batch's forward
     # (and backward when resharding) and reduce-scatters fp32 gradients, prefetching hides most of it;
     # replicas all-reduce the sharded fp32 gradients once a step, about half hidden; seconds (ZeRO, FSDP2).
+    # ZeRO stages 2 and 1 (Plan.zero_stage) gather once a step, the first micro-batch's forward; stage 1 also
+    # reduce-scatters once, after the last micro-batch (Rajbhandari et al. 2020, section 5).
     params = sum(profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks)
     params += (profile.num_params - sum(b.num_params for b in profile.blocks)) * (0.5 * first + 0.5 * last
                                                                                   if plan.pp > 1 else 1.0) / tp
     dp_comm = 0.0
     if plan.uses_fsdp and plan.dp_shard > 1:
         bw = _group_bandwidth(topology, plan.dp_shard, tp, cal)
-        gathers = 2 if plan.reshard_after_forward else 1
-        per_micro = gathers * _collective_s(params * elem, plan.dp_shard, bw, cal, "all_gather") \
-            + _collective_s(params * 4, plan.dp_shard, bw, cal, "reduce_scatter")
-        total = n_micro * per_micro
+        gathers = (2 if plan.reshard_after_forward else 1) * (n_micro if plan.zero_stage == 3 else 1)
+        scatters = 1 if plan.zero_stage == 1 else n_micro
+        total = gathers * _collective_s(params * elem, plan.dp_shard, bw, cal, "all_gather") \
+            + scatters * _collective_s(params * 4, plan.dp_shard, bw, cal, "reduce_scatter")
         hidden_by = cal.fsdp_overlap * (compute + memory + recompute)
         dp_comm += max(total - hidden_by, total / max(len(blocks), 1))  # the first unit's gather never hides
     if plan.dp_replicate > 1:

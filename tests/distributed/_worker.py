@@ -15,6 +15,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar._util.batch import call_model
@@ -80,6 +81,7 @@ def run(scenario: dict) -> dict:
         head = model.get_submodule(layout.head)
         head.register_forward_hook(lambda m, a, out: head_outputs.append(
             f"{type(out).__name__}{tuple(getattr(out, 'placements', ()))}"))
+    gathered_at_start = _watch_gathers(model, scenario.get("watch_gathers"))
     opt = FirstGrads(model, make_optimizer(model))
     shard = autopar.data_shard(model)
     step_fn = autopar.train_step(model, opt, compute) if scenario.get("train_step") else None
@@ -104,7 +106,24 @@ def run(scenario: dict) -> dict:
     dist.all_gather_object(heads, sorted(set(head_outputs)))  # the head lives on the last pipeline stage
     return {"losses": losses, "params": full_params(model), "grads": gather(opt.grads or {}), "plans": plans,
             "shards": shards, "head_outputs": sorted({h for part in heads for h in part}),
-            "applied_checkpointed": list(autopar.applied(model).checkpointed)}
+            "applied_checkpointed": list(autopar.applied(model).checkpointed), "gathered_at_start": gathered_at_start}
+
+
+def _watch_gathers(model: torch.nn.Module, path: str | None) -> list[bool]:
+    """Whether the module at `path` holds its parameters gathered over the data-parallel shard axis as each of
+    its forwards starts, before FSDP2's own pre-forward gathers them; in order. Gathered: a plain tensor, or
+    (under tensor parallelism) a DTensor on the tensor-parallel axis alone."""
+    seen: list[bool] = []
+    if path is None:
+        return seen
+    module = model.get_submodule(path)
+    module.register_forward_pre_hook(
+        lambda m, args: seen.append(_gathered(next(m.parameters()))), prepend=True)
+    return seen
+
+
+def _gathered(p: torch.Tensor) -> bool:
+    return not isinstance(p, DTensor) or "dp_shard" not in (p.device_mesh.mesh_dim_names or ())
 
 
 def main() -> None:

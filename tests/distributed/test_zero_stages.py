@@ -1,0 +1,88 @@
+"""ZeRO stages 2 and 1 under FSDP2 (Plan.zero_stage; autopar.train_step runs them) against one process, on 2 and
+4 gloo processes: 10 AdamW steps of the built-in GPT and of a tiny Hugging Face Llama, compared as
+tests/distributed/test_parallel_parity.py compares (the first step's gradients and every loss within 1e-5,
+fp32; the final parameters within 1e-5 together, 1e-3 each). And the schedule itself: a block's parameters are
+gathered once a step and stay whole across its micro-batches (stages 2 and 1), where stage 3 gathers them
+again for every micro-batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._training import reference
+from tests.distributed._launch import run_scenarios
+
+pytestmark = pytest.mark.slow
+
+NOT_RESHARDED = {"reshard_after_forward": False}
+
+
+def _zero(stage: int, **degrees) -> dict:
+    return {"train_step": True, "watch_gathers": "blocks.0",
+            "plan": {**degrees, **NOT_RESHARDED, "zero_stage": stage}}
+
+
+SCENARIOS = {
+    2: {
+        "gpt-zero2": _zero(2, dp_shard=2, micro_batch_size=2, grad_accum=2),
+        "gpt-zero1": _zero(1, dp_shard=2, micro_batch_size=1, grad_accum=4),
+        "llama-zero1": {**_zero(1, dp_shard=2, micro_batch_size=2, grad_accum=2), "model": "llama",
+                        "watch_gathers": "model.layers.0"},
+        "gpt-zero3-watched": _zero(3, dp_shard=2, micro_batch_size=2, grad_accum=2),  # the schedule it replaces
+    },
+    4: {
+        "gpt-zero2-ws4": _zero(2, dp_shard=4, micro_batch_size=1, grad_accum=2),
+        "gpt-hsdp-zero1": _zero(1, dp_replicate=2, dp_shard=2, micro_batch_size=1, grad_accum=2),
+        "llama-zero2-x-tp": {**_zero(2, dp_shard=2, tp=2, micro_batch_size=2, grad_accum=2), "model": "llama",
+                             "watch_gathers": "model.layers.0"},
+    },
+}
+CASES = [(ws, name) for ws, scenarios in SCENARIOS.items() for name in scenarios]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for world_size, scenarios in SCENARIOS.items():
+        specs = [{"name": name, **spec} for name, spec in scenarios.items()]
+        out[world_size] = run_scenarios(specs, world_size, tmp_path_factory.mktemp(f"ws{world_size}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: reference(kind=kind, grads=True) for kind in ("gpt", "llama")}
+
+
+def _ok(result: dict) -> dict:
+    assert "error" not in result, result.get("traceback", result.get("error"))
+    return result
+
+
+@pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])
+def test_zero_stages_train_as_one_process(results, references, world_size, name):
+    result = _ok(results[world_size][name])
+    ref_losses, ref_params, ref_grads = references[SCENARIOS[world_size][name].get("model", "gpt")]
+    for n, g_ref in ref_grads.items():
+        err = (result["grads"][n] - g_ref).norm().item()
+        assert err <= 1e-5 * g_ref.norm().item() + 1e-9, f"gradient of {n}: error {err:.2e}"
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    num = sum(((result["params"][n] - p) ** 2).sum() for n, p in ref_params.items())
+    assert (num / sum((p ** 2).sum() for p in ref_params.values())).sqrt().item() <= 1e-5
+    for n, p_ref in ref_params.items():
+        assert ((result["params"][n] - p_ref).norm() / p_ref.norm()).item() <= 1e-3, n
+
+
+@pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])
+def test_parameters_are_gathered_once_a_step_under_stages_2_and_1(results, world_size, name):
+    spec = SCENARIOS[world_size][name]
+    plan = spec["plan"]
+    seen = _ok(results[world_size][name])["gathered_at_start"]
+    accum = plan["grad_accum"]
+    assert len(seen) == 10 * accum  # one forward per micro-batch, 10 steps
+    for step in range(10):
+        micro = seen[step * accum:(step + 1) * accum]
+        assert micro[0] is False, f"step {step}: the first micro-batch starts from the shards"
+        # stage 3 reshards after every backward; stages 2 and 1 keep the parameters whole until the last one
+        assert micro[1:] == [plan["zero_stage"] < 3] * (accum - 1), (step, micro)
