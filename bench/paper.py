@@ -1,0 +1,183 @@
+"""Published multi-GPU runs predicted "on paper" (issue 13): every row of ../shared/anchors/scale_tables.md's
+llm-foundry H100 BF16 table, and Megatron-LM's Table 1 (bench/megatron_table1.py's rows), each as its own plan
+on its own cluster, predicted against the published throughput; and what `autopar plan`'s search finds for the
+same model, cluster and global batch.
+
+llm-foundry rows (MosaicML llm-foundry, scripts/train/benchmarking/README.md, "H100 80GB BF16"):
+- the model: MPT shapes from the repository's yamls (scripts/train/yamls/pretrain/mpt-*.yaml: d_model,
+  n_heads, n_layers, expansion_ratio 4, vocab 50,368), built as autopar's GPT (pre-norm blocks, GELU MLP,
+  tied head, SDPA) on the meta device, traced at 2 and 3 blocks with bf16 weights (FSDP mixed precision) and
+  extended to the row's depth;
+- the cluster: GPUs / 8 nodes of 8 H100-SXM (the spec's defaults: NVLink 4 inside a node, 400 Gb/s a GPU
+  across nodes);
+- the plan: FSDP over every GPU (FULL_SHARD), the row's micro-batch and accumulation, full activation
+  checkpointing where the row says AC, bf16, eager.
+What the plan cannot say of the run: llm-foundry's PURE mixed precision reduces gradients in bf16, where
+autopar's FSDP2 plans reduce in fp32 (twice the reduce-scatter bytes); its attention is a Triton flash kernel.
+
+    python -m bench.paper [--out bench/results] [--no-search]
+
+writes bench/results/paper_<date>.txt. Torchtitan's rows (Float8 linears) are listed as not expressible until
+autopar plans fp8 (issue 14).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+import autopar
+from autopar.cost import predict_profile
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.plans import Loop
+from autopar.profile import ModelProfile, extrapolate_profile, profile_model
+from autopar.search import search
+from bench._common import RESULTS
+from bench.megatron_table1 import ROWS as MEGATRON_ROWS
+from bench.megatron_table1 import predict_row as megatron_row
+
+MPT_VOCAB = 50368
+# d_model, n_heads, n_layers (llm-foundry scripts/train/yamls/pretrain/mpt-<name>.yaml)
+MPT = {"70b": (8192, 64, 80), "30b": (7168, 56, 48), "13b": (5120, 40, 40), "7b": (4096, 32, 32),
+       "3b": (2560, 20, 32), "1b": (2048, 16, 24), "760m": (1536, 12, 24)}
+
+
+@dataclass(frozen=True)
+class FoundryRow:
+    """One row of the llm-foundry H100 80GB BF16 table."""
+
+    model: str
+    seq_len: int
+    num_gpus: int
+    mfu_percent: float
+    micro_batch_size: int
+    grad_accum: int
+    tokens_per_s_per_gpu: float
+    checkpointing: bool
+
+    @property
+    def plan(self) -> autopar.Plan:
+        return autopar.Plan(dp_shard=self.num_gpus, micro_batch_size=self.micro_batch_size,
+                            grad_accum=self.grad_accum, checkpointing="full" if self.checkpointing else "none",
+                            precision="bf16")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.num_gpus * self.micro_batch_size * self.grad_accum
+
+    @property
+    def topology(self) -> autopar.Topology:
+        return autopar.Topology.from_spec(f"{max(self.num_gpus // 8, 1)}x8xH100-SXM")
+
+
+FOUNDRY_H100_BF16 = [FoundryRow(*r) for r in (
+    ("70b", 2048, 64, 42.57, 8, 4, 1039, True), ("70b", 2048, 32, 36.15, 2, 16, 882, True),
+    ("30b", 2048, 32, 43.92, 14, 3, 2308, True), ("30b", 4096, 8, 35.86, 1, 21, 1802, True),
+    ("13b", 2048, 64, 39.86, 2, 1, 4800, False), ("13b", 4096, 8, 41.60, 10, 3, 4717, True),
+    ("7b", 2048, 8, 46.44, 6, 1, 10643, False), ("7b", 8192, 8, 37.14, 8, 2, 6935, True),
+    ("3b", 2048, 64, 40.80, 6, 3, 22525, False), ("3b", 8192, 8, 40.31, 3, 6, 16578, False),
+    ("1b", 2048, 8, 41.82, 14, 1, 45455, False), ("1b", 16384, 8, 35.22, 2, 4, 19649, False),
+    ("760m", 2048, 32, 37.57, 24, 1, 67971, False), ("760m", 512, 8, 40.42, 96, 2, 83749, False),
+)]
+
+TORCHTITAN_NOT_EXPRESSIBLE = [
+    "Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, Float8 + compile: 829 tokens/s/GPU, 71.9 GiB",
+    "Llama 3.1 405B, 512 H100, FSDP 8 x TP 8 x PP 8, Float8 + async TP: 100 (1F1B) / 128 (interleaved) tokens/s/GPU",
+    "Llama 3.1 8B, 32 / 64 H200, FSDP, Float8 with float8 all-gather: 10,938 / 10,753 tokens/s/GPU",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(hidden: int, heads: int, blocks: int, seq_len: int) -> ModelProfile:
+    cfg = GPTConfig(vocab_size=MPT_VOCAB, seq_len=seq_len, num_layers=blocks, hidden_dim=hidden, num_heads=heads)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return profile_model(model, torch.zeros(1, seq_len, dtype=torch.long, device="meta"), warn=False,
+                         precision="bf16-pure", graphs=False)
+
+
+def mpt_profile(name: str, seq_len: int) -> ModelProfile:
+    hidden, heads, layers = MPT[name]
+    return extrapolate_profile(_traced(hidden, heads, 2, seq_len), _traced(hidden, heads, 3, seq_len), layers)
+
+
+def foundry_line(row: FoundryRow, *, with_search: bool) -> tuple[str, float]:
+    """The row predicted under its own plan (and the search's best), and the throughput error."""
+    profile = mpt_profile(row.model, row.seq_len)
+    pred = predict_profile(profile, row.plan, row.topology)
+    tokens = row.micro_batch_size * row.grad_accum * row.seq_len / pred.step_s
+    err = tokens / row.tokens_per_s_per_gpu - 1
+    parts = " ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in pred.time.parts().items() if v >= 1e-3)
+    line = (f"{row.model:>5} {row.seq_len:>6} {row.num_gpus:>4} {row.micro_batch_size:>3}x{row.grad_accum:<3} "
+            f"{'AC' if row.checkpointing else '- ':>2} {row.tokens_per_s_per_gpu:>7.0f} {tokens:>8.0f} {err:+7.1%} "
+            f"{pred.memory.peak_bytes / 2**30:6.1f}")
+    if with_search:
+        ranked = search(profile, row.topology, world_size=row.num_gpus, global_batch_size=row.global_batch_size,
+                        loop=Loop.TRAIN_STEP, headroom=0.95)
+        best = next((c for c in ranked if c.feasible), None)
+        if best is None:
+            line += "  search: nothing fits"
+        else:
+            found = row.global_batch_size * row.seq_len / best.prediction.step_s / row.num_gpus
+            line += f"  search {found:8.0f} ({found / tokens:5.2f}x own plan): {_short(best.plan)}"
+    return line + f"  | {parts}", err
+
+
+def _short(plan: autopar.Plan) -> str:
+    mesh = "x".join(f"{axis}{getattr(plan, axis)}" for axis in ("pp", "dp_replicate", "dp_shard", "tp")
+                    if getattr(plan, axis) > 1)
+    zero = "" if plan.zero_stage == 3 else f" zero{plan.zero_stage}"
+    reshard = "" if plan.reshard_after_forward or plan.dp_shard == 1 else " keep"
+    return (f"{mesh or '1gpu'} mb{plan.micro_batch_size}x{plan.grad_accum} {plan.checkpointing}{reshard}{zero}"
+            f"{' compile' if plan.compile else ''}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.paper", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--no-search", action="store_true", help="predict the published plans only")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    lines = [f"date {datetime.date.today().isoformat()}, torch {torch.__version__}, python {platform.python_version()}, "
+             f"{os.cpu_count()} CPUs, no GPU used",
+             "command: " + " ".join(["python -m bench.paper", *sys.argv[1:]]),
+             "calibration: autopar's defaults (H200-measured, applied to the H100 spec) for every llm-foundry row; "
+             "Megatron rows: bench/megatron_table1.py's (its per-table GEMM factor 0.62, to be replaced)",
+             "", "llm-foundry H100 80GB BF16 (tokens/s/GPU; FSDP FULL_SHARD over every GPU):",
+             f"{'model':>5} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>2} {'publ':>7} {'pred':>8} {'err':>7} "
+             f"{'GiB':>6}"]
+    errors = []
+    for row in FOUNDRY_H100_BF16:
+        line, err = foundry_line(row, with_search=not args.no_search)
+        lines.append(line)
+        errors.append(err)
+        print(line, flush=True)
+    within = sum(abs(e) <= 0.15 for e in errors)
+    lines += [f"llm-foundry: {within} of {len(errors)} within 15%; errors {min(errors):+.1%} .. {max(errors):+.1%}, "
+              f"median |err| {sorted(abs(e) for e in errors)[len(errors) // 2]:.1%}", "",
+              "Megatron-LM Table 1 (TFLOP/s per GPU; bench/megatron_table1.py's best plan per row):"]
+    for row in MEGATRON_ROWS:
+        params, _, _, _, tp, pp, gpus, _, published = row
+        plan, pred, tflops = megatron_row(row)
+        lines.append(f"{params:6.1f}B TP{tp} PP{pp} {gpus:>5} GPUs: published {published:>4}, predicted {tflops:6.1f} "
+                     f"({tflops / published - 1:+.1%})")
+        print(lines[-1], flush=True)
+    lines += ["", "not expressible yet (fp8):", *(f"  {t}" for t in TORCHTITAN_NOT_EXPRESSIBLE),
+              "", f"{time.perf_counter() - start:.0f} s"]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"paper_{datetime.date.today().isoformat()}.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
