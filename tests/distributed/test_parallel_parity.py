@@ -19,11 +19,10 @@ shrink with the gradient. The gradient check above pins the arithmetic itself at
 from __future__ import annotations
 
 import pytest
-import torch
 import yaml
 
 from tests._training import reference
-from tests.distributed._launch import run_scenarios
+from tests.distributed._parity import assert_trains_as_one_process, run_world_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -77,11 +76,7 @@ CASES = [(ws, name) for ws, scenarios in SCENARIOS.items() for name in scenarios
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = {}
-    for world_size, scenarios in SCENARIOS.items():
-        specs = [{"name": name, **spec} for name, spec in scenarios.items()]
-        out[world_size] = run_scenarios(specs, world_size, tmp_path_factory.mktemp(f"ws{world_size}"))
-    return out
+    return run_world_sizes(SCENARIOS, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -89,28 +84,10 @@ def references():
     return {kind: reference(kind=kind, grads=True) for kind in MODELS}
 
 
-def _global_rel(params: dict, ref: dict) -> float:
-    num = sum(((params[n] - ref[n]) ** 2).sum() for n in ref)
-    return (num / sum((ref[n] ** 2).sum() for n in ref)).sqrt().item()
-
-
 @pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])
 def test_parity_with_single_process(results, references, world_size, name):
-    result = results[world_size][name]
-    assert "error" not in result, result.get("traceback", result.get("error"))
     kind = SCENARIOS[world_size][name].get("model", "gpt")
-    ref_losses, ref_params, ref_grads = references[kind]
-    assert set(result["params"]) == set(ref_params), "parameter names changed under autopar"
-    # First-step gradients: the arithmetic at fp32 precision.
-    assert set(result["grads"]) == set(ref_grads)
-    for n, g_ref in ref_grads.items():
-        err = (result["grads"][n] - g_ref).norm().item()
-        assert err <= 1e-5 * g_ref.norm().item() + 1e-9, f"gradient of {n}: error {err:.2e} (norm {g_ref.norm():.2e})"
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    assert _global_rel(result["params"], ref_params) <= 1e-5
-    for n, p_ref in ref_params.items():
-        err = ((result["params"][n] - p_ref).norm() / p_ref.norm()).item()
-        assert err <= 1e-3, f"{n}: relative error {err:.2e}"
+    assert_trains_as_one_process(results[world_size][name], *references[kind])  # first-step gradients: fp32
 
 
 TP_CASES = [(ws, n) for ws, n in CASES if SCENARIOS[ws][n]["plan"].get("tp", 1) > 1]

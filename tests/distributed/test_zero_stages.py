@@ -8,10 +8,9 @@ again for every micro-batch."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests._training import reference
-from tests.distributed._launch import run_scenarios
+from tests.distributed._parity import assert_trains_as_one_process, run_world_sizes
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +42,7 @@ CASES = [(ws, name) for ws, scenarios in SCENARIOS.items() for name in scenarios
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = {}
-    for world_size, scenarios in SCENARIOS.items():
-        specs = [{"name": name, **spec} for name, spec in scenarios.items()]
-        out[world_size] = run_scenarios(specs, world_size, tmp_path_factory.mktemp(f"ws{world_size}"))
-    return out
+    return run_world_sizes(SCENARIOS, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +57,7 @@ def _ok(result: dict) -> dict:
 
 @pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])
 def test_zero_stages_train_as_one_process(results, references, world_size, name):
-    result = _ok(results[world_size][name])
-    ref_losses, ref_params, ref_grads = references[SCENARIOS[world_size][name].get("model", "gpt")]
-    for n, g_ref in ref_grads.items():
-        err = (result["grads"][n] - g_ref).norm().item()
-        assert err <= 1e-5 * g_ref.norm().item() + 1e-9, f"gradient of {n}: error {err:.2e}"
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    num = sum(((result["params"][n] - p) ** 2).sum() for n, p in ref_params.items())
-    assert (num / sum((p ** 2).sum() for p in ref_params.values())).sqrt().item() <= 1e-5
-    for n, p_ref in ref_params.items():
-        assert ((result["params"][n] - p_ref).norm() / p_ref.norm()).item() <= 1e-3, n
+    assert_trains_as_one_process(results[world_size][name], *references[SCENARIOS[world_size][name].get("model", "gpt")])
 
 
 @pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])
