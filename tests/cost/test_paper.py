@@ -245,6 +245,35 @@ def test_zero_stage3_model_states(model):
         assert states * params / profile.num_params / 1e9 == pytest.approx(gb, rel=0.006, abs=0.005)
 
 
+# ZeRO Table 1, stages 1 and 2 (the 7.5B model): 4 P + 12 P / N and 2 P + 14 P / N. autopar's stages (Plan.zero_stage)
+# keep the parameters gathered in bf16 across the step (the table's 2 P of fp16 weights), shard fp32 master weights
+# and Adam's moments (12 P / N), and keep fp32 gradients where ZeRO keeps fp16 ones: FSDP2 reduces and accumulates
+# in fp32, so stage 1 holds 4 P of gradients (the table: 2 P) and stage 2 4 P / N (the table: 2 P / N).
+ZERO_STAGES_7B = {1: {1: 120, 4: 52.5, 16: 35.6, 64: 31.4, 256: 30.4, 1024: 30.1},
+                  2: {1: 120, 4: 41.3, 16: 21.6, 64: 16.6, 256: 15.4, 1024: 15.1}}
+FP32_GRADIENTS_OVER_ZERO = {1: lambda p, n: 2 * p, 2: lambda p, n: 2 * p / n}  # bytes autopar adds to the table's
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_stages_1_and_2_model_states(stage):
+    profile = _profile(*ZERO_SHAPES["7.5B"])
+    params = profile.num_params
+    for n, gb in ZERO_STAGES_7B[stage].items():
+        if n == 1:
+            continue  # a stage needs sharding (dp_shard > 1); the table's DP=1 column is plain data parallelism
+        plan = autopar.Plan(dp_shard=n, micro_batch_size=1, grad_accum=2, precision="bf16", reshard_after_forward=False,
+                            zero_stage=stage)
+        mem = predict_memory(profile, plan, Calibration())
+        weights_bf16 = 2 * params  # every block gathered, and the modules around them
+        assert weights_bf16 <= mem.gathered_bytes <= weights_bf16 + 8 * params / ZERO_SHAPES["7.5B"][2]  # + a block's buffers
+        states = mem.parameters_bytes + mem.gradients_bytes + mem.optimizer_bytes + weights_bf16
+        table = {1: 4 * params + 12 * params / n, 2: 2 * params + 14 * params / n}[stage]
+        assert states == pytest.approx(table + FP32_GRADIENTS_OVER_ZERO[stage](params, n), rel=1e-9)
+        # the table's printed figure, scaled to its 7.5e9 parameters
+        assert (states - FP32_GRADIENTS_OVER_ZERO[stage](params, n)) * 7.5e9 / params / 1e9 == \
+            pytest.approx(gb, rel=0.006, abs=0.05)
+
+
 def test_replicated_data_parallelism_keeps_all_model_states():
     """ZeRO's baseline: plain data parallelism (autopar's dp_replicate) keeps 16 P on every GPU."""
     profile = _profile(*ZERO_SHAPES["7.5B"])
