@@ -368,7 +368,7 @@ def short_name(plan: Plan) -> str:
     if plan.sequence_parallel:
         parts.append("sp")
     if plan.uses_fsdp and not plan.reshard_after_forward:
-        parts.append("no-reshard")
+        parts.append("no-reshard" if plan.zero_stage == 3 else f"zero{plan.zero_stage}")
     if plan.cpu_offload:
         parts.append("offload")
     return " ".join(parts)

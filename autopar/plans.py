@@ -364,6 +364,8 @@ class Plan:
             value = getattr(self, f.name)
             if f.name in ("model_fingerprint", "topology_fingerprint", "prediction", "measurement") and value is None:
                 continue
+            if f.name == "zero_stage" and value == 3:  # left out at its default: files an older autopar reads
+                continue
             out[f.name] = value
         return out
 

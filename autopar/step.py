@@ -189,14 +189,18 @@ def train_step(
 def _before_micro_batch(model: nn.Module, plan: Plan, *, last: bool) -> None:
     """FSDP2's switches for the next micro-batch, as the plan runs a step's micro-batches:
     - replicas only (DDP-like): gradients all-reduced after the last micro-batch only;
+    - HSDP (replicas of shards): the shards' all-reduce across replicas after the last micro-batch only (the
+      reduce-scatter inside a replica still runs every micro-batch), as the cost model counts it;
     - zero_stage 2 and 1: the parameters, gathered by the first micro-batch's forward, stay whole until the last
       micro-batch's backward reshards them (set_reshard_after_backward); under stage 1 the gradients also stay
-      whole, accumulated, and are reduce-scattered after the last micro-batch only."""
+      whole, accumulated, and are reduce-scattered (and all-reduced) after the last micro-batch only."""
     if not hasattr(model, "set_requires_gradient_sync"):  # not an FSDP2 module: nothing to switch
         return
     replicate_only = plan.dp_shard == 1 and plan.dp_replicate > 1
     if plan.zero_stage < 3:
         model.set_reshard_after_backward(last)
+    if plan.dp_shard > 1 and plan.dp_replicate > 1:
+        model.set_requires_all_reduce(last)
     if replicate_only or plan.zero_stage == 1:
         model.set_requires_gradient_sync(last)
 

@@ -51,7 +51,8 @@ def test_plans_without_a_zero_stage_keep_their_keys_and_files_read_back():
     assert Plan(dp_shard=2).key() == Plan(dp_shard=2, zero_stage=3).key()
     assert "zero_stage" not in Plan(dp_shard=2).strategy()
     two = Plan(dp_shard=2, grad_accum=2, reshard_after_forward=False, zero_stage=2)
-    assert two.key() != two.replace(zero_stage=1).key() != two.replace(zero_stage=3).key()
+    keys = {two.key(), two.replace(zero_stage=1).key(), two.replace(zero_stage=3).key()}
+    assert len(keys) == 3
     assert Plan.from_yaml(two.to_yaml()) == two
     assert Plan.from_yaml("dp_shard: 2\n").zero_stage == 3  # a file from before the field
 

@@ -185,12 +185,10 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     if live is not None:  # the trace's own replay of the eager step: every moment, no rule
         activations, gradients = live
         allocated = parameters + buffers + gradients + optimizer + gathered + activations
-        overhead = _replayed_overhead(act.prof, plan, cal)
+        overhead = _replayed_overhead(act.prof, plan, cal, _overhead_bytes(act.prof, plan, cal, allocated, largest))
         return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                                 gathered_bytes=gathered, activations_bytes=activations, transient_bytes=0.0,
-                                overhead_bytes=overhead if overhead is not None else
-                                _overhead_bytes(act.prof, plan, cal, allocated, largest),
-                                buffers_bytes=buffers)
+                                overhead_bytes=overhead, buffers_bytes=buffers)
     # The peak is the largest of these moments (measured with the exact check, autopar.exact):
     # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
     # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
@@ -392,15 +390,24 @@ def _transient_bytes(prof: ModelProfile, plan: Plan, cal: "Calibration", last: b
     return largest, largest
 
 
-def _replayed_overhead(prof: ModelProfile, plan: Plan, cal: "Calibration") -> float | None:
+def _replayed_overhead(prof: ModelProfile, plan: Plan, cal: "Calibration", rule: float) -> float:
     """What must fit beyond the allocated peak of an eager step the trace replayed: the CUDA context and the
     caching allocator's reserve in a loop of that step (autopar.profile.allocator: the allocator's own rules
-    over the traced allocations, which no single factor fits). The reserve is the replay's at the traced
-    micro-batch, scaled to the plan's (its large blocks are activations, which scale so). None where the
-    profile has no replay."""
-    if prof.allocator_reserve_bytes is None:
-        return None
-    return cal.context_bytes + prof.allocator_reserve_bytes * plan.micro_batch_size / prof.sample_batch_size
+    over the traced allocations, which no single factor fits). `rule` (the largest-tensor rule's overhead, bytes)
+    where the profile has no replay or the replay is not of this plan's loop (`_replays`), and at least `rule`
+    where the trace did not dispatch as CUDA (a CPU trace's allocations can differ from CUDA's)."""
+    if prof.allocator_reserve_bytes is None or not _replays(prof, plan):
+        return rule
+    replayed = cal.context_bytes + prof.allocator_reserve_bytes
+    return replayed if prof.allocator_replay_on_cuda else max(replayed, rule)
+
+
+def _replays(prof: ModelProfile, plan: Plan) -> bool:
+    """Whether the allocator's replay is of this plan's loop: one GPU's whole weights, gradients and optimizer
+    state (no data parallelism, no offload), one micro-batch a step, of the traced size (the reserve is not
+    linear in the micro-batch: a block cached for one size is carved differently at another)."""
+    return (plan.dp_size == 1 and not plan.cpu_offload and plan.grad_accum == 1
+            and plan.micro_batch_size == prof.sample_batch_size)
 
 
 def _overhead_bytes(prof: ModelProfile, plan: Plan, cal: "Calibration", allocated: float, largest: float) -> float:

@@ -57,12 +57,20 @@ class CachingAllocator:
         self._pools: dict[bool, list[tuple[int, int, int]]] = {True: [], False: []}  # small? -> sorted keys
         self._free_blocks: dict[tuple[int, int, int], _Block] = {}
         self._small_segment: dict[int, bool] = {}  # segment serial -> whether it belongs to the small pool
-        self._handles: dict[int, _Block] = {}
+        self._handles: dict[int, _Block | None] = {}
         self._next_handle = 0
         self.allocated_bytes = self.reserved_bytes = 0
         self.peak_allocated_bytes = self.peak_reserved_bytes = 0
+        self.requested_bytes = self.peak_requested_bytes = 0  # the bytes asked for, before rounding
+        self._requested: dict[int, int] = {}
 
     def malloc(self, nbytes: int) -> int:
+        """A handle for `nbytes`; an empty request (a 0-byte storage) holds no block, as in torch."""
+        handle = self._next_handle
+        self._next_handle += 1
+        if nbytes == 0:
+            self._handles[handle] = None
+            return handle
         size = _rounded(nbytes)
         small = size <= SMALL_REQUEST_BYTES
         block = self._take_free(size, small) or self._new_segment(size, small)
@@ -70,13 +78,17 @@ class CachingAllocator:
         block.free = False
         self.allocated_bytes += block.size
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
-        handle = self._next_handle
-        self._next_handle += 1
+        self.requested_bytes += nbytes
+        self.peak_requested_bytes = max(self.peak_requested_bytes, self.requested_bytes)
+        self._requested[handle] = nbytes
         self._handles[handle] = block
         return handle
 
     def free(self, handle: int) -> None:
         block = self._handles.pop(handle)
+        if block is None:
+            return
+        self.requested_bytes -= self._requested.pop(handle)
         self.allocated_bytes -= block.size
         block.free = True
         for neighbour in (block.prev, block.next):
@@ -147,10 +159,12 @@ def _merge(block: _Block, neighbour: _Block) -> _Block:
 @dataclass(frozen=True)
 class ReplayedSteps:
     """The caching allocator over training steps replayed from a trace: peaks of allocated and reserved
-    bytes (the reserve beyond the allocated peak: `reserve_bytes`)."""
+    bytes, and of the bytes requested (before the allocator's rounding). `reserve_bytes`, what it holds beyond the
+    requested peak, is what the cost model adds to its own (exact, unrounded) allocated bytes."""
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int
+    peak_requested_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.peak_allocated_bytes <= self.peak_reserved_bytes:
@@ -159,7 +173,7 @@ class ReplayedSteps:
 
     @property
     def reserve_bytes(self) -> int:
-        return self.peak_reserved_bytes - self.peak_allocated_bytes
+        return self.peak_reserved_bytes - (self.peak_requested_bytes or self.peak_allocated_bytes)
 
 
 @dataclass(frozen=True)
@@ -196,7 +210,7 @@ def replay_steps(step: StepEvents, *, weight_bytes: Iterable[int], state_bytes: 
         if index == 0:
             for nbytes in state:
                 allocator.malloc(nbytes)
-    return ReplayedSteps(allocator.peak_allocated_bytes, allocator.peak_reserved_bytes)
+    return ReplayedSteps(allocator.peak_allocated_bytes, allocator.peak_reserved_bytes, allocator.peak_requested_bytes)
 
 
 def _replay_one(allocator: CachingAllocator, step: StepEvents) -> dict[int, int]:

@@ -133,6 +133,7 @@ def profile_model(
         compiled_saved_bytes_outside_blocks=compiled.outside_bytes if compiled is not None else None,
         live_frontier=t.live_frontier,
         allocator_reserve_bytes=t.allocator_reserve_bytes,
+        allocator_replay_on_cuda=t.allocator_replay_on_cuda,
         **shape_facts(model, units if repeated else []),
     )
 

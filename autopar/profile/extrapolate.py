@@ -33,7 +33,7 @@ def extrapolate_profile(shallow: ModelProfile, deeper: ModelProfile, num_blocks:
         **{name: _grown(shallow, deeper, name, num_blocks) for name in _LINEAR_IN_DEPTH},
         num_layers=num_blocks if deeper.num_layers is not None else None,
         live_frontier=(),  # the shallow traces' peaks say nothing exact of the deep model's
-        allocator_reserve_bytes=None,  # nor their allocator's replay
+        allocator_reserve_bytes=None, allocator_replay_on_cuda=False,  # nor their allocator's replay
         notes=deeper.notes + (f"extrapolated from traces with {shallow.num_blocks} and {deeper.num_blocks} "
                               f"blocks to {num_blocks} blocks (for planning only)",),
     )

@@ -1,9 +1,10 @@
 """Bytes alive during the traced step (LiveMemory): the eager step's memory peak, read from the fake trace.
 
 Fake tensors live and die as real ones do: autograd frees a saved tensor once its node has run, Python frees
-a temporary when its last reference goes. A finalizer on each storage the step creates (never the weights,
-nor the weights' casts: autocast's bf16 copies, counted with the weights by the cost model) therefore
-replays the caching allocator's allocated bytes op by op. The replay keeps two sums, the gradients (the
+a temporary when its last reference goes. A finalizer on each storage the step creates (never the weights)
+therefore replays the caching allocator's allocated bytes op by op. The weights' casts (autocast's bf16
+copies) are recorded too, but left out of the sums below (the cost model counts them with the weights); the
+allocator's replay (autopar.profile.allocator) takes every storage. The replay keeps two sums, the gradients (the
 storages that end as a parameter's `.grad`) and everything else (activations, transients, the loss's
 buffers), and the step's peak is reported as their Pareto frontier: each point is (other bytes, gradient
 bytes) at one moment, and no kept point is below another in both. The cost model scales the first sum with

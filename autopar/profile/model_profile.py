@@ -165,6 +165,8 @@ class ModelProfile:
     # can peak, as (non-gradient bytes, gradient bytes) pairs (autopar.profile.live); empty: not known
     allocator_reserve_bytes: int | None = None  # the CUDA caching allocator's reserve over the allocated peak in a
     # loop of the traced step (autopar.profile.allocator); bytes; None: not known
+    allocator_replay_on_cuda: bool = False  # whether that step was traced on a fake CUDA device (CUDA's dispatch and
+    # so its allocations); a CPU trace's replay can miss CUDA's (bench/results/allocator_reserve_2026-12-02.md)
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"

@@ -59,6 +59,7 @@ class Trace:
     live_frontier: Frontier = ()  # (non-gradient, gradient) bytes alive at the moments that can peak (LiveMemory)
     allocator_reserve_bytes: int | None = None  # the caching allocator's reserve over the allocated peak in a loop
     # of this step (autopar.profile.allocator.replay_steps); None: not replayed
+    allocator_replay_on_cuda: bool = False  # whether that step dispatched as CUDA does (a fake CUDA device)
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -104,6 +105,7 @@ class StepTrace:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
+        self.on_cuda = device.type == "cuda"  # a fake CUDA step: CUDA's own dispatch, allocation for allocation
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
         self.state = _fake_state(model, self.fake_mode, device, pure)
@@ -208,7 +210,7 @@ class StepTrace:
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
             value_reads=self.value_reads,
             live_frontier=w.live.frontier(self._gradients()),
-            allocator_reserve_bytes=self._allocator_replay().reserve_bytes)
+            allocator_reserve_bytes=self._allocator_replay().reserve_bytes, allocator_replay_on_cuda=self.on_cuda)
 
     def _gradients(self) -> list[torch.Tensor]:
         return [t.grad for t in self.state.values() if t.grad is not None]

@@ -91,7 +91,7 @@ class _ReplicatedParams:
     training loop of the user's own. Under gradient accumulation it runs where FSDP reduces: after every
     micro-batch when the gradients are reduce-scattered each time, after the last one only when the loop
     turns FSDP's gradient synchronisation off until then (`set_requires_gradient_sync` on the root unit,
-    which autopar.train_step does under plain replication). Either way the result is the average of the
+    which autopar.train_step does under plain replication and ZeRO stage 1). Either way the result is the average of the
     summed gradients: a gradient averaged earlier is the same on every rank, and averaging it again keeps it.
     """
 

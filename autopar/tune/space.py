@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # optuna loads when a study runs, not on `import autopar` (wh
     from optuna.samplers import BaseSampler
 
 #: The plan's fields that are trial parameters beside `plan`, in the order the dashboard lists them.
-FIELDS = tuple(Plan().strategy())
+FIELDS = (*Plan().strategy(), "zero_stage")  # strategy() leaves zero_stage out at its default
 
 
 def unit_of(profile: Any) -> str:

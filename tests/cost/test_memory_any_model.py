@@ -339,18 +339,26 @@ def test_the_reserve_is_the_block_of_the_tensor_freed_before_the_peak():
 
 
 def test_an_eager_step_the_trace_replayed_reserves_what_the_allocator_replay_says():
-    """An eager plan's reserve is the caching allocator's in the replayed loop (autopar.profile.allocator), scaled
-    to the plan's micro-batch, plus the context; a compiled plan, whose step is not the traced one, keeps the rule."""
+    """An eager one-GPU plan at the traced micro-batch reserves what the caching allocator's replay of its loop
+    reserves (autopar.profile.allocator), plus the context; from a CPU trace (another dispatch than CUDA's) at least
+    the largest-tensor rule; other plans (another micro-batch, data parallelism, compiled) keep the rule."""
     cfg = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, hidden_dim=64, num_heads=2)
     with torch.device("meta"):
-        prof = profile_model(GPT(cfg), torch.zeros(2, 64, dtype=torch.long), loss_fn=lm_loss, precision="bf16",
-                             warn=False)
-    assert prof.allocator_reserve_bytes is not None and prof.allocator_reserve_bytes > 0
+        cpu = profile_model(GPT(cfg), torch.zeros(2, 64, dtype=torch.long), loss_fn=lm_loss, precision="bf16",
+                            warn=False)
+    assert cpu.allocator_reserve_bytes is not None and cpu.allocator_reserve_bytes > 0
+    assert not cpu.allocator_replay_on_cuda
+    cuda = dataclasses.replace(cpu, allocator_replay_on_cuda=True)  # as a fake CUDA trace records it
+    unreplayed = dataclasses.replace(cpu, allocator_reserve_bytes=None)
     cal = Calibration(context_bytes=1000.0)
-    eager = predict_memory(prof, P(micro_batch_size=4, precision="bf16"), cal, variants={"bf16": prof})
-    assert eager.overhead_bytes == pytest.approx(1000.0 + prof.allocator_reserve_bytes * 4 / prof.sample_batch_size)
-    compiled = predict_memory(prof, P(micro_batch_size=4, precision="bf16", compile=True), cal,
-                              variants={"bf16": prof})
-    unreplayed = dataclasses.replace(prof, allocator_reserve_bytes=None)
-    assert compiled.overhead_bytes == predict_memory(unreplayed, P(micro_batch_size=4, precision="bf16", compile=True),
-                                                     cal, variants={"bf16": unreplayed}).overhead_bytes
+
+    def overhead(prof, **plan) -> float:
+        return predict_memory(prof, P(precision="bf16", **plan), cal, variants={"bf16": prof}).overhead_bytes
+
+    replayed = 1000.0 + cpu.allocator_reserve_bytes
+    rule = overhead(unreplayed, micro_batch_size=2)
+    assert overhead(cuda, micro_batch_size=2) == pytest.approx(replayed)
+    assert overhead(cpu, micro_batch_size=2) == pytest.approx(max(replayed, rule))
+    for other in ({"micro_batch_size": 4}, {"micro_batch_size": 2, "compile": True}):
+        assert overhead(cuda, **other) == overhead(dataclasses.replace(unreplayed, allocator_replay_on_cuda=True),
+                                                   **other)

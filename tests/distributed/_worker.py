@@ -82,6 +82,7 @@ def run(scenario: dict) -> dict:
         head.register_forward_hook(lambda m, a, out: head_outputs.append(
             f"{type(out).__name__}{tuple(getattr(out, 'placements', ()))}"))
     gathered_at_start = _watch_gathers(model, scenario.get("watch_gathers"))
+    scatters = _ReduceScatters() if scenario.get("count_reduce_scatters") else None
     opt = FirstGrads(model, make_optimizer(model))
     shard = autopar.data_shard(model)
     step_fn = autopar.train_step(model, opt, compute) if scenario.get("train_step") else None
@@ -98,6 +99,8 @@ def run(scenario: dict) -> dict:
         mean = loss.detach().clone().reshape(())
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+    if scatters is not None:
+        scatters.stop()
     plans = [None] * world
     dist.all_gather_object(plans, autopar.plan_of(model).to_yaml())
     shards = [None] * world
@@ -106,7 +109,30 @@ def run(scenario: dict) -> dict:
     dist.all_gather_object(heads, sorted(set(head_outputs)))  # the head lives on the last pipeline stage
     return {"losses": losses, "params": full_params(model), "grads": gather(opt.grads or {}), "plans": plans,
             "shards": shards, "head_outputs": sorted({h for part in heads for h in part}),
-            "applied_checkpointed": list(autopar.applied(model).checkpointed), "gathered_at_start": gathered_at_start}
+            "applied_checkpointed": list(autopar.applied(model).checkpointed), "gathered_at_start": gathered_at_start,
+            "reduce_scatters": None if scatters is None else scatters.calls}
+
+
+class _ReduceScatters:
+    """Counts torch.distributed's reduce-scatter calls (FSDP2's gradient reduction) until stopped."""
+
+    NAMES = ("reduce_scatter_tensor", "reduce_scatter_single")  # the name FSDP2 calls varies across torch versions
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._originals = {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counting(original))
+
+    def _counting(self, original):
+        def call(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+        return call
+
+    def stop(self) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
 
 
 def _watch_gathers(model: torch.nn.Module, path: str | None) -> list[bool]:

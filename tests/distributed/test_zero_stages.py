@@ -1,4 +1,4 @@
-"""ZeRO stages 2 and 1 under FSDP2 (Plan.zero_stage; autopar.train_step runs them) against one process, on 2 and
+"""ZeRO stages 2 and 1 under FSDP2 (and HSDP's once-a-step all-reduce) (Plan.zero_stage; autopar.train_step runs them) against one process, on 2 and
 4 gloo processes: 10 AdamW steps of the built-in GPT and of a tiny Hugging Face Llama, compared as
 tests/distributed/test_parallel_parity.py compares (the first step's gradients and every loss within 1e-5,
 fp32; the final parameters within 1e-5 together, 1e-3 each). And the schedule itself: a block's parameters are
@@ -18,7 +18,7 @@ NOT_RESHARDED = {"reshard_after_forward": False}
 
 
 def _zero(stage: int, **degrees) -> dict:
-    return {"train_step": True, "watch_gathers": "blocks.0",
+    return {"train_step": True, "watch_gathers": "blocks.0", "count_reduce_scatters": True,
             "plan": {**degrees, **NOT_RESHARDED, "zero_stage": stage}}
 
 
@@ -33,6 +33,9 @@ SCENARIOS = {
     4: {
         "gpt-zero2-ws4": _zero(2, dp_shard=4, micro_batch_size=1, grad_accum=2),
         "gpt-hsdp-zero1": _zero(1, dp_replicate=2, dp_shard=2, micro_batch_size=1, grad_accum=2),
+        # HSDP all-reduces across replicas after the last micro-batch only (set_requires_all_reduce), every stage
+        "gpt-hsdp-zero2": _zero(2, dp_replicate=2, dp_shard=2, micro_batch_size=1, grad_accum=2),
+        "gpt-hsdp-zero3": _zero(3, dp_replicate=2, dp_shard=2, micro_batch_size=1, grad_accum=2),
         "llama-zero2-x-tp": {**_zero(2, dp_shard=2, tp=2, micro_batch_size=2, grad_accum=2), "model": "llama",
                              "watch_gathers": "model.layers.0"},
     },
@@ -72,3 +75,16 @@ def test_parameters_are_gathered_once_a_step_under_stages_2_and_1(results, world
         assert micro[0] is False, f"step {step}: the first micro-batch starts from the shards"
         # stage 3 reshards after every backward; stages 2 and 1 keep the parameters whole until the last one
         assert micro[1:] == [plan["zero_stage"] < 3] * (accum - 1), (step, micro)
+
+
+def test_stage_1_reduces_gradients_once_a_step_the_others_every_micro_batch(results):
+    # the GPT scenarios on 2 ranks share a model, so the same FSDP units: reduce-scatters a step / (1 under stage 1,
+    # else the micro-batches) is that number of units in each
+    units = set()
+    for name in ("gpt-zero2", "gpt-zero1", "gpt-zero3-watched"):
+        plan = SCENARIOS[2][name]["plan"]
+        calls = _ok(results[2][name])["reduce_scatters"]
+        per_step, rest = divmod(calls, 10)
+        assert rest == 0, (name, calls)
+        units.add(per_step / (1 if plan["zero_stage"] == 1 else plan["grad_accum"]))
+    assert len(units) == 1 and units.pop() >= 1, units

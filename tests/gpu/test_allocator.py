@@ -2,7 +2,7 @@
 (autopar.profile.allocator) reserves, request by request, what torch's allocator reserves, over a random
 sequence of allocations and frees of every pool and segment kind (small, large under 10 MiB, large above).
 
-Allocated bytes agree exactly. Reserved bytes agree to 1%: where two free blocks of the same size fit, the
+Allocated bytes agree exactly. Reserved bytes agree to 1% or three 20 MiB segments: where two free blocks of the same size fit, the
 allocator takes the one at the lower address, which the model stands in for by the order segments were
 reserved; the device's addresses need not follow it (measured on the H200, 2026-12-02: exact for the first
 1505 requests of seed 0, then 2 MiB apart out of 6.3 GiB)."""
@@ -20,6 +20,7 @@ from autopar.profile.allocator import CachingAllocator
 pytestmark = pytest.mark.gpu
 
 MiB = 1 << 20
+TIES = 3 * 20 * MiB  # a few segments apart where ties broke another way (reserved bytes: the module docstring)
 
 
 def _size(rng: random.Random) -> int:
@@ -51,8 +52,9 @@ def test_reserved_bytes_follow_the_cuda_allocator(seed):
             nbytes = _size(rng)
             alive.append((torch.empty(nbytes, dtype=torch.uint8, device="cuda"), model.malloc(nbytes)))
         assert torch.cuda.memory_allocated() == model.allocated_bytes, f"after request {i}"
-        assert torch.cuda.memory_reserved() == pytest.approx(model.reserved_bytes, rel=0.01), f"after request {i}"
-    assert torch.cuda.max_memory_reserved() == pytest.approx(model.peak_reserved_bytes, rel=0.01)
+        assert torch.cuda.memory_reserved() == pytest.approx(model.reserved_bytes, rel=0.01, abs=TIES), \
+            f"after request {i}"
+    assert torch.cuda.max_memory_reserved() == pytest.approx(model.peak_reserved_bytes, rel=0.01, abs=TIES)
 
 
 @pytest.fixture(autouse=True)

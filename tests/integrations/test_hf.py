@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import autopar
+from autopar._util.dist import World
 from autopar.errors import PlanError
 from autopar.integrations import hf
 from autopar.integrations.hf_callback import feed_back
@@ -148,8 +149,8 @@ def test_a_trainer_older_than_load_time_sharding_trains_one_process_and_refuses_
     assert model._is_distributed_loading_by_transformers and model.config.distributed_config.tp_size == 1
     assert len(_hf.train(model, args)["losses"]) == 2
     fresh, user = _hf.make_model(), _hf.args(str(tmp_path), per_device=_hf.GLOBAL)
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun's second process sees it
-    monkeypatch.setenv("RANK", "1")
+    two = World(size=2, rank=1, local_rank=1, local_size=2)  # torchrun's second process
+    monkeypatch.setattr(hf._dist, "world", lambda: two)
     with pytest.raises(PlanError, match=r"would wrap the sharded model in DDP .*transformers>=5.24") as info:
         hf.prepare(fresh, user, sample=_hf.sample(_hf.GLOBAL))
     assert "\n" not in str(info.value) and getattr(fresh, "_autopar_applied", None) is None

@@ -4,6 +4,8 @@ request, is tests/gpu/test_allocator.py (on the GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autopar.profile.allocator import CachingAllocator, ReplayedSteps, StepEvents, replay_steps
@@ -88,3 +90,24 @@ def test_the_optimizer_state_made_after_the_first_step_fragments_the_cached_acti
 def test_replayed_steps_validate_themselves():
     with pytest.raises(ValueError, match="below the allocated peak"):
         ReplayedSteps(peak_allocated_bytes=2, peak_reserved_bytes=1)
+
+
+def test_an_empty_storage_holds_no_block():
+    a = CachingAllocator()
+    h = a.malloc(0)
+    assert (a.allocated_bytes, a.reserved_bytes) == (0, 0)
+    a.free(h)
+    assert a.allocated_bytes == 0
+
+
+def test_gradients_live_until_the_next_steps_zero_grad():
+    # after the first step the 30 MiB gradient is still alive when the optimizer makes its 30 MiB state, so the
+    # state carves the cached 100 MiB activation block, and the next step's activation needs a new segment;
+    # had the gradient been freed with its step, the state would have taken the gradient's block exactly
+    step = StepEvents(sizes_bytes=(100 * MiB, 30 * MiB), events=((0, 1), (1, 1), (0, -1)),
+                      gradient_serials=frozenset({1}))
+    kept = replay_steps(step, weight_bytes=[30 * MiB], state_bytes=[30 * MiB], batch_bytes=[])
+    assert (kept.peak_allocated_bytes, kept.peak_reserved_bytes) == (190 * MiB, 260 * MiB)
+    freed_with_step = dataclasses.replace(step, gradient_serials=frozenset())
+    early = replay_steps(freed_with_step, weight_bytes=[30 * MiB], state_bytes=[30 * MiB], batch_bytes=[])
+    assert early.reserve_bytes == 0 < kept.reserve_bytes
