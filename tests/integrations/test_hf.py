@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -154,6 +155,14 @@ def test_a_trainer_older_than_load_time_sharding_trains_one_process_and_refuses_
     with pytest.raises(PlanError, match=r"would wrap the sharded model in DDP .*transformers>=5.24") as info:
         hf.prepare(fresh, user, sample=_hf.sample(_hf.GLOBAL))
     assert "\n" not in str(info.value) and getattr(fresh, "_autopar_applied", None) is None
+
+
+def test_settings_use_the_older_name_of_a_field_this_transformers_lacks():
+    # transformers 5.17's TrainingArguments has gradient_checkpointing and no activation_checkpointing
+    older = types.SimpleNamespace(per_device_train_batch_size=8, gradient_accumulation_steps=1, bf16=False, fp16=False,
+                                  gradient_checkpointing=True, torch_compile=False, save_only_model=True)
+    assert hf.trainer_settings(Plan(micro_batch_size=4, grad_accum=2)).changes(older) == {
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "gradient_checkpointing": False}
 
 
 def test_default_save_strategy_is_handled(tmp_path):
