@@ -4,6 +4,7 @@ repository root (bench/README.md)."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from pathlib import Path
 
@@ -11,6 +12,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+
+def write_dated(out_dir: str | Path, stem: str, lines: list[str]) -> Path:
+    """`lines` as `out_dir/<stem>_<today>.txt` (the folder made if need be); returns the path."""
+    path = Path(out_dir) / f"{stem}_{datetime.date.today().isoformat()}.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
 
 # The plan options a result record names (bench/validate_h200.py, tune_h200.py records).
 PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")

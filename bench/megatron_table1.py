@@ -28,7 +28,7 @@ import torch
 
 import autopar
 from autopar.cost import predict_profile
-from bench._common import RESULTS
+from bench._common import RESULTS, write_dated
 
 # The rows, the paper's software calibration, the profiles and the plans are the test's (tests/cost/test_paper.py),
 # so that the benchmark prints what the test asserts.
@@ -124,11 +124,7 @@ def main() -> None:
     lines += ["", "Korthikanti et al. 2022, Table 5 (iteration time, full recompute -> selective recompute + SP):"]
     lines += table5_lines()
     print("\n".join(lines[-6:]))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"megatron_table1_{datetime.date.today().isoformat()}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("wrote", path)
+    print("wrote", write_dated(args.out, "megatron_table1", lines))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.plans import Loop
 from autopar.profile import ModelProfile, extrapolate_profile, profile_model
 from autopar.search import search
-from bench._common import RESULTS
+from bench._common import RESULTS, write_dated
 from bench.megatron_table1 import ROWS as MEGATRON_ROWS
 from bench.megatron_table1 import predict_row as megatron_row
 
@@ -172,11 +172,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines += ["", "not expressible yet (fp8):", *(f"  {t}" for t in TORCHTITAN_NOT_EXPRESSIBLE),
               "", f"{time.perf_counter() - start:.0f} s"]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"paper_{datetime.date.today().isoformat()}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("wrote", path)
+    print("wrote", write_dated(args.out, "paper", lines))
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .._util.batch import autocast_outputs, default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs
 from ..errors import ProfileError, TraceError
+from .allocator import ReplayedSteps, replay_steps
 from .blocks import is_matmul_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
 from .hf_masks import CompileMasks
-from .allocator import ReplayedSteps, replay_steps
 from .live import Frontier
 from .model_profile import MatmulCall, OpGroup
 from .shadow import InputShadows
@@ -197,6 +197,7 @@ class StepTrace:
         counts = self.flop_counter.get_flop_counts()
         root = type(self.model).__name__
         call, w = self.first_call, self.watcher
+        gradients = [t.grad for t in self.state.values() if t.grad is not None]
         return Trace(
             forward_flops=forward_flops, flops=float(self.flop_counter.get_total_flops()),
             block_flops=tuple(float(sum(counts.get(f"{root}.{name}", {}).values())) for name, _ in self.units),
@@ -209,13 +210,11 @@ class StepTrace:
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
             value_reads=self.value_reads,
-            live_frontier=w.live.frontier(self._gradients()),
-            allocator_reserve_bytes=self._allocator_replay().reserve_bytes, allocator_replay_on_cuda=self.on_cuda)
+            live_frontier=w.live.frontier(gradients),
+            allocator_reserve_bytes=self._allocator_replay(gradients).reserve_bytes,
+            allocator_replay_on_cuda=self.on_cuda)
 
-    def _gradients(self) -> list[torch.Tensor]:
-        return [t.grad for t in self.state.values() if t.grad is not None]
-
-    def _allocator_replay(self) -> ReplayedSteps:
+    def _allocator_replay(self, gradients: list[torch.Tensor]) -> ReplayedSteps:
         """A training loop of this step through the caching allocator's model: the weights and buffers (once
         each, tied ones once), the batch, and fused AdamW's state (a 4-byte step count and two tensors like the
         parameter, per trainable parameter, as torch.optim.AdamW(fused=True) makes them at its first step)."""
@@ -224,7 +223,7 @@ class StepTrace:
         state = [n for t in trainable for n in (4, _nbytes(t), _nbytes(t))]
         batch: list[int] = []
         map_tensors(lambda t: batch.append(_nbytes(t)), self.sample)
-        return replay_steps(self.watcher.live.step_events(self._gradients()),
+        return replay_steps(self.watcher.live.step_events(gradients),
                             weight_bytes=[_nbytes(t) for t in unique], state_bytes=state, batch_bytes=batch)
 
     # ---- the hooks -------------------------------------------------------------------------------
