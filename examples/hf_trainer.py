@@ -12,7 +12,10 @@ plan, the Trainer runs it, and AutoparCallback logs the measured step time and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
+import pathlib
 import tempfile
 
 import torch
@@ -50,6 +53,9 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step over all processes")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--output-dir", default=None, help="where the Trainer writes (default: a temporary folder)")
+    p.add_argument("--plan", default=None, help="a plan YAML file (default: autopar chooses one)")
+    p.add_argument("--plan-out", default=None, help="write the plan the run used to this YAML file")
+    p.add_argument("--record", default=None, help="write the plan and the measurement to this JSON file")
     a = p.parse_args()
     hidden, layers, heads, kv, ffn = SIZES[a.size]
     cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -64,11 +70,18 @@ def main() -> None:
     args = TrainingArguments(output_dir=out, max_steps=a.steps, per_device_train_batch_size=a.global_batch // world,
                              learning_rate=3e-4, logging_steps=5, save_strategy="no", report_to=[],
                              use_cpu=not torch.cuda.is_available())
-    model, args = prepare(model, args, sample=data[:a.global_batch // world])  # plan, shard, mark; args to match
-    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[AutoparCallback(warmup_steps=3)])
+    model, args = prepare(model, args, sample=data[:a.global_batch // world], plan=a.plan)  # plan, shard, mark
+    callback = AutoparCallback(warmup_steps=3)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
     trainer.train()  # AutoparCallback logs "[autopar] measured over N steps: ... tokens/s (predicted ...)"
     if trainer.is_world_process_zero():
-        print(autopar.plan_of(model).describe())
+        plan = autopar.plan_of(model)
+        print(plan.describe())
+        if a.plan_out:
+            plan.save(a.plan_out)
+        if a.record:
+            measured = None if callback.measurement is None else dataclasses.asdict(callback.measurement)
+            pathlib.Path(a.record).write_text(json.dumps({"plan": plan.to_dict(), "measured": measured}, indent=1))
 
 
 if __name__ == "__main__":

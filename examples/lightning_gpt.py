@@ -13,6 +13,9 @@ beside the plan's prediction ("[autopar] measured over ..."), and prints the mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import pathlib
 
 import lightning as L
 import torch
@@ -64,6 +67,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--train-step", action="store_true",
                    help="run the plan through autopar.train_step, so autopar may choose TP, PP and accumulation")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--plan-out", default=None, help="write the plan the run used to this YAML file")
+    p.add_argument("--record", default=None, help="write the plan and the measurement to this JSON file")
     return p.parse_args()
 
 
@@ -91,6 +96,16 @@ def main() -> None:
             m = measured.measured
             rate = f"{m.tokens_per_s:,.0f} tokens/s" if m.tokens_per_s is not None else f"{m.samples_per_s:,.1f} samples/s"
             print(f"measured: {rate}, {m.step_s * 1e3:,.1f} ms/step, MFU {m.mfu:.1%}")
+        write_outputs(autopar.plan_of(module), None if measured is None else measured.measured, args)
+
+
+def write_outputs(plan: autopar.Plan, measured: object, args: argparse.Namespace) -> None:
+    """--plan-out: the plan as YAML; --record: the plan and the measurement (StepMeasurement's fields) as JSON."""
+    if args.plan_out:
+        plan.save(args.plan_out)
+    if args.record:
+        record = {"plan": plan.to_dict(), "measured": None if measured is None else dataclasses.asdict(measured)}
+        pathlib.Path(args.record).write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

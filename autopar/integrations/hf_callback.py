@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import resource
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ class StepMeasurement:
     """What `AutoparCallback` measured over a Trainer run, beside the plan's prediction (None: not predicted)."""
 
     steps: int  # timed optimizer steps (after the warm-up)
-    step_s: float  # median seconds per optimizer step
+    step_s: float  # mean seconds per timed optimizer step
     samples_per_s: float  # the plan's global batch per step_s
     tokens_per_s: float | None  # samples_per_s x tokens per sample (None without a sequence)
     mfu: float | None  # the predicted MFU x predicted step_s / measured step_s
@@ -130,20 +129,50 @@ def _peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
 
 
-def measure(state: Applied, step_times_s: list[float]) -> StepMeasurement:
-    """The measurement of the timed steps of a run of the plan in `state`, beside its prediction."""
+def measure(state: Applied, step_s: float, *, steps: int) -> StepMeasurement:
+    """The measurement of `steps` timed steps of a run of the plan in `state` (`step_s`: their mean), beside its
+    prediction."""
     plan, profile = state.plan, state.profile
-    step = float(statistics.median(step_times_s))
+    step = float(step_s)
     samples = plan.global_batch_size / step
     tokens = samples * profile.tokens_per_sample if profile.tokens_per_sample else None
     pred = dict(plan.prediction or {})
     p_step, p_mfu = _finite(pred.get("step_s")), _finite(pred.get("mfu"))
     return StepMeasurement(
-        steps=len(step_times_s), step_s=step, samples_per_s=samples, tokens_per_s=tokens,
+        steps=steps, step_s=step, samples_per_s=samples, tokens_per_s=tokens,
         mfu=p_mfu * p_step / step if p_mfu is not None and p_step is not None else None,
         peak_memory_bytes=_peak_device_bytes(), peak_rss_bytes=_peak_rss_bytes(), predicted_step_s=p_step,
         predicted_tokens_per_s=_finite(pred.get("tokens_per_s")), predicted_mfu=p_mfu,
         predicted_memory_bytes=_finite(pred.get("memory_bytes")))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Window:
+    """The timed steps: the clock starts at the end of the last warm-up step and is read when a measurement is
+    asked for, the device synchronised at both (never between steps: a synchronisation per step would stop the
+    host from queuing the next step while the GPU runs this one, and cost the run a few percent)."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.t0: float | None = None
+        self.first_step = 0
+
+    def step_end(self, global_step: int) -> None:
+        if self.t0 is None and global_step >= self.warmup_steps:
+            _sync()
+            self.t0, self.first_step = time.perf_counter(), global_step
+
+    def read(self, global_step: int) -> tuple[float, int] | None:
+        """(mean seconds per step, steps) since the clock started; None before any timed step."""
+        if self.t0 is None or global_step <= self.first_step:
+            return None
+        _sync()
+        steps = global_step - self.first_step
+        return (time.perf_counter() - self.t0) / steps, steps
 
 
 def feed_back(state: Applied, measured: StepMeasurement, *, loop: Loop,
@@ -177,29 +206,24 @@ class AutoparCallback(transformers.TrainerCallback):
         self.cache_directory = cache_directory
         self.measurement: StepMeasurement | None = None
         self._state: Applied | None = None
-        self._last: float | None = None
-        self._times: list[float] = []
+        self._window = _Window(warmup_steps)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None or not is_wrapped(model):
             raise PlanError("AutoparCallback needs the model autopar.integrations.hf.prepare returned: pass that "
                             "model to the Trainer.")
-        self._state, self._last, self._times, self.measurement = applied(model), None, [], None
+        self._state, self._window, self.measurement = applied(model), _Window(self.warmup_steps), None
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        if self._last is not None and state.global_step > self.warmup_steps:
-            self._times.append(now - self._last)
-        self._last = now
+        self._window.step_end(state.global_step)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if not self._times or self._state is None:
+        timed = self._window.read(state.global_step) if self._state is not None else None
+        if timed is None:
             return
-        self.measurement = measure(self._state, self._times)
+        self.measurement = measure(self._state, timed[0], steps=timed[1])
         if logs is not None:  # for the callbacks after this one (reporters)
             logs.update({f"autopar/{k}": v for k, v in self.measurement.to_cache().items()})
         if _rank() == 0:
@@ -213,11 +237,12 @@ class AutoparCallback(transformers.TrainerCallback):
             save(model, inner, Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FOLDER)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._state is None or not self._times:
+        timed = self._window.read(state.global_step) if self._state is not None else None
+        if timed is None:
             if _rank() == 0 and self._state is not None:
                 get_logger().info("no step timed: the run had at most %d warm-up steps.", self.warmup_steps)
             return
-        self.measurement = measure(self._state, self._times)
+        self.measurement = measure(self._state, timed[0], steps=timed[1])
         if _rank() != 0:
             return
         get_logger().info("%s", self.measurement.describe())
