@@ -5,6 +5,7 @@ would run it: flash, or the memory-efficient kernel where CUDA takes it (flash_l
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 # The builtin F.scaled_dot_product_attention is, as a TorchFunctionMode receives it (taken from torch._C, so
 # that F's attribute replaced elsewhere does not change what is routed).
 _SDPA = torch._C._nn.scaled_dot_product_attention
+_DROPOUT = torch.nn.functional.dropout
 
 
 def _sdpa_flops(q: Sequence[int], k: Sequence[int], v: Sequence[int]) -> int:
@@ -111,12 +113,16 @@ def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     dtype that saves q, k, v, the output and the softmax statistics for backward, never the (seq x seq)
     attention matrix. On CPU tensors torch may pick the unfused math kernel, which saves that matrix in
     fp32 and would overstate a GPU's activation memory many times over. A learned bias (a mask that requires
-    grad) or a value head dim other than the query's takes the memory-efficient kernel, as on CUDA."""
+    grad) or a value head dim other than the query's takes the memory-efficient kernel, as on CUDA; a learned
+    bias broadcast over the batch or heads under dropout takes the math kernel, as on CUDA (_cuda_takes_math)."""
     if torch.is_autocast_enabled(query.device.type):
         dtype = torch.get_autocast_dtype(query.device.type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
         if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(dtype)
+    if _cuda_takes_math(query, attn_mask, dropout_p):
+        with torch.autocast(query.device.type, enabled=False):  # as below autocast's SDPA cast, on CUDA
+            return _cuda_math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
     gqa = key.size(-3) != query.size(-3)
     if gqa:  # grouped-query attention: every query head reads its key/value head
         groups = query.size(-3) // key.size(-3)
@@ -132,6 +138,47 @@ def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
     return out
+
+
+def _cuda_takes_math(query: torch.Tensor, attn_mask: Any, dropout_p: float) -> bool:
+    """Whether CUDA's dispatch runs this call on the math kernel, which saves the (q x k) scores and
+    probabilities in fp32 (it upcasts 16-bit inputs, as torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp
+    is off by default): a float mask that requires grad and is broadcast over the batch or the heads, under
+    dropout. Seen on the H200 (torch 2.11; bench/results/sdpa_calls_h200_2026-12-02.jsonl): T5's self-attention
+    in training, its (1, heads, q, k) relative position bias with dropout 0.1, ran `_safe_softmax` in fp32; the
+    same kind of bias without dropout (Swin) and a whole (batch, heads, q, k) bias with dropout
+    (sdpa_choice_h200_2026-12-02.jsonl) took the memory-efficient kernel."""
+    if not (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point() and attn_mask.requires_grad
+            and dropout_p > 0):
+        return False
+    lead = query.dim() - 2  # the batch-like dims the mask is broadcast against, right-aligned
+    shape = (1,) * max(0, query.dim() - attn_mask.dim()) + tuple(attn_mask.shape)
+    return any(m == 1 and q > 1 for m, q in zip(shape[:lead], query.shape[:lead]))
+
+
+def _cuda_math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
+                         dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """SDPA's math kernel as CUDA runs it (aten/src/ATen/native/transformers/attention.cpp): q, k and v upcast
+    to fp32, each scaled by sqrt(scale), the (q x k) scores plus the mask, softmax, then dropout by the fused
+    kernel (native_dropout: a boolean keep-mask, where the CPU's composite dropout keeps a float one), times v,
+    cast back. Saved for backward, as on the GPU: the fp32 q, k, v, probabilities, dropped probabilities and the
+    boolean mask."""
+    if key.size(-3) != query.size(-3):  # grouped-query attention: every query head reads its key/value head
+        groups = query.size(-3) // key.size(-3)
+        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.size(-1)))
+    q, k, v = (t.to(torch.float32) for t in (query, key, value))
+    scores = (q * root) @ (k * root).transpose(-2, -1)  # (..., q, k)
+    if is_causal:
+        keep = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    bias = _additive(attn_mask, torch.float32)
+    if bias is not None:
+        scores = scores + bias
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
+    return (probs @ v).to(query.dtype)
 
 
 def _needs_efficient_kernel(query: torch.Tensor, value: torch.Tensor, attn_mask: Any) -> bool:
@@ -174,17 +221,32 @@ def _efficient_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 
 class _FlashLikeSdpa(TorchFunctionMode):
-    """Routes every call of F.scaled_dot_product_attention (however the model reached it) to the stand-in;
-    every other torch function runs as it would."""
+    """Routes every call of F.scaled_dot_product_attention (however the model reached it) to the stand-in, and
+    every training-mode F.dropout to the fused kernel CUDA runs (`cuda_like_dropout`); every other torch function
+    runs as it would."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _SDPA:
             return flash_like_attention(*args, **(kwargs or {}))
+        if func is _DROPOUT:
+            return cuda_like_dropout(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
+def cuda_like_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """F.dropout as CUDA runs it in training: the fused kernel (native_dropout), which keeps a boolean mask for
+    backward. On CPU tensors torch composes dropout from a float mask in the input's dtype (its fused kernel is
+    taken for CUDA tensors only: at::dropout's is_fused_kernel_acceptable), which would overstate a GPU's
+    activation memory by a mask 2-4x the size of a bool one at every dropout. The same values' distribution;
+    an in-place call, evaluation and p outside (0, 1) run torch's own."""
+    if not training or inplace or not 0.0 < p < 1.0:
+        return _DROPOUT(input, p, training, inplace)
+    return torch.native_dropout(input, p, True)[0]
+
+
 def flash_like_sdpa() -> TorchFunctionMode:
-    """A context manager under which F.scaled_dot_product_attention runs flash_like_attention:
+    """A context manager under which F.scaled_dot_product_attention runs flash_like_attention and F.dropout in
+    training runs cuda_like_dropout (CUDA's kernels, for a trace on the CPU):
     `with flash_like_sdpa(): ...`. It is a TorchFunctionMode, so it sees the call before autograd, autocast
     and any TorchDispatchMode (FakeTensorMode, FlopCounterMode), whichever order those were entered in. A
     TorchFunctionMode entered after it (the trace's CudaAutocastPolicy) sees the call first and passes it

@@ -105,3 +105,53 @@ def test_an_fp32_grouped_mm_runs_on_fake_tensors_with_a_float32_output():
         assert out is not None and out.dtype == torch.float32 and tuple(out.shape) == (64, 48)
         assert flops.fp32_grouped_mm(grouped, (a.bfloat16(), w.bfloat16()), {"offs": offs}) is None
         assert flops.fp32_grouped_mm(torch.ops.aten.mm.default, (a, a.t()), {}) is None
+
+
+def _dispatched(q, k, v, mask, dropout_p):
+    """The aten ops and the dtype of every softmax the stand-in runs for this call under bf16 autocast, on fake
+    tensors (as the trace runs it)."""
+    softmax_dtypes: list[torch.dtype] = []
+
+    class Watch(_Ops):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "softmax" in func.overloadpacket.__name__:
+                softmax_dtypes.append(args[0].dtype)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    with FakeTensorMode() as mode:
+        q, k, v, mask = (mode.from_tensor(t) for t in (q, k, v, mask))
+        with torch.autocast("cpu", dtype=torch.bfloat16), flash_like_sdpa(), Watch() as ops:
+            F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=mask, dropout_p=dropout_p)
+    return ops.names, softmax_dtypes
+
+
+def test_a_broadcast_learned_bias_under_dropout_takes_the_math_kernel_in_fp32_as_cuda_does():
+    """T5 in training (bench/results/sdpa_calls_h200_2026-12-02.jsonl): a (1, heads, q, k) fp32 bias that requires
+    grad, with dropout, ran SDPA's math kernel in fp32 on the H200; without dropout (Swin), or with a whole
+    (batch, heads, q, k) bias, the memory-efficient kernel."""
+    q, k, v = _qkv()
+    broadcast = torch.randn(1, 4, 8, 8, requires_grad=True)
+    names, softmax = _dispatched(q, k, v, broadcast, 0.1)
+    assert "_scaled_dot_product_efficient_attention" not in names and softmax == [torch.float32]
+    for mask, dropout_p in ((broadcast, 0.0), (torch.randn(2, 4, 8, 8, requires_grad=True), 0.1),
+                            (torch.randn(1, 4, 8, 8), 0.1)):
+        names, softmax = _dispatched(q, k, v, mask, dropout_p)
+        assert softmax == [] and ("_scaled_dot_product_efficient_attention" in names
+                                  or "_scaled_dot_product_flash_attention_for_cpu" in names), (mask.shape, dropout_p)
+
+
+def test_dropout_in_training_runs_cudas_fused_kernel_and_keeps_a_boolean_mask():
+    """On CPU tensors torch composes dropout from a float mask; CUDA's fused kernel keeps a bool one for backward.
+    Evaluation and in-place dropout are torch's own."""
+    saved: list[torch.dtype] = []
+    with FakeTensorMode():
+        x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+        with flash_like_sdpa(), _Ops() as ops, \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            y = torch.nn.Dropout(0.1)(x)
+        assert "native_dropout" in ops.names and y.dtype == torch.bfloat16
+        assert torch.bool in saved and torch.bfloat16 not in saved
+        with flash_like_sdpa(), _Ops() as ops:
+            F.dropout(x, 0.1, training=False)
+            F.dropout(x.detach().clone(), 0.1, training=True, inplace=True)
+        assert "native_dropout" not in ops.names
