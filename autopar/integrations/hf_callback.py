@@ -30,6 +30,7 @@ from ..errors import AutoparError, PlanError
 from ..plan_cache import cache_key, lookup, store
 from ..plans import Loop
 from ..strategies.state import Applied, applied, is_wrapped
+from ._measure import _sync
 
 #: Where in a Trainer checkpoint folder (`checkpoint-N`) the callback saves the training state.
 STATE_FOLDER = "autopar"
@@ -144,11 +145,6 @@ def measure(state: Applied, step_s: float, *, steps: int) -> StepMeasurement:
         peak_memory_bytes=_peak_device_bytes(), peak_rss_bytes=_peak_rss_bytes(), predicted_step_s=p_step,
         predicted_tokens_per_s=_finite(pred.get("tokens_per_s")), predicted_mfu=p_mfu,
         predicted_memory_bytes=_finite(pred.get("memory_bytes")))
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class _Window:

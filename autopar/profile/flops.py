@@ -120,13 +120,13 @@ def flash_like_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         query, key, value = (t.to(dtype) for t in (query, key, value))
         if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(dtype)
-    if _cuda_takes_math(query, attn_mask, dropout_p):
-        with torch.autocast(query.device.type, enabled=False):  # as below autocast's SDPA cast, on CUDA
-            return _cuda_math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
     gqa = key.size(-3) != query.size(-3)
     if gqa:  # grouped-query attention: every query head reads its key/value head
         groups = query.size(-3) // key.size(-3)
         key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    if _cuda_takes_math(query, attn_mask, dropout_p):
+        with torch.autocast(query.device.type, enabled=False):  # as below autocast's SDPA cast, on CUDA
+            return _cuda_math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
     if gqa and query.dtype == torch.float32:
         # CUDA's fused kernels take grouped-query attention only in 16-bit (flash); in fp32 SDPA falls back to
         # the math kernel, which saves the attention matrix (seen on an H200: a Llama-1B shape in fp32 OOMs).
@@ -162,10 +162,7 @@ def _cuda_math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     to fp32, each scaled by sqrt(scale), the (q x k) scores plus the mask, softmax, then dropout by the fused
     kernel (native_dropout: a boolean keep-mask, where the CPU's composite dropout keeps a float one), times v,
     cast back. Saved for backward, as on the GPU: the fp32 q, k, v, probabilities, dropped probabilities and the
-    boolean mask."""
-    if key.size(-3) != query.size(-3):  # grouped-query attention: every query head reads its key/value head
-        groups = query.size(-3) // key.size(-3)
-        key, value = key.repeat_interleave(groups, -3), value.repeat_interleave(groups, -3)
+    boolean mask. Key and value have the query's heads (grouped-query attention repeated by the caller)."""
     root = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(query.size(-1)))
     q, k, v = (t.to(torch.float32) for t in (query, key, value))
     scores = (q * root) @ (k * root).transpose(-2, -1)  # (..., q, k)

@@ -22,7 +22,7 @@ class _Clock:
 
 def test_window_synchronises_twice_and_averages_the_timed_steps(monkeypatch):
     syncs, clock = [], _Clock()
-    monkeypatch.setattr(hf_callback, "_sync", lambda: syncs.append(clock.now))
+    monkeypatch.setattr(hf_callback, "_sync", lambda: syncs.append(clock.now))  # the name hf_callback calls
     monkeypatch.setattr(hf_callback.time, "perf_counter", clock)
     window = hf_callback._Window(warmup_steps=3)
     for step in range(1, 11):  # steps 1-3 warm up; the clock starts at the end of step 3
