@@ -181,9 +181,9 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     act = _Activations.of(profile, plan, cal, variants, blocks, (first, last), pp_rank)
     transient, largest = _transient_bytes(act.prof, plan, cal, last)
 
-    live = _live_peak(act.prof, plan, all_gradients)
+    live = _live_peak(act.prof, plan, all_gradients, gathered)
     if live is not None:  # the trace's own replay of the eager step: every moment, no rule
-        activations, gradients = live
+        activations, gradients, gathered = live
         allocated = parameters + buffers + gradients + optimizer + gathered + activations
         overhead = _replayed_overhead(act.prof, plan, cal, _overhead_bytes(act.prof, plan, cal, allocated, largest))
         return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
@@ -214,23 +214,29 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
                             buffers_bytes=buffers)
 
 
-def _live_peak(prof: ModelProfile, plan: Plan, all_gradients: float) -> tuple[float, float] | None:
-    """(activations, gradients) in bytes at the eager step's peak, from the trace's replay of what is alive op by
-    op (the profile's live_frontier: autopar.profile.live), for the plans whose step is the traced one
-    split by data parallelism only: eager, no checkpointing, no tensor or pipeline parallelism. The
-    activations (saved tensors, transients, the loss's buffers: all but weights and gradients) scale with the
-    micro-batch; the gradients alive at that moment are their traced share of the rank's gradients (all of
-    them with accumulation: earlier micro-batches left them). None for other plans, or without a frontier."""
+def _live_peak(prof: ModelProfile, plan: Plan, all_gradients: float,
+               gathered: float) -> tuple[float, float, float] | None:
+    """(activations, gradients, gathered) in bytes at the eager step's peak, from the trace's replay of what is
+    alive op by op (the profile's live_frontier: autopar.profile.live), for the plans whose step is the traced
+    one split by data parallelism only: eager, no checkpointing, no tensor or pipeline parallelism. The
+    activations (saved tensors, transients, the loss's buffers: all but weights, gradients and casts) scale with
+    the micro-batch; the gradients alive at that moment are their traced share of the rank's gradients (all of
+    them with accumulation: earlier micro-batches left them); the weights' bf16 copies are those alive at that
+    moment where the plan casts as the trace did (autocast, no FSDP: each copy dies after its GEMMs' backward, as
+    the gradients appear), else `gathered` (FSDP's gathered units) throughout. None for other plans, or without
+    a frontier."""
     if not prof.live_frontier or plan.compile or plan.checkpointing != "none" or plan.tp > 1 or plan.pp > 1:
         return None
     scale = plan.micro_batch_size / prof.sample_batch_size
-    traced_gradients = max(g for _, g in prof.live_frontier)
+    traced_gradients = max(g for _, g, _ in prof.live_frontier)
+    casts_as_traced = plan.precision == "bf16" and not plan.uses_fsdp
 
-    def at(point: tuple[int, int]) -> tuple[float, float]:
-        other, grads = point
+    def at(point: tuple[int, int, int | None]) -> tuple[float, float, float]:
+        other, grads, casts = point
+        copies = float(casts) if casts_as_traced and casts is not None else gathered
         if plan.grad_accum > 1:
-            return scale * other, all_gradients
-        return scale * other, all_gradients * (grads / traced_gradients if traced_gradients else 0.0)
+            return scale * other, all_gradients, copies
+        return scale * other, all_gradients * (grads / traced_gradients if traced_gradients else 0.0), copies
 
     return max((at(p) for p in prof.live_frontier), key=sum)
 

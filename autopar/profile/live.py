@@ -3,12 +3,15 @@
 Fake tensors live and die as real ones do: autograd frees a saved tensor once its node has run, Python frees
 a temporary when its last reference goes. A finalizer on each storage the step creates (never the weights)
 therefore replays the caching allocator's allocated bytes op by op. The weights' casts (autocast's bf16
-copies) are recorded too, but left out of the sums below (the cost model counts them with the weights); the
-allocator's replay (autopar.profile.allocator) takes every storage. The replay keeps two sums, the gradients (the
-storages that end as a parameter's `.grad`) and everything else (activations, transients, the loss's
-buffers), and the step's peak is reported as their Pareto frontier: each point is (other bytes, gradient
-bytes) at one moment, and no kept point is below another in both. The cost model scales the first sum with
-the micro-batch and the second with the plan's sharding, and takes the largest point (autopar.cost.memory).
+copies) are recorded too, in a sum of their own; the allocator's replay (autopar.profile.allocator) takes every
+storage. The replay keeps three sums, everything but weights and gradients (activations, transients, the loss's
+buffers), the gradients (the storages that end as a parameter's `.grad`) and the weights' casts, and the step's
+peak is reported as their Pareto frontier: each point is (other bytes, gradient bytes, cast bytes) at one
+moment, and no kept point is below another in all three. The cost model scales the first sum with the
+micro-batch, the second with the plan's sharding, takes the third as it is where the plan casts as autocast does
+(a bf16 copy of a weight lives from its first use in forward until its GEMMs' backward has run, so under
+autocast the copies and the gradients are never all alive at once), and takes the largest point
+(autopar.cost.memory).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from .allocator import StepEvents
 
-Frontier = tuple[tuple[int, int], ...]  # (non-gradient bytes, gradient bytes) at the moments that can peak
+Frontier = tuple[tuple[int, int, int], ...]  # (other, gradient, weight-cast) bytes at the moments that can peak
 
 
 class LiveMemory:
@@ -31,7 +34,7 @@ class LiveMemory:
         self._bytes: list[int] = []  # serial -> bytes
         self._events: list[tuple[int, int]] = []  # (serial, +1 allocated / -1 freed), in order
         self._labels: list[tuple[str, tuple[int, ...], str]] = []  # serial -> (op, shape, dtype): what it was
-        self._uncounted: set[int] = set()  # serials of the weights' casts: allocated, but counted with the weights
+        self._casts: set[int] = set()  # serials of the weights' casts (autocast's bf16 copies): a sum of their own
 
     @property
     def num_allocations(self) -> int:
@@ -39,15 +42,15 @@ class LiveMemory:
 
     def allocated(self, t: torch.Tensor, op: str, *, counted: bool = True) -> None:
         """`t` is the output of `op` (its name): records its storage once, and arranges to see it freed.
-        `counted=False`: a cast of the weights, which the frontier leaves out (the cost model counts it with the
-        weights) and the allocator's replay takes in."""
+        `counted=False`: a cast of the weights, which the frontier sums apart (the cost model counts casts only
+        where the plan casts as the trace did) and the allocator's replay takes in."""
         storage = t.untyped_storage()
         cdata = storage._cdata
         if cdata in self._serial_of:
             return
         serial = len(self._bytes)
         if not counted:
-            self._uncounted.add(serial)
+            self._casts.add(serial)
         self._serial_of[cdata] = serial
         self._bytes.append(int(storage.nbytes()))
         self._labels.append((op, tuple(t.shape), str(t.dtype).replace("torch.", "")))
@@ -60,20 +63,20 @@ class LiveMemory:
         self._events.append((serial, -1))
 
     def frontier(self, gradients: Iterable[torch.Tensor]) -> Frontier:
-        """The Pareto frontier of (non-gradient, gradient) live bytes over the step; `gradients`: the
+        """The Pareto frontier of (other, gradient, weight-cast) live bytes over the step; `gradients`: the
         parameters' `.grad` after backward (alive, so their storages are known by their serials now)."""
         grads = self._serials(gradients)
-        other = grad = 0
-        points: list[tuple[int, int]] = []
+        sums = [0, 0, 0]  # other, gradients, casts
+        points: list[tuple[int, int, int]] = []
+        rising = False  # within a run of allocations every sum only grows: its last moment covers the others
         for serial, sign in self._events:
-            if serial in self._uncounted:
-                continue
-            if serial in grads:
-                grad += sign * self._bytes[serial]
-            else:
-                other += sign * self._bytes[serial]
-            if sign > 0:
-                points.append((other, grad))
+            if sign < 0 and rising:
+                points.append((sums[0], sums[1], sums[2]))
+            rising = sign > 0
+            which = 2 if serial in self._casts else 1 if serial in grads else 0
+            sums[which] += sign * self._bytes[serial]
+        if rising:
+            points.append((sums[0], sums[1], sums[2]))
         return _pareto(points)
 
     def step_events(self, gradients: Iterable[torch.Tensor]) -> StepEvents:
@@ -92,7 +95,7 @@ class LiveMemory:
         alive: dict[int, int] = {}
         peak, at_peak, total = 0, {}, 0
         for serial, sign in self._events:
-            if serial in self._uncounted:
+            if serial in self._casts:
                 continue
             if sign > 0:
                 alive[serial] = self._bytes[serial]
@@ -109,12 +112,12 @@ class LiveMemory:
         return sorted(((k, n, b) for k, (n, b) in groups.items()), key=lambda item: -item[2])
 
 
-def _pareto(points: list[tuple[int, int]]) -> Frontier:
-    """The points no other point matches or exceeds in both coordinates, by decreasing first coordinate."""
-    kept: list[tuple[int, int]] = []
-    best_second = -1
-    for first, second in sorted(set(points), key=lambda p: (-p[0], -p[1])):
-        if second > best_second:
-            kept.append((first, second))
-            best_second = second
+def _pareto(points: list[tuple[int, int, int]]) -> Frontier:
+    """The points no other point matches or exceeds in every coordinate, by decreasing first coordinate. Taken
+    in that order a point can only be covered by one kept before it, so each is checked against the kept ones
+    (few: the frontier of a step is a few hundred points at most)."""
+    kept: list[tuple[int, int, int]] = []
+    for point in sorted(set(points), reverse=True):
+        if not any(k[1] >= point[1] and k[2] >= point[2] for k in kept):
+            kept.append(point)
     return tuple(kept)

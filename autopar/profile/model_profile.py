@@ -161,8 +161,9 @@ class ModelProfile:
     notes: tuple[str, ...] = field(default=())
     buffer_bytes: int = 0  # unique buffers (BatchNorm running statistics, position ids): on every GPU, not sharded
     compiled_saved_bytes_outside_blocks: int | None = None  # saved_bytes_outside_blocks of a torch.compile'd step
-    live_frontier: tuple[tuple[int, int], ...] = ()  # the eager step's live bytes on the sample at the moments that
-    # can peak, as (non-gradient bytes, gradient bytes) pairs (autopar.profile.live); empty: not known
+    live_frontier: tuple[tuple[int, int, int | None], ...] = ()  # the eager step's live bytes on the sample at the
+    # moments that can peak, as (other, gradient, weight-cast) bytes (autopar.profile.live); empty: not known; a
+    # cast figure of None (a profile written before casts were summed apart): every cast alive at every point
     allocator_reserve_bytes: int | None = None  # the CUDA caching allocator's reserve over the allocated peak in a
     # loop of the traced step (autopar.profile.allocator); bytes; None: not known
     allocator_replay_on_cuda: bool = False  # whether that step was traced on a fake CUDA device (CUDA's dispatch and
@@ -276,7 +277,7 @@ class ModelProfile:
                                        for c in values.get("matmul_calls", ()))
         values["op_groups"] = tuple(_op_group(g) for g in values.get("op_groups", ()))
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
-        values["live_frontier"] = tuple((int(a), int(g)) for a, g in values.get("live_frontier", ()))
+        values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))
         for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names"):
             if name in values:
                 values[name] = tuple(values[name])
@@ -325,6 +326,13 @@ def _op_group(g: OpGroup | Mapping[str, Any]) -> OpGroup:
                                                               "weight_dims": tuple(r.get("weight_dims", ()))})
                 for r in g["ops"])
     return OpGroup(**{**g, "blocks": tuple(g["blocks"]), "ops": ops})
+
+
+def _live_point(point: Any) -> tuple[int, int, int | None]:
+    """A live-frontier point from its list (after JSON); a pair, written before the weights' casts were summed
+    apart, has no cast figure (None: the cost model counts every cast alive)."""
+    other, grads, *casts = point
+    return int(other), int(grads), (int(casts[0]) if casts and casts[0] is not None else None)
 
 
 def _describe_blocks(profile: ModelProfile) -> str:

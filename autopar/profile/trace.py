@@ -56,7 +56,7 @@ class Trace:
     weight_traffic_bytes: int = 0
     op_groups: tuple[OpGroup, ...] = ()  # every op by kind and shape (autopar.cost.ops prices them)
     value_reads: int = 0  # the model's forward's reads of tensor values (InputShadows.reads)
-    live_frontier: Frontier = ()  # (non-gradient, gradient) bytes alive at the moments that can peak (LiveMemory)
+    live_frontier: Frontier = ()  # (other, gradient, weight-cast) bytes alive at the moments that can peak (LiveMemory)
     allocator_reserve_bytes: int | None = None  # the caching allocator's reserve over the allocated peak in a loop
     # of this step (autopar.profile.allocator.replay_steps); None: not replayed
     allocator_replay_on_cuda: bool = False  # whether that step dispatched as CUDA does (a fake CUDA device)
