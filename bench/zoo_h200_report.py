@@ -5,7 +5,9 @@ the median and worst errors over the families, and every miss of the must-show's
 
     python -m bench.zoo_h200 --report bench/results/zoo_h200_DATE.jsonl [more.jsonl ...]
 
-A later record of a (family, mode) supersedes an earlier one (resumed and repeated calls append).
+A later record of a (family, mode) supersedes an earlier one (resumed and repeated calls append), except one
+that says the family was not measured (`cut` by the call's budget, or `unavailable`): an error or an
+out-of-memory is an outcome and supersedes; a cut is not.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 GiB = 2**30
+NOT_MEASURED = ("cut", "unavailable")  # statuses of a family the call never measured (not an outcome)
 
 # The must-show's bounds (issue 10).
 STEP_MEDIAN, STEP_WORST = 0.10, 0.25
@@ -129,8 +132,10 @@ class FamilyResult:
 
 def results(records: list[dict[str, Any]]) -> list[FamilyResult]:
     latest: dict[tuple[str, str], dict[str, Any]] = {}
-    for rec in records:  # a later record of a (family, mode) supersedes an earlier one
-        latest[(rec["family"], rec["mode"])] = rec
+    for rec in records:  # a later record of a (family, mode) supersedes an earlier one, unless it measured nothing
+        key = (rec["family"], rec["mode"])
+        if rec.get("status") not in NOT_MEASURED or key not in latest:
+            latest[key] = rec
     names = list(dict.fromkeys(rec["family"] for rec in records))
     return [FamilyResult(n, latest.get((n, "wrap")), latest.get((n, "hand")), latest.get((n, "hand_compile")))
             for n in names]

@@ -83,3 +83,12 @@ def test_the_report_names_each_miss():
     assert "wrap at 0.900x the best hand figure" in text
     assert "allocated memory predicted" not in text  # +5%: within 10%
     assert "under-predicted by 8.3%" in text  # reserved + context: -8.3%, more than 5% under
+
+
+def test_a_later_cut_record_does_not_hide_an_earlier_measurement_but_an_error_does():
+    wrap = _rec("wrap", 0.100, plan_short="1gpu mb8 bf16", predicted_step_s=0.105)
+    cut = {**_rec("wrap", 0.0), "status": "cut", "error": "the call's time budget ended 37 s into this family"}
+    kept = report([_rec("hand", 0.110), wrap, cut])
+    assert "+5.0%" in kept and "wrap cut" not in kept
+    oom = {**_rec("wrap", 0.0), "status": "oom", "error": "CUDA out of memory"}
+    assert "oom" in report([_rec("hand", 0.110), wrap, oom])
