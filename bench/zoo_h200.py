@@ -49,7 +49,7 @@ import autopar
 from autopar.planning import calibration_for, profile_variants, short_name
 from bench._common import host_op_us, kernel_kind
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
-from bench.zoo_h200_report import read_records, report
+from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
 MODES = ("hand", "hand_compile", "wrap", "plan_eager", "plan_compile")
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
@@ -583,7 +583,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-family-s", type=float, default=90.0, help="no family starts with less time left than this")
     ap.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/zoo_h200.jsonl)")
     ap.add_argument("--resume", action="append", help="a JSON-lines file of earlier records: not measured again")
-    ap.add_argument("--redo", default="cut,unavailable", help="statuses measured again when resuming")
+    ap.add_argument("--redo", default=",".join(NOT_MEASURED), help="statuses measured again when resuming")
     ap.add_argument("--no-hand-predictions", action="store_true", help="no meta trace for the hand plans' predictions")
     ap.add_argument("--compile-on-cpu", action="store_true", help="measure hand_compile on a CPU too")
     ap.add_argument("--profile-steps", type=int, default=0,

@@ -23,7 +23,8 @@ import torch
 
 from .allocator import StepEvents
 
-Frontier = tuple[tuple[int, int, int], ...]  # (other, gradient, weight-cast) bytes at the moments that can peak
+Frontier = tuple[tuple[int, int, int | None], ...]  # (other, gradient, weight-cast) bytes at moments that can peak;
+# a cast figure of None only in a profile read back from before casts were summed apart (ModelProfile.from_dict)
 
 
 class LiveMemory:
@@ -115,7 +116,7 @@ class LiveMemory:
 def _pareto(points: list[tuple[int, int, int]]) -> Frontier:
     """The points no other point matches or exceeds in every coordinate, by decreasing first coordinate. Taken
     in that order a point can only be covered by one kept before it, so each is checked against the kept ones
-    (few: the frontier of a step is a few hundred points at most)."""
+    (the frontier is far smaller than the points: frontier() keeps only each run of allocations' last moment)."""
     kept: list[tuple[int, int, int]] = []
     for point in sorted(set(points), reverse=True):
         if not any(k[1] >= point[1] and k[2] >= point[2] for k in kept):

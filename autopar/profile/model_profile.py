@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from ..errors import ProfileError
+from .live import Frontier
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class ModelProfile:
     notes: tuple[str, ...] = field(default=())
     buffer_bytes: int = 0  # unique buffers (BatchNorm running statistics, position ids): on every GPU, not sharded
     compiled_saved_bytes_outside_blocks: int | None = None  # saved_bytes_outside_blocks of a torch.compile'd step
-    live_frontier: tuple[tuple[int, int, int | None], ...] = ()  # the eager step's live bytes on the sample at the
+    live_frontier: Frontier = ()  # the eager step's live bytes on the sample at the
     # moments that can peak, as (other, gradient, weight-cast) bytes (autopar.profile.live); empty: not known; a
     # cast figure of None (a profile written before casts were summed apart): every cast alive at every point
     allocator_reserve_bytes: int | None = None  # the CUDA caching allocator's reserve over the allocated peak in a
