@@ -1,8 +1,9 @@
 """Predict Megatron-LM's Table 1 (Narayanan et al. 2021) with the cost model, "on paper".
 
-Each row: a GPT of the row's shape (autopar.models.gpt, vocab 51,200, sequence 2048), traced on the meta device
+Each row: a GPT of the row's shape (autopar.models.gpt, vocab 51,200, sequence 2048) as Megatron-LM computed it
+in 2021 (attention unfused, dropout 0.1: tests/cost/test_paper.py's Attention2021), traced on the meta device
 at 2 and 3 blocks in bf16 (weights and activations, as under FSDP's mixed precision) and extrapolated to the
-row's depth; the row's A100-80GB cluster (8 GPUs a node, NVLink 3 inside, 8 x 200 Gb/s InfiniBand a node, i.e.
+row's depth; the cost model's default calibration; the row's A100-80GB cluster (8 GPUs a node, NVLink 3 inside, 8 x 200 Gb/s InfiniBand a node, i.e.
 200 Gb/s a GPU); and the row's plan (TP, PP, DP = GPUs / (TP x PP) replicas, no sequence parallelism, full
 activation recomputation, bf16, eager kernels). Megatron's micro-batch size and pipeline schedule are not in
 the table: the plan with the shortest predicted step that fits in memory is taken, among micro-batches 1, 2,
@@ -35,7 +36,8 @@ from bench._common import RESULTS, write_dated
 from tests.cost.test_paper import MEGATRON_2021, SEQ, VOCAB
 from tests.cost.test_paper import MEGATRON_TABLE1 as ROWS
 from tests.cost.test_paper import _megatron_plans as candidate_plans
-from tests.cost.test_paper import _profile as row_profile
+from tests.cost.test_paper import _profile as table5_profile
+from tests.cost.test_paper import _profile_2021 as row_profile
 
 
 def paper_flops(batch: int, layers: int, hidden: int) -> float:
@@ -75,7 +77,7 @@ def table5_lines() -> list[str]:
     lines = [f"{'model':>5} {'mb':>2} {'full s':>7} {'pred':>7} {'err':>7} {'sel+SP s':>8} {'pred':>7} {'err':>7} "
              f"{'ratio':>6} {'pred':>6}"]
     for name, heads, hidden, layers, tp, pp, gpus, batch, v, full_s, sel_s in TABLE5:
-        profile = row_profile(hidden, heads, layers)
+        profile = table5_profile(hidden, heads, layers)
         topology = autopar.Topology.from_spec(f"{max(gpus // 8, 1)}x8xA100-SXM-80GB", inter_node_gbps=200)
         dp, mb = gpus // (tp * pp), 4 if pp == 1 else 1
         pred = {}

@@ -8,7 +8,8 @@ eager and compiled), torch._grouped_mm where it exists, and elementwise ops' ban
 formulas (autopar.cost.ops.op_seconds), and prints them with what each was fitted from.
 
     python -m bench.microbench_ops --out DIR                 # on the GPU: DIR/microbench_ops.json (< 4 min)
-    python -m bench.microbench_ops --fit DIR/microbench_ops.json
+    python -m bench.microbench_ops --fit DIR/microbench_ops.json [MORE.json ...]
+    python -m bench.microbench_ops --sections gemm_fp32,grouped_gemm_fp32 --out DIR   # some sections only
     python -m bench.microbench_ops --device cpu --quick --out /tmp/mb   # a smoke test of the script on CPU
 """
 
@@ -45,6 +46,13 @@ GEMM_K = (64, 256, 1024, 4096, 8192)
 GEMM_EXTRA = ((8192, 8192, 8192), (16384, 50257, 1024), (16384, 50264, 1024), (2048, 2048, 2048),
               (256, 1024, 65536), (512, 512, 65536), (128, 2048, 65536), (1024, 1024, 32768), (256, 256, 131072))
 FP32_GEMMS = ((4096, 4096, 1024), (8192, 4096, 4096), (1024, 1024, 1024))
+# fp32 GEMMs by output size and depth (SIMT, no TF32): the fill and depth losses of small per-expert GEMMs
+FP32_GRID_M = (128, 256, 512, 1024, 2048, 4096)
+FP32_GRID_NK = ((2048, 1024), (1024, 2048), (2816, 2048), (2048, 1408), (4096, 4096), (28672, 4096), (4096, 14336))
+# (experts, tokens an expert, N, K) of the zoo's MoEs at 4 x 2048 tokens, routed evenly: transformers' fp32
+# fallback (integrations/moe.py: one torch.mm per expert, forward; input and weight gradients backward)
+FP32_GROUPED = ((8, 2048, 28672, 4096), (8, 2048, 4096, 14336), (60, 546, 2816, 2048), (60, 546, 2048, 1408),
+                (64, 1024, 2048, 2048), (64, 1024, 2048, 1024), (64, 768, 2816, 2048), (64, 768, 2048, 1408))
 # (C_in, C_out, H, kernel, stride, groups) at batch 64: ResNet-50 and ConvNeXt-T layers
 CONVS = ((3, 64, 224, 7, 2, 1), (64, 64, 56, 1, 1, 1), (64, 64, 56, 3, 1, 1), (64, 256, 56, 1, 1, 1),
          (128, 128, 28, 3, 1, 1), (512, 128, 28, 1, 1, 1), (256, 256, 14, 3, 1, 1), (1024, 256, 14, 1, 1, 1),
@@ -62,7 +70,8 @@ MIN_SECONDS = 20e-6  # shorter kernels are left out of the fit
 QUICK = dict(GEMM_M=(64, 256), GEMM_N=(128,), GEMM_K=(64, 256), GEMM_EXTRA=((256, 250, 128),),
              FP32_GEMMS=((128, 128, 128),), CONVS=((3, 16, 32, 3, 1, 1), (16, 16, 16, 3, 1, 16)),
              ATTENTION_DIMS=(64,), ATTENTION_SEQS=(128, 256), ATTENTION_TOKENS=512, HF_ATTENTION=((2, 2, 64, 16),),
-             GROUPED=((4, 64, 128, 64),), ELEMENTWISE_NUMEL=(2**16,))
+             GROUPED=((4, 64, 128, 64),), ELEMENTWISE_NUMEL=(2**16,), FP32_GRID_M=(64,), FP32_GRID_NK=((128, 64),),
+             FP32_GROUPED=((4, 32, 64, 48),))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,6 +130,53 @@ def bench_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
                 out.append(dict(kind="gemm", shape=[1, m, n, k], dtype=str(dtype)[6:], flops=2.0 * m * n * k,
                                 bytes=_nbytes(a, b) + m * n * a.element_size(), seconds=sec, batch_dim=1))
             del a, b
+    return out
+
+
+def bench_fp32_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """fp32 GEMMs (TF32 off, as torch's default) over output sizes and depths: M rows x (N, K), and K = M
+    (a weight gradient's depth: the tokens)."""
+    out = []
+    for m in s["FP32_GRID_M"]:
+        for n, k in s["FP32_GRID_NK"]:
+            for mm, nn_, kk in ((m, n, k), (k, n, m)):
+                a = torch.randn(mm, kk, device=dev)
+                b = torch.randn(kk, nn_, device=dev)
+                sec = timer(lambda: a @ b)
+                if sec is not None:
+                    out.append(dict(kind="gemm", shape=[1, mm, nn_, kk], dtype="float32", flops=2.0 * mm * nn_ * kk,
+                                    bytes=_nbytes(a, b) + mm * nn_ * 4, seconds=sec, batch_dim=1))
+                del a, b
+    return out
+
+
+def _fallback_loop(pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    for a, b, c in pairs:
+        torch.mm(a, b, out=c)
+
+
+def bench_fp32_grouped(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """transformers' fp32 MoE fallback, one torch.mm per expert into slices of one output, as the trace records
+    it (autopar/profile/watch.py): forward (E, T, N, K), input gradient (E, T, K, N), weight gradient (E, K, N, T);
+    T tokens an expert."""
+    out = []
+    for e, t, n, k in s["FP32_GROUPED"]:
+        x = torch.randn(e * t, k, device=dev)
+        w = torch.randn(e, k, n, device=dev)
+        y = torch.empty(e * t, n, device=dev)
+        g = torch.randn(e * t, n, device=dev)
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        rows = [slice(i * t, (i + 1) * t) for i in range(e)]
+        loops = {(e, t, n, k): [(x[r], w[i], y[r]) for i, r in enumerate(rows)],
+                 (e, t, k, n): [(g[r], w[i].T, dx[r]) for i, r in enumerate(rows)],
+                 (e, k, n, t): [(x[r].T, g[r], dw[i]) for i, r in enumerate(rows)]}
+        for (ge, gm, gn, gk), pairs in loops.items():
+            sec = timer(lambda: _fallback_loop(pairs))
+            if sec is not None:
+                out.append(dict(kind="grouped_gemm", shape=[ge, gm, gn, gk], dtype="float32",
+                                flops=2.0 * ge * gm * gn * gk, bytes=4 * ge * (gm * gk + gk * gn + gm * gn),
+                                seconds=sec, batch_dim=1 if gk != t else 3))
+        del x, w, y, g, dx, dw
     return out
 
 
@@ -323,9 +379,12 @@ def _fit_scale_and_two(records: list[dict], device: DeviceSpec, cal: Calibration
     return best[1]
 
 
-def fit(path: str, as_device: str | None = None) -> tuple[Calibration, list[str]]:
-    """The factors fitted to a microbench JSON, and one line per factor: its value, from what, its error."""
-    lines = [json.loads(x) for x in open(path)]
+def fit(paths: str | list[str], as_device: str | None = None) -> tuple[Calibration, list[str]]:
+    """The factors fitted to one or more microbench JSON files (the first file's header names the device), and
+    one line per factor: its value, from what, its error."""
+    files = [paths] if isinstance(paths, str) else list(paths)
+    per_file = [[json.loads(x) for x in open(path)] for path in files]
+    lines = [per_file[0][0]] + [r for part in per_file for r in part[1:]]
     header, records = lines[0], [r for r in lines[1:] if "seconds" in r]
     tiny = [r for r in records if r["seconds"] < MIN_SECONDS and r["kind"] != "elementwise"]
     records = [r for r in records if r not in tiny]
@@ -346,12 +405,16 @@ def fit(path: str, as_device: str | None = None) -> tuple[Calibration, list[str]
                        f"{len(aligned)} bf16 GEMMs"))
     for name, recs, bounds in (
             ("misaligned_gemm_factor", misaligned, (0.02, 1.0)),
-            ("fp32_matmul_efficiency", kinds("gemm", dtype="float32"), (0.1, 1.0)),
             ("conv_efficiency", kinds("conv", channels_last=1), (0.05, 1.5)),
             ("conv_nchw_factor", kinds("conv", channels_last=0), (0.05, 1.5)),
-            ("grouped_gemm_efficiency", kinds("grouped_gemm"), (0.05, 1.5))):
+            ("grouped_gemm_efficiency", kinds("grouped_gemm", dtype="bfloat16"), (0.05, 1.5))):
         cal = _fit_factors(recs, device, cal, (name,), {name: bounds}, sweeps=1)
         notes.append(_note(cal, recs, device, (name,), f"{len(recs)} records"))
+    fp32 = kinds("gemm", dtype="float32") + kinds("grouped_gemm", dtype="float32")  # SIMT: dense and per-expert
+    cal = _fit_scale_and_two(fp32, device, cal, "fp32_matmul_efficiency",
+                             {"fp32_matmul_half_depth": (1.0, 4096.0), "fp32_matmul_half_output": (1e3, 1e7)})
+    notes.append(_note(cal, fp32, device, ("fp32_matmul_efficiency", "fp32_matmul_half_depth",
+                                           "fp32_matmul_half_output"), f"{len(fp32)} fp32 GEMMs and expert loops"))
     hf = [r for r in kinds("attention") if r.get("hf_mask")]
     records = [r for r in records if not r.get("hf_mask")]
     unmasked = [r for r in kinds("attention") if not r["shape"][9]]
@@ -411,12 +474,20 @@ def measure(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with open(path, "w") as f:
         f.write(json.dumps(header) + "\n")
-        for section, fn in (("gemm", lambda: bench_gemms(timer, dev, shapes)),
-                            ("conv", lambda: bench_convs(timer, dev, shapes, 2 if args.quick else 64)),
-                            ("attention", lambda: bench_attention(timer, dev, shapes)),
-                            ("grouped_gemm", lambda: bench_grouped(timer, dev, shapes)),
-                            ("elementwise", lambda: bench_elementwise(timer, dev, shapes)),
-                            ("attention_hf_mask", lambda: bench_attention_compiled(timer, dev, shapes))):
+        sections = (("gemm", lambda: bench_gemms(timer, dev, shapes)),
+                    ("gemm_fp32", lambda: bench_fp32_gemms(timer, dev, shapes)),
+                    ("grouped_gemm_fp32", lambda: bench_fp32_grouped(timer, dev, shapes)),
+                    ("conv", lambda: bench_convs(timer, dev, shapes, 2 if args.quick else 64)),
+                    ("attention", lambda: bench_attention(timer, dev, shapes)),
+                    ("grouped_gemm", lambda: bench_grouped(timer, dev, shapes)),
+                    ("elementwise", lambda: bench_elementwise(timer, dev, shapes)),
+                    ("attention_hf_mask", lambda: bench_attention_compiled(timer, dev, shapes)))
+        chosen = set(args.sections.split(",")) if args.sections else {name for name, _ in sections}
+        unknown = chosen - {name for name, _ in sections}
+        if unknown:
+            raise SystemExit(f"unknown --sections {', '.join(sorted(unknown))}; the sections are "
+                             f"{', '.join(name for name, _ in sections)}")
+        for section, fn in ((name, fn) for name, fn in sections if name in chosen):
             s0 = time.perf_counter()
             try:
                 recs = fn()
@@ -437,7 +508,9 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="a few tiny shapes (a smoke test)")
     ap.add_argument("--budget-s", type=float, default=180.0, help="measurements past this many seconds are skipped")
-    ap.add_argument("--fit", default=None, metavar="JSON", help="fit the factors to a file this wrote, and print them")
+    ap.add_argument("--sections", default="", help="comma-separated sections to measure (default: all)")
+    ap.add_argument("--fit", default=None, nargs="+", metavar="JSON",
+                    help="fit the factors to files this wrote (the first one's device), and print them")
     ap.add_argument("--as-device", default=None, help="with --fit: price with this device spec (e.g. H200)")
     args = ap.parse_args()
     if args.fit:

@@ -150,7 +150,7 @@ def main() -> None:
              f"{os.cpu_count()} CPUs, no GPU used",
              "command: " + " ".join(["python -m bench.paper", *sys.argv[1:]]),
              "calibration: autopar's defaults (H200-measured, applied to the H100 spec) for every llm-foundry row; "
-             "Megatron rows: bench/megatron_table1.py's (its per-table GEMM factor 0.62, to be replaced)",
+             "Megatron rows: bench/megatron_table1.py's (autopar's defaults; attention unfused, dropout 0.1, as in 2021)",
              "", "llm-foundry H100 80GB BF16 (tokens/s/GPU; FSDP FULL_SHARD over every GPU):",
              f"{'model':>5} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>2} {'publ':>7} {'pred':>8} {'err':>7} "
              f"{'GiB':>6}"]

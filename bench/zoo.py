@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar import DeviceSpec, ModelProfile
+
 SIZES = ("tiny", "realistic")
 KINDS = ("encoder", "encoder-decoder", "decoder", "moe", "mla", "vision-cnn", "vision-transformer", "speech",
          "two-tower", "lora", "mlp")
@@ -533,6 +535,21 @@ def family(name: str) -> Family:
         return FAMILIES[name]
     except KeyError:
         raise KeyError(f"no zoo family {name!r}; the zoo has {', '.join(FAMILIES)}") from None
+
+
+def roofline_s(profile: ModelProfile, device: DeviceSpec) -> float:
+    """The traced step's roofline time on `device`, seconds: per op the trace recorded (its `count` calls, in
+    every block that has them), the larger of its FLOPs at the peak of the dtype it ran in (bf16/fp16 on
+    tensor cores; fp32 at the plain fp32 rate, as without TF32) and its bytes read and written at the HBM
+    bandwidth, summed. A floor no run of this trace beats, except where compile fuses memory-bound ops."""
+    half = device.peak_flops("bf16" if device.supports("bf16") else "fp32")
+    seconds = 0.0
+    for group in profile.op_groups:
+        repeats = len(group.blocks) if group.where == "blocks" else 1
+        for op in group.ops:
+            peak = half if op.dtype in ("bfloat16", "float16") else device.fp32_flops
+            seconds += repeats * max(op.flops / peak, op.bytes / device.hbm_bytes_per_s)
+    return seconds
 
 
 def count_params(model: nn.Module) -> tuple[int, int]:

@@ -207,7 +207,7 @@ def _busy_s(intervals: list[tuple[float, float]]) -> float:
 def kernels_of(step: Step, num_steps: int) -> dict[str, Any]:
     """Where `num_steps` more steps' GPU time goes (torch.profiler, CUDA activity only), per step: seconds and
     kernels by kind (kernel_kind), the seconds some kernel ran (busy_s: the step's wall time less this is the
-    GPU waiting for the host), and the 12 longest kernels (name, seconds, count)."""
+    GPU waiting for the host), the 12 longest kernels (name, seconds, count) and the 8 longest of each kind."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
@@ -241,11 +241,16 @@ def _kernel_summary(prof: Any, num_steps: int) -> dict[str, Any]:
         entry[0] += us / 1e6 / num_steps
         entry[1] += 1
         intervals.append((e.time_range.start, e.time_range.end))
-    longest = sorted(top.items(), key=lambda kv: -kv[1][0])[:12]
+    longest = sorted(top.items(), key=lambda kv: -kv[1][0])
+    by_kind: dict[str, list[tuple[str, float, int]]] = {}
+    for name, (t, c) in longest:  # the 8 longest of each kind (the memory-bound ones hide under the GEMMs)
+        if len(by_kind.setdefault(kernel_kind(name), [])) < 8:
+            by_kind[kernel_kind(name)].append((name, round(t, 6), int(c) // num_steps))
     return {"kernel_s": {k: round(v, 6) for k, v in seconds.items()},
             "kernel_count": {k: v // num_steps for k, v in counts.items()},
             "busy_s": round(_busy_s(intervals) / num_steps, 6),
-            "top_kernels": [(name, round(t, 6), int(c) // num_steps) for name, (t, c) in longest]}
+            "top_kernels": [(name, round(t, 6), int(c) // num_steps) for name, (t, c) in longest[:12]],
+            "top_by_kind": by_kind}
 
 
 def memory(opts: Options) -> dict[str, Any]:

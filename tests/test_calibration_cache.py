@@ -102,13 +102,15 @@ def test_a_cached_topology_calibration_in_use_is_logged_with_its_file_and_change
 def test_a_cached_refit_in_use_is_logged_and_named_in_the_prediction(profiles, autopar_log):
     a, _ = profiles
     default = calibration_for(TOPO)
-    path = _store_refit(a, launch_s=default.launch_s * 2)
+    # the plan's GEMMs run in fp32 on the CPU pseudo-device, so their rate is a factor that always counts
+    slower = default.fp32_matmul_efficiency / 2
+    path = _store_refit(a, fp32_matmul_efficiency=slower)
     plan = Plan(micro_batch_size=4)
     pred = autopar.predict(a, plan, topology=TOPO)
     autopar.predict(a, plan, topology=TOPO)  # a loop of predictions says it once
     lines = [r.getMessage() for r in autopar_log.records if "calibration cached" in r.getMessage()]
     assert len(lines) == 1 and str(path) in lines[0] and "this model's refit" in lines[0]
-    assert f"launch_s {default.launch_s:.3g} -> {default.launch_s * 2:.3g}" in lines[0]
+    assert f"fp32_matmul_efficiency {default.fp32_matmul_efficiency:.3g} -> {slower:.3g}" in lines[0]
     assert str(path) in pred.calibration_source
     assert pred.step_s > predict_profile(a, plan, TOPO, default).step_s
 

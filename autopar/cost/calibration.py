@@ -128,8 +128,16 @@ class Calibration:
     misaligned_gemm_factor: float = 0.16  # eager bf16 GEMM with a dimension not a multiple of 8 / aligned; ratio;
     # H200 kernel profile (GPT-2's head, vocabulary 50257: cuBLAS's sm75 align1 kernels, 124 vs 770 TFLOP/s)
     microbatch_overhead_s: float = 5e-4  # fixed cost per micro-batch (graph launches, hooks, loss); seconds
-    fp32_matmul_efficiency: float = 0.78  # fp32 (no tensor cores) GEMM rate / fp32 peak, less the fill loss; ratio;
-    # H200 kernel profile (GPT-2-355M fp32 at 4 x 1024 tokens: SIMT GEMMs at 50 TFLOP/s of 67)
+    fp32_matmul_efficiency: float = 0.78  # fp32 (no tensor cores, TF32 off) GEMM rate / fp32 peak, less the
+    # depth and fill losses below; ratio; H200 micro-benchmarks (bench/results/microbench_ops_h200_2026-12-02.json:
+    # 84 fp32 GEMMs, M 128-14336, N 1024-28672, K 128-14336, and 22 per-expert loops of transformers' fp32 MoE
+    # fallback, with the 2026-12-01 file's 3), fitted with the two below by `python -m bench.microbench_ops --fit
+    # bench/results/microbench_ops_h200_2026-12-01.json bench/results/microbench_ops_h200_2026-12-02.json`
+    # (0.7825, 71.7, 2.503e5): median |error| 4.2%, worst 57% (M 128); a flat 0.78 had median 8.4%, worst 101%
+    fp32_matmul_half_depth: float = 72.0  # reduction depth K at which an fp32 GEMM's rate halves (K 128: 0.29-0.57
+    # of peak, K 1024 and more: 0.65-0.77); elements; the same fit
+    fp32_matmul_half_output: float = 2.5e5  # output elements (M x N) of one fp32 GEMM at which its rate halves
+    # (the last wave's idle SMs); elements; the same fit
     memory_efficiency: float = 0.6  # achieved / datasheet HBM bandwidth of memory-bound eager kernels; ratio; H200
     # kernel profile (the traced bytes of GPT-2-355M and Llama-1B bf16 steps moved at 2.9 TB/s by their
     # elementwise, reduction and copy kernels)
@@ -335,7 +343,8 @@ def measure(topology: Topology, base: Calibration | None = None, *, shapes: Sequ
         bus = 2 * (w - 1) / w * t.numel() * 2 / dt
         extra["allreduce_bus_bytes_per_s"] = bus
         spans = topology.num_nodes > 1 and topology.inter_node_bytes_per_s < topology.device.intra_node_bytes_per_s
-        link = topology.link_bytes_per_s(w, spans_nodes=spans)
+        link = topology.link_bytes_per_s(w, spans_nodes=spans,
+                                         ranks_per_node=max(1, w // topology.num_nodes) if spans else 1)
         changes["network_efficiency" if spans else "comm_efficiency"] = min(1.0, bus / link)
     return base.replace(source=f"measured on {torch.cuda.get_device_name()}", extra=extra, **changes)
 

@@ -109,6 +109,8 @@ class _RankParams:
     trainable: float  # of those, the ones that require grad: only they have gradients and optimizer state
     outside: float  # of `params`, those outside the blocks (embeddings, head) on this stage
     largest_unit: float  # the largest block's parameters on this rank (what FSDP gathers at once)
+    grouped: float = 0.0  # of `params`, the weights of grouped GEMMs (MoE experts): bf16 autocast leaves them
+    # in fp32 (torch._grouped_mm and transformers' fallback are on none of autocast's lists), so no copy is cast
 
     @classmethod
     def of(cls, profile: ModelProfile, plan: Plan, blocks: list[int], first: bool, last: bool) -> "_RankParams":
@@ -130,7 +132,18 @@ class _RankParams:
             share /= tp
         return cls(params=sum(on_rank.values()) + outside * share,
                    trainable=trainable + max(outside_trainable, 0.0) * share,
-                   outside=outside * share, largest_unit=max(on_rank.values(), default=0.0))
+                   outside=outside * share, largest_unit=max(on_rank.values(), default=0.0),
+                   grouped=sum(_grouped_weights(profile, i) for i in blocks) if tp == 1 else 0.0)
+
+
+def _grouped_weights(profile: ModelProfile, block: int) -> float:
+    """Elements of the weights block `block`'s grouped GEMMs read in forward: a record (groups, M, N, K) reads
+    groups x K x N weights per call (autopar.profile.watch); 0 without op records."""
+    group = profile.ops_of("blocks", block)
+    if group is None:
+        return 0.0
+    return float(sum(r.count * r.shape[0] * r.shape[2] * r.shape[3] for r in group.ops
+                     if r.kind == "grouped_gemm" and not r.backward))
 
 
 def _trainable_share(b: BlockProfile) -> float:
@@ -293,14 +306,15 @@ def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: int
     the root's (embeddings, head) are gathered, with the unit's unsharded gradient (compute dtype) and its fp32
     reduce-scatter buffer; without resharding after forward every block stays gathered. Without FSDP, bf16
     autocast keeps a bf16 copy of every weight used in forward until its backward (saved for it), frozen
-    weights' too (their casts are saved by the GEMMs that need them for the input gradients)."""
+    weights' too (their casts are saved by the GEMMs that need them for the input gradients), but not the
+    grouped GEMMs' expert weights, which autocast leaves in fp32 (their GEMMs run in fp32)."""
     if plan.uses_fsdp:
         units = (len(blocks) if not plan.reshard_after_forward else 2) * rp.largest_unit
         gathered = compute * (units + rp.outside) + (compute + 4) * rp.largest_unit
         if plan.cpu_offload:  # sharded states live in host memory; gathered copies come over PCIe
             gathered += 4 * rp.largest_unit
         return gathered
-    return 2 * rp.params if plan.precision == "bf16" else 0.0
+    return 2 * max(rp.params - rp.grouped, 0.0) if plan.precision == "bf16" else 0.0
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,9 @@ class Rates:
     extern_misaligned: float  # the same for an extern GEMM inductor does not pad (SDPA's math path)
     math_fp32_eff: float  # the math path's fp32 batched GEMMs / fp32 peak (Calibration.math_attention_fp32_efficiency)
     math_bytes: tuple[float, float]  # bytes a score element of the math path moves, (forward, backward)
-    fp32_eff: float
+    fp32_eff: float  # fp32 SIMT GEMMs' best fraction of the fp32 peak (fp32_matmul_efficiency)
+    fp32_half_depth: float  # reduction depth at which their rate halves; elements
+    fp32_out_half: float  # output elements of one GEMM at which their rate halves; elements
     conv_eff: float  # cuDNN's implicit GEMM rate / a dense GEMM's of the same shape (channels-last)
     conv_nchw: float  # contiguous (NCHW) / channels-last convolution rate (1 compiled)
     depthwise_forward: float  # a depthwise convolution's FLOP/s forward (CUDA cores, channels-last)
@@ -76,7 +78,8 @@ class Rates:
                    misaligned=1.0 if plan.compile else cal.misaligned_gemm_factor,
                    extern_misaligned=cal.misaligned_gemm_factor, math_fp32_eff=cal.math_attention_fp32_efficiency,
                    math_bytes=(cal.math_attention_bytes_forward, cal.math_attention_bytes_backward),
-                   fp32_eff=cal.fp32_matmul_efficiency, conv_eff=cal.conv_efficiency,
+                   fp32_eff=cal.fp32_matmul_efficiency, fp32_half_depth=cal.fp32_matmul_half_depth,
+                   fp32_out_half=cal.fp32_matmul_half_output, conv_eff=cal.conv_efficiency,
                    # compiled, inductor makes convolutions channels-last (torch._inductor.config.layout_optimization)
                    conv_nchw=1.0 if plan.compile else cal.conv_nchw_factor,
                    depthwise_forward=device.peak_flops("fp32") * cal.depthwise_conv_efficiency,
@@ -172,7 +175,7 @@ def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffi
         fp32 = r.kind == "grouped_gemm" and (r.dtype == "float32" or rates.fp32_weights)
         seconds = r.count * _compute_s(r.kind, shape, flops / r.count, nbytes / r.count, r.batch_dim, rates,
                                        r.backward, fp32)
-        launches = float(r.count) * (_MATH_KERNELS[r.backward] if _math_attention(r.kind, shape, rates) else 1)
+        launches = float(r.count) * _kernels_per_call(r.kind, shape, rates, r.backward, fp32)
         convs = float(r.count) if r.kind == "conv" else 0.0
         return OpsTime(compute_backward_s=seconds, launches=launches, backward_launches=launches, convs=convs,
                        backward_convs=convs) if r.backward else \
@@ -199,6 +202,16 @@ def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffi
     seconds = r.bytes * (scale if grows else 1.0) * traffic_scale / (rates.fused_hbm if fused else rates.hbm)
     return OpsTime(memory_backward_s=seconds, launches=r.count, backward_launches=r.count) if r.backward else \
         OpsTime(memory_forward_s=seconds, launches=r.count)
+
+
+def _kernels_per_call(kind: str, shape: list[float], rates: Rates, backward: bool, fp32: bool) -> float:
+    """Kernels one traced call launches: the math path's GEMMs and softmax for attention compile leaves
+    unfused; a GEMM a group for an fp32 grouped GEMM (the mm-per-group fallback); else one."""
+    if _math_attention(kind, shape, rates):
+        return _MATH_KERNELS[backward]
+    if kind == "grouped_gemm" and (fp32 or not rates.bf16):
+        return shape[0]
+    return 1.0
 
 
 def _scaled(r: OpRecord, scale: float, split: TPSplit) -> tuple[list[float], float, float]:
@@ -317,14 +330,24 @@ def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
     """(batch, M, N, K): depth K, output batch x M x N. Eager, a leading dimension (M, N or K other than the one
     the batch grows) that is not a multiple of 8 elements (16 bytes of bf16; GPT-2's vocabulary of 50257) runs
     cuBLAS's unaligned kernels (`misaligned_gemm_factor`); compiled, inductor pads it
-    (torch._inductor.config.shape_padding). fp32: SIMT GEMMs at fp32_matmul_efficiency, less the fill loss."""
+    (torch._inductor.config.shape_padding). fp32: SIMT GEMMs (_fp32_gemm_rate)."""
     b, m, n, k = shape
     out = b * m * n
     if not rates.bf16:
-        return rates.peak * rates.fp32_eff * out / (out + rates.out_half)
+        return _fp32_gemm_rate(out, k, rates)
     frac = gemm_fraction(k, out, rates.gemm_eff, rates.gemm_half, rates.out_half)
     align = min(_alignment(d) for i, d in ((1, m), (2, n), (3, k)) if i != grow)
     return rates.peak * frac * _misaligned(align, rates.misaligned)
+
+
+def _fp32_gemm_rate(out: float, depth: float, rates: Rates) -> float:
+    """An fp32 GEMM on CUDA cores (TF32 off, torch's default), FLOP/s: the fp32 peak times fp32_matmul_efficiency,
+    less its depth loss (a K-deep reduction amortises each tile's loads over K) and its fill loss (an output of
+    `out` elements leaves the last wave's SMs idle): K / (K + fp32_matmul_half_depth) x out / (out +
+    fp32_matmul_half_output). H200 micro-benchmarks: 0.29 of peak at 128 x 2048 x 1024, 0.77 at 2048 x 4096 x
+    14336 (bench/results/microbench_ops_h200_2026-12-02.json)."""
+    return rates.fp32_peak * rates.fp32_eff * depth / (depth + rates.fp32_half_depth) * out / (
+        out + rates.fp32_out_half)
 
 
 def _alignment(dim: float) -> int:
@@ -366,12 +389,13 @@ def _grouped_rate(shape: list[float], rates: Rates, fp32: bool) -> float:
     """(groups, M, N, K): the mean group's depth, every group's output together, times grouped_gemm_efficiency.
     Under bf16 autocast over fp32 weights a grouped GEMM runs in fp32: torch._grouped_mm is on none of CUDA
     autocast's lists (torch.amp docs), so it gets the fp32 expert weights (and transformers casts the tokens to
-    them), and torch's CUDA kernel takes fp32 through its mm-per-group fallback (aten GroupedBlas.cpp) at the
-    SIMT fp32 rate. Measured (bench/results/zoo_h200_2026-12-01.jsonl): Hugging Face Mixtral's 2-layer step at
-    4 x 2048 tokens took 793 ms, its expert GEMMs' 34.6 TFLOP at fp32_matmul_efficiency 706 ms of it."""
+    them), and runs one fp32 GEMM a group (torch's mm-per-group fallback, aten GroupedBlas.cpp, or
+    transformers' integrations/moe.py loop): each at the SIMT rate of its own shape (_fp32_gemm_rate; a group's
+    M x N output fills the SMs alone). H200 micro-benchmarks of that loop at the zoo's MoE shapes: 0.45-0.79 of
+    the fp32 peak (bench/results/microbench_ops_h200_2026-12-02.json)."""
     e, m, n, k = shape
     if not rates.bf16 or fp32:
-        return rates.fp32_peak * rates.fp32_eff
+        return _fp32_gemm_rate(m * n, k, rates)
     return rates.peak * gemm_fraction(k, e * m * n, rates.gemm_eff, rates.gemm_half, rates.out_half) * \
         rates.grouped_eff
 

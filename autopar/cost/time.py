@@ -225,14 +225,22 @@ def _collective_s(bytes_: float, n: int, bandwidth: float, cal: Calibration, kin
 
 
 def _group_bandwidth(topology: Topology, size: int, stride: int, cal: Calibration) -> float:
-    """Achieved bus bandwidth per GPU (bytes/s) of a group of `size` ranks `stride` apart in rank order: the
-    network's (x network_efficiency) if the group spans nodes, else the link's inside a node (x comm_efficiency)."""
+    """Achieved bus bandwidth per GPU (bytes/s) of a group of `size` ranks `stride` apart in rank order: inside
+    a node the link's (x comm_efficiency); across nodes its members on one node each drive their own network
+    card, rings in parallel (Topology.link_bytes_per_s), so the network's times those members (x
+    network_efficiency), held back by the node's link (x comm_efficiency) where that is slower."""
     if size <= 1:
         return float("inf")
+    intra = topology.device.intra_node_bytes_per_s * cal.comm_efficiency
     if topology.num_nodes > 1 and size * stride > topology.devices_per_node:
-        if topology.inter_node_bytes_per_s < topology.device.intra_node_bytes_per_s:
-            return topology.inter_node_bytes_per_s * cal.network_efficiency
-    return topology.device.intra_node_bytes_per_s * cal.comm_efficiency
+        return min(intra, _ranks_per_node(topology, size, stride) * topology.inter_node_bytes_per_s
+                   * cal.network_efficiency)
+    return intra
+
+
+def _ranks_per_node(topology: Topology, size: int, stride: int) -> int:
+    """Members a group of `size` ranks `stride` apart has on one node (ranks fill a node before the next)."""
+    return max(1, min(size, topology.devices_per_node // max(stride, 1)))
 
 
 def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration, *,

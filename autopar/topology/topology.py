@@ -123,14 +123,17 @@ class Topology:
     def is_gpu(self) -> bool:
         return self.device_type == "cuda"
 
-    def link_bytes_per_s(self, group_size: int, *, spans_nodes: bool) -> float:
-        """Bandwidth (bytes/s, one direction, per GPU) that a collective over `group_size` ranks sees.
+    def link_bytes_per_s(self, group_size: int, *, spans_nodes: bool, ranks_per_node: int = 1) -> float:
+        """Bus bandwidth (bytes/s, one direction, per GPU) that a collective over `group_size` ranks sees.
 
-        A group that spans nodes is held back by the network (the slower of network and intra-node link);
-        one inside a node uses the node's link (NVLink, PCIe or shared memory). A group of one moves
-        nothing; it gets the intra-node figure so that divisions stay finite.
+        A group that spans nodes with `ranks_per_node` of its ranks on each node runs as many rings, each
+        through one of those GPUs' own network cards, so its bus bandwidth is that many cards' (NCCL on
+        DGX A100, 8 x 200 Gb/s: 192 GB/s all-reduce bus bandwidth, NVIDIA/nccl issue 812), held back by the
+        node's link where that is slower. One inside a node uses the node's link (NVLink, PCIe or shared
+        memory). A group of one moves nothing; it gets the intra-node figure so that divisions stay finite.
         """
         _check_positive_int("link_bytes_per_s", "group_size", group_size)
+        _check_positive_int("link_bytes_per_s", "ranks_per_node", ranks_per_node)
         if group_size > self.world_size:
             raise TopologyError(
                 f"a group of {group_size} ranks does not fit in this topology's {self.world_size} "
@@ -142,7 +145,13 @@ class Topology:
                 raise TopologyError(
                     "spans_nodes=True, but this topology has one node: pass spans_nodes=False."
                 )
-            return min(self.inter_node_bytes_per_s, intra)
+            most = max(1, min(group_size // 2, self.devices_per_node))  # it spans two nodes at least
+            if ranks_per_node > most:
+                raise TopologyError(
+                    f"ranks_per_node={ranks_per_node} is more than a group of {group_size} ranks over two or more "
+                    f"nodes of {self.devices_per_node} devices can put on one; pass at most {most}."
+                )
+            return min(ranks_per_node * self.inter_node_bytes_per_s, intra)
         if group_size > self.devices_per_node:
             raise TopologyError(
                 f"a group of {group_size} ranks cannot sit inside one node of {self.devices_per_node} "

@@ -21,6 +21,7 @@ from autopar.cost.memory import predict_memory
 from autopar.exact import exact_memory
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import profile_model
+from bench.zoo import build_model, family, make_sample
 from tests.cost._attention import TinyAttention
 from tests._convnets import ConvBlock
 
@@ -362,3 +363,19 @@ def test_an_eager_step_the_trace_replayed_reserves_what_the_allocator_replay_say
     for other in ({"micro_batch_size": 4}, {"micro_batch_size": 2, "compile": True}):
         assert overhead(cuda, **other) == overhead(dataclasses.replace(unreplayed, allocator_replay_on_cuda=True),
                                                    **other)
+
+
+def test_bf16_weight_copies_leave_out_the_experts_that_autocast_keeps_in_fp32():
+    """Under bf16 autocast over fp32 weights a compiled (not replayed) plan counts a bf16 copy of every weight
+    but the MoE experts': their grouped GEMMs are on no autocast list and run in fp32, casting nothing."""
+    pytest.importorskip("transformers")
+    f = family("qwen2-moe")
+    model = build_model(f, "tiny")
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    assert 0 < experts < sum(p.numel() for p in model.parameters())
+    profile = profile_model(model, make_sample(f, "tiny"), loss_fn=f.loss_fn, precision="bf16", warn=False,
+                            graphs=False)
+    compiled = predict_memory(profile, P(micro_batch_size=4, precision="bf16", compile=True), Calibration())
+    assert compiled.gathered_bytes == pytest.approx(2 * (profile.num_params - experts))
+    fp32 = predict_memory(profile, P(micro_batch_size=4, precision="fp32", compile=True), Calibration())
+    assert fp32.gathered_bytes == 0

@@ -48,9 +48,18 @@ def test_grouped_gemms_under_autocast_over_fp32_weights_run_at_the_fp32_rate_and
     fsdp = Rates.of(H200.device, autopar.Plan(precision="bf16", dp_shard=8), CAL, **trace)
     assert autocast.fp32_weights and not fsdp.fp32_weights
     assert not _rates().fp32_weights  # an autocast trace's records say their dtype themselves
-    fp32 = r.flops / (H200.device.peak_flops("fp32") * CAL.fp32_matmul_efficiency)
+    e, m, n, k = r.shape  # one fp32 GEMM a group, each at the SIMT rate of its own M x N output and K depth
+    rate = H200.device.peak_flops("fp32") * CAL.fp32_matmul_efficiency * k / (k + CAL.fp32_matmul_half_depth) \
+        * m * n / (m * n + CAL.fp32_matmul_half_output)
+    fp32 = r.flops / rate
     assert op_seconds(r, autocast) == pytest.approx(fp32, rel=1e-9)
     assert op_seconds(r, fsdp) < fp32 / 5
+    # many small experts run slower a FLOP than a few large ones: each small GEMM fills the SMs alone
+    small = _grouped(e=64, m=128, n=2048, k=1024)  # measured on the H200: 0.29 of the fp32 peak, a large one 0.77
+    assert op_seconds(small, autocast) / small.flops > 1.5 * op_seconds(r, autocast) / r.flops
+    # and the fallback launches a kernel a group
+    assert _record_time(small, 1.0, TPSplit(), autocast, 1.0).launches == 64
+    assert _record_time(small, 1.0, TPSplit(), fsdp, 1.0).launches == 1
 
 
 def test_a_depthwise_convolution_runs_on_cuda_cores_slower_on_nchw_and_in_backward():

@@ -23,6 +23,7 @@ def main(out: str) -> None:
         result = f"{type(exc).__name__}: {exc}"
     with open(f"{out}.{rank}", "w") as f:
         f.write(result)
+    dist.destroy_process_group()  # gloo's threads end before the interpreter's exit (else: C++ terminate, SIGABRT)
 
 
 if __name__ == "__main__":

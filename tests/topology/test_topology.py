@@ -46,6 +46,11 @@ def test_link_bytes_per_s():
     assert t.link_bytes_per_s(2, spans_nodes=False) == 450e9
     assert t.link_bytes_per_s(16, spans_nodes=True) == 50e9
     assert t.link_bytes_per_s(2, spans_nodes=True) == 50e9  # e.g. a DP pair on two nodes
+    # a group with 8 (4) ranks on each node: 8 (4) rings, each through one GPU's own 400 Gb/s card
+    assert t.link_bytes_per_s(16, spans_nodes=True, ranks_per_node=8) == 400e9
+    assert t.link_bytes_per_s(8, spans_nodes=True, ranks_per_node=4) == 200e9
+    with pytest.raises(TopologyError, match="ranks_per_node"):
+        t.link_bytes_per_s(2, spans_nodes=True, ranks_per_node=2)  # a pair on two nodes has one rank on each
     assert t.link_bytes_per_s(1, spans_nodes=False) == 450e9
     with pytest.raises(TopologyError, match="spans_nodes=True"):
         t.link_bytes_per_s(16, spans_nodes=False)
@@ -60,6 +65,7 @@ def test_link_bytes_per_s():
     # a network faster than the node's link: the slower one limits a group that spans nodes
     pcie = Topology.from_spec("2x8xL40S", inter_node_gbps=800)
     assert pcie.link_bytes_per_s(16, spans_nodes=True) == 32e9
+    assert pcie.link_bytes_per_s(16, spans_nodes=True, ranks_per_node=8) == 32e9
 
 
 def test_cpu_topology():
