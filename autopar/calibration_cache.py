@@ -42,7 +42,9 @@ from .errors import CacheError
 #: 5: compiled kernels at 24 us of host time and cuDNN's convolution calls at 40 us more (2026-12-01, session 4).
 #: 6: a tuner's refits kept per model (`save_refit`), never in the topology's file: a file of version 5 may hold a
 #: refit of one script that changed every model's predictions on that hardware (issue 11, item 7).
-CALIBRATION_VERSION = 6
+#: 7: fp32 GEMMs priced by depth and output (fp32_matmul_efficiency now before those losses), fp32 grouped GEMMs one
+#: GEMM a group, fused AdamW at its own bandwidth (optimizer_memory_efficiency), network cards per node (2026-12-02).
+CALIBRATION_VERSION = 7
 #: Larger calibration files are refused unread (one is about 2 KiB).
 MAX_FILE_BYTES = 1 << 20
 

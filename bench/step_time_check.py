@@ -4,8 +4,8 @@ recorded plans, and prints predicted vs measured step time; `--zoo` adds the mod
 (bench/zoo.py) with their predicted step over the time their traced FLOPs take at peak (tests/zoo/test_zoo_plan.py's
 ratio, wanted between 1x and 10x); `--zoo-measured` re-predicts the zoo's own H200 runs (bench/zoo_h200.py).
 
-    python -m bench.step_time_check [--zoo vit,whisper,...] [--zoo-measured bench/results/zoo_h200_DATE.jsonl]
-        [--no-grid] > bench/results/step_time_check_DATE.txt
+    python -m bench.step_time_check [--zoo vit,whisper,...] [--zoo-measured bench/results/zoo_h200_DATE.jsonl ...
+        [--wrap-latest]] [--no-grid] > bench/results/step_time_check_DATE.txt
 
 Profiles are traced here on fake tensors (Hugging Face GPT-2-355M and the Llama-1B shape, transformers needed),
 with the default calibration for the topology. Where the profile does not yet carry its op records (a trace that
@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from autopar.profile import find_blocks
 from autopar.profile.trace import StepTrace
 from bench._common import PLAN_KEYS, RESULTS, build, plan_from_short, token_batch
 from bench.zoo_h200 import ONE_GPU_MODES
+from bench.zoo_h200_report import read_records, results
 
 
 def with_op_records(profile: autopar.ModelProfile, model: torch.nn.Module, sample: Any, *, loss_fn: Any = None
@@ -147,7 +149,16 @@ def _measured_plan(rec: dict[str, Any]) -> autopar.Plan | None:
     return autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=ONE_GPU_MODES[rec["mode"]])
 
 
-def check_zoo_measured(path: str) -> list[str]:
+def zoo_records(paths: list[str], *, wrap_latest: bool) -> list[dict[str, Any]]:
+    """The records of bench/zoo_h200.py files in order; with `wrap_latest`, only each family's wrap record that
+    its report keeps (the latest measured one: bench/zoo_h200_report.results)."""
+    records = read_records([Path(p) for p in paths])
+    if not wrap_latest:
+        return records
+    return [r.wrap for r in results(records) if r.wrap is not None and r.ok(r.wrap)]
+
+
+def check_zoo_measured(paths: list[str], *, wrap_latest: bool = False) -> list[str]:
     """The zoo's H200 runs (bench/zoo_h200.py records: the hand recipe and the plan modes, one GPU, bf16
     autocast, eager or compiled, and the plans wrap chose) re-predicted with the model as it is now."""
     from bench.zoo import build_model, family, make_sample  # the zoo needs transformers
@@ -156,8 +167,7 @@ def check_zoo_measured(path: str) -> list[str]:
            f"{'compute':>7} {'memory':>7} {'launch':>7}"]
     traces: dict = {}
     errs = []
-    for line in open(path):
-        rec = json.loads(line)
+    for rec in zoo_records(paths, wrap_latest=wrap_latest):
         plan = _measured_plan(rec)
         if plan is None:
             continue
@@ -189,8 +199,9 @@ def check_zoo_measured(path: str) -> list[str]:
                    f"{t.compute_s * 1e3:7.1f} {t.memory_s * 1e3:7.1f} {t.launch_s * 1e3:7.1f}")
         print(out[-1], file=sys.stderr, flush=True)
     if errs:
+        worst = max(errs, key=abs)
         out.append(f"  step error {min(errs):+.1%} to {max(errs):+.1%}, median |error| "
-                   f"{statistics.median(abs(x) for x in errs):.1%}, over {len(errs)} runs")
+                   f"{statistics.median(abs(x) for x in errs):.1%}, worst {worst:+.1%}, over {len(errs)} runs")
     return out
 
 
@@ -201,8 +212,10 @@ def main() -> int:
     ap.add_argument("--no-grid", action="store_true", help="the validation configurations only")
     ap.add_argument("--no-measured", action="store_true", help="the zoo only")
     ap.add_argument("--zoo", default="", help="comma-separated zoo families (bench/zoo.py), e.g. vit,whisper")
-    ap.add_argument("--zoo-measured", default=None, metavar="JSONL",
+    ap.add_argument("--zoo-measured", default=None, nargs="+", metavar="JSONL",
                     help="bench/zoo_h200.py records to re-predict (e.g. bench/results/zoo_h200_2026-12-01.jsonl)")
+    ap.add_argument("--wrap-latest", action="store_true",
+                    help="with --zoo-measured: only each family's wrap record its report keeps (issue 10's table)")
     args = ap.parse_args()
     lines = [f"# step time: the cost model as of {datetime.date.today()} (torch {torch.__version__}, default "
              "calibration) against the H200 measurements of 2026-11-29 (torch 2.11)",
@@ -210,8 +223,9 @@ def main() -> int:
     if not args.no_measured:
         lines += check_measured(args)
     if args.zoo_measured:
-        lines += ["", f"## zoo runs on the H200 ({args.zoo_measured}), re-predicted ('then': as recorded)"]
-        lines += check_zoo_measured(args.zoo_measured)
+        lines += ["", f"## zoo runs on the H200 ({' '.join(args.zoo_measured)}), re-predicted ('then': as recorded)"
+                  + (", each family's latest wrap record" if args.wrap_latest else "")]
+        lines += check_zoo_measured(args.zoo_measured, wrap_latest=args.wrap_latest)
     if args.zoo:
         lines += ["", "## zoo (realistic size, the search's first feasible plan)"]
         lines += check_zoo([n for n in args.zoo.split(",") if n])

@@ -23,6 +23,9 @@ from bench.zoo_h200_report import read_records, results
 
 def row(name: str, rec: dict) -> str:
     f = family(name)
+    why = f.unavailable()
+    if why is not None:  # timm and torchvision on a CPU-only torch
+        return f"| {name} | {rec['batch']} | {rec['plan_short']} | {rec['step_s'] * 1e3:.1f} | not traced here: {why} |"
     device = lookup_device(rec["device"])
     assert device is not None, f"no spec for the records' device {rec['device']!r}"
     precision = "fp32" if rec["plan"]["precision"] == "fp32" else "bf16"

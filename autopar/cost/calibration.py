@@ -185,6 +185,11 @@ class Calibration:
     # in nccl/nccl-tests issues: 46-48 GB/s measured per 400 Gb/s (50 GB/s) InfiniBand NDR NIC
     comm_latency_s: float = 15e-6  # per collective; seconds; NCCL ring latency on NVLink
     fsdp_overlap: float = 0.85  # share of FSDP communication hidden behind compute; ratio; FSDP2 prefetching
+    optimizer_memory_efficiency: float = 0.73  # achieved / datasheet HBM bandwidth of fused AdamW's multi-tensor
+    # kernels over optimizer_bytes_per_param; ratio; H200 kernel profiles of 16 zoo families of 86M-6.9B
+    # parameters (bench/results/zoo_h200_profile_2026-12-01c.jsonl, zoo_h200_wrap_2026-12-01d.jsonl,
+    # zoo_h200_wrap_2026-12-02b/c/d.jsonl): 0.70-0.77, median 0.73; below 30M parameters (ResNet-50, Swin-T:
+    # many small tensors) 0.48-0.56, under 0.4 ms a step
     optimizer_bytes_per_param: float = 28.0  # fused AdamW reads/writes per parameter (fp32 w, g, m, v); bytes
     pcie_bytes_per_s: float = 25e9  # host-device copies for CPU offload; bytes/s; PCIe gen5 x16 achieved
     cpu_adam_bytes_per_s: float = 10e9  # CPU Adam step bandwidth; bytes/s; torch CPU AdamW (foreach)

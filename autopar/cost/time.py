@@ -362,9 +362,10 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         pp_comm = n_micro * 2 * v * (cal.comm_latency_s + hidden_bytes / bw)
 
     # Optimizer: fused AdamW reads and writes fp32 weights, gradients and both moments of the shards over the
-    # achieved HBM bandwidth; seconds.
+    # bandwidth its multi-tensor kernels achieve (optimizer_memory_efficiency); seconds.
     shard_params = params / plan.dp_shard
-    optimizer = 0.0 if plan.cpu_offload else shard_params * cal.optimizer_bytes_per_param / hbm
+    optimizer_hbm = topology.device.hbm_bytes_per_s * cal.optimizer_memory_efficiency
+    optimizer = 0.0 if plan.cpu_offload else shard_params * cal.optimizer_bytes_per_param / optimizer_hbm
     # Overhead: fixed costs per micro-batch and stage chunk (graph launches, hooks, the loss); seconds.
     overhead = n_micro * plan.pp_stages_per_rank * cal.microbatch_overhead_s
     # Offload: gradients to the host, weights back over PCIe, and Adam on the CPU; seconds.

@@ -10,11 +10,11 @@ recomputation a checkpointing plan adds (which only makes the ratio larger).
 The roofline time is, over every op the trace records under the plan's precision, the larger of its FLOPs at
 the peak of the dtype it runs in (bf16 tensor cores; plain fp32 for fp32 ops) and its bytes at the HBM
 bandwidth, summed, per GPU. The issue asked for 10x the FLOPs at peak; that bound fails on the GPU itself:
-on the H200 (bench/results/zoo_h200_wrap_2026-12-02.md) ResNet-50 measured 14.3x its FLOPs at peak, Swin
-11.3x, wav2vec2 16.0x, Mixtral 16.4x and OLMoE 18.3x (their BatchNorm, convolution and elementwise work is
-bound by memory; the MoE experts run fp32 GEMMs without tensor cores), while every one of them measured
-within 1.4x-6.1x its roofline (bench/results/zoo_roofline_2026-12-02.txt). A prediction 30x-800x off, as
-issue 10 saw, still fails this bound.
+on the H200 (bench/results/zoo_roofline_2026-12-02.txt, each family's latest wrap step) ResNet-50 measured
+14.3x its FLOPs at peak, Swin 18.7x, wav2vec2 16.0x, Mixtral 16.4x and OLMoE 18.3x (their BatchNorm,
+convolution and elementwise work is bound by memory or by the host; the MoE experts run fp32 GEMMs without
+tensor cores), while every measured family ran within 0.75x (compiled: fusion removes bytes) to 6.0x
+(wav2vec2, host-bound) its roofline. A prediction 30x-800x off, as issue 10 saw, still fails this bound.
 """
 
 from __future__ import annotations
