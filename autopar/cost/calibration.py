@@ -133,7 +133,8 @@ class Calibration:
     # 84 fp32 GEMMs, M 128-14336, N 1024-28672, K 128-14336, and 22 per-expert loops of transformers' fp32 MoE
     # fallback, with the 2026-12-01 file's 3), fitted with the two below by `python -m bench.microbench_ops --fit
     # bench/results/microbench_ops_h200_2026-12-01.json bench/results/microbench_ops_h200_2026-12-02.json`
-    # (0.7825, 71.7, 2.503e5): median |error| 4.2%, worst 57% (M 128); a flat 0.78 had median 8.4%, worst 101%
+    # (0.7825, 71.7, 2.503e5; predicted / measured - 1: median +1.2%, -36% to +37%): |measured / predicted - 1|
+    # median 4.2%, worst 57% (M 128); a flat 0.78 had median 8.4%, worst 101%
     fp32_matmul_half_depth: float = 72.0  # reduction depth K at which an fp32 GEMM's rate halves (K 128: 0.29-0.57
     # of peak, K 1024 and more: 0.65-0.77); elements; the same fit
     fp32_matmul_half_output: float = 2.5e5  # output elements (M x N) of one fp32 GEMM at which its rate halves
@@ -347,10 +348,12 @@ def measure(topology: Topology, base: Calibration | None = None, *, shapes: Sequ
         dt = _time_cuda(lambda: dist.all_reduce(t), reps=5)
         bus = 2 * (w - 1) / w * t.numel() * 2 / dt
         extra["allreduce_bus_bytes_per_s"] = bus
-        spans = topology.num_nodes > 1 and topology.inter_node_bytes_per_s < topology.device.intra_node_bytes_per_s
+        spans = w > topology.devices_per_node  # the world's ranks fill a node before the next
+        cards = max(1, w // topology.num_nodes) * topology.inter_node_bytes_per_s
         link = topology.link_bytes_per_s(w, spans_nodes=spans,
                                          ranks_per_node=max(1, w // topology.num_nodes) if spans else 1)
-        changes["network_efficiency" if spans else "comm_efficiency"] = min(1.0, bus / link)
+        network_binds = spans and cards < topology.device.intra_node_bytes_per_s  # as time._group_bandwidth
+        changes["network_efficiency" if network_binds else "comm_efficiency"] = min(1.0, bus / link)
     return base.replace(source=f"measured on {torch.cuda.get_device_name()}", extra=extra, **changes)
 
 

@@ -133,17 +133,18 @@ class _RankParams:
         return cls(params=sum(on_rank.values()) + outside * share,
                    trainable=trainable + max(outside_trainable, 0.0) * share,
                    outside=outside * share, largest_unit=max(on_rank.values(), default=0.0),
-                   grouped=sum(_grouped_weights(profile, i) for i in blocks) if tp == 1 else 0.0)
+                   grouped=sum(_grouped_weights(profile, i) for i in blocks))
 
 
 def _grouped_weights(profile: ModelProfile, block: int) -> float:
-    """Elements of the weights block `block`'s grouped GEMMs read in forward: a record (groups, M, N, K) reads
-    groups x K x N weights per call (autopar.profile.watch); 0 without op records."""
+    """Elements of the weights block `block`'s grouped GEMMs read in forward: a record (groups, M, N, K) of
+    tokens times the experts' weights (its batch dim M) reads groups x K x N weights per call
+    (autopar.profile.watch); 0 without op records."""
     group = profile.ops_of("blocks", block)
     if group is None:
         return 0.0
     return float(sum(r.count * r.shape[0] * r.shape[2] * r.shape[3] for r in group.ops
-                     if r.kind == "grouped_gemm" and not r.backward))
+                     if r.kind == "grouped_gemm" and not r.backward and r.batch_dim == 1))
 
 
 def _trainable_share(b: BlockProfile) -> float:

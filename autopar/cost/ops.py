@@ -44,7 +44,7 @@ class Rates:
     math_fp32_eff: float  # the math path's fp32 batched GEMMs / fp32 peak (Calibration.math_attention_fp32_efficiency)
     math_bytes: tuple[float, float]  # bytes a score element of the math path moves, (forward, backward)
     fp32_eff: float  # fp32 SIMT GEMMs' best fraction of the fp32 peak (fp32_matmul_efficiency)
-    fp32_half_depth: float  # reduction depth at which their rate halves; elements
+    fp32_gemm_half: float  # reduction depth at which their rate halves; elements
     fp32_out_half: float  # output elements of one GEMM at which their rate halves; elements
     conv_eff: float  # cuDNN's implicit GEMM rate / a dense GEMM's of the same shape (channels-last)
     conv_nchw: float  # contiguous (NCHW) / channels-last convolution rate (1 compiled)
@@ -78,7 +78,7 @@ class Rates:
                    misaligned=1.0 if plan.compile else cal.misaligned_gemm_factor,
                    extern_misaligned=cal.misaligned_gemm_factor, math_fp32_eff=cal.math_attention_fp32_efficiency,
                    math_bytes=(cal.math_attention_bytes_forward, cal.math_attention_bytes_backward),
-                   fp32_eff=cal.fp32_matmul_efficiency, fp32_half_depth=cal.fp32_matmul_half_depth,
+                   fp32_eff=cal.fp32_matmul_efficiency, fp32_gemm_half=cal.fp32_matmul_half_depth,
                    fp32_out_half=cal.fp32_matmul_half_output, conv_eff=cal.conv_efficiency,
                    # compiled, inductor makes convolutions channels-last (torch._inductor.config.layout_optimization)
                    conv_nchw=1.0 if plan.compile else cal.conv_nchw_factor,
@@ -346,7 +346,7 @@ def _fp32_gemm_rate(out: float, depth: float, rates: Rates) -> float:
     `out` elements leaves the last wave's SMs idle): K / (K + fp32_matmul_half_depth) x out / (out +
     fp32_matmul_half_output). H200 micro-benchmarks: 0.29 of peak at 128 x 2048 x 1024, 0.77 at 2048 x 4096 x
     14336 (bench/results/microbench_ops_h200_2026-12-02.json)."""
-    return rates.fp32_peak * rates.fp32_eff * depth / (depth + rates.fp32_half_depth) * out / (
+    return rates.fp32_peak * rates.fp32_eff * depth / (depth + rates.fp32_gemm_half) * out / (
         out + rates.fp32_out_half)
 
 

@@ -224,23 +224,40 @@ def _collective_s(bytes_: float, n: int, bandwidth: float, cal: Calibration, kin
     return cal.comm_latency_s + traffic / bandwidth
 
 
-def _group_bandwidth(topology: Topology, size: int, stride: int, cal: Calibration) -> float:
+def _group_bandwidth(topology: Topology, size: int, stride: int, cal: Calibration, *, rings: bool = True) -> float:
     """Achieved bus bandwidth per GPU (bytes/s) of a group of `size` ranks `stride` apart in rank order: inside
-    a node the link's (x comm_efficiency); across nodes its members on one node each drive their own network
-    card, rings in parallel (Topology.link_bytes_per_s), so the network's times those members (x
-    network_efficiency), held back by the node's link (x comm_efficiency) where that is slower."""
+    a node the link's (x comm_efficiency); across nodes a collective's members on one node each drive their own
+    network card, rings in parallel (Topology.link_bytes_per_s), so the network's times the fewest members
+    the group has on a node (x network_efficiency), held back by the node's link (x comm_efficiency) where
+    that is slower. `rings=False`: point-to-point sends (a pipeline's), each through one card."""
     if size <= 1:
         return float("inf")
     intra = topology.device.intra_node_bytes_per_s * cal.comm_efficiency
     if topology.num_nodes > 1 and size * stride > topology.devices_per_node:
-        return min(intra, _ranks_per_node(topology, size, stride) * topology.inter_node_bytes_per_s
-                   * cal.network_efficiency)
+        cards = _ranks_per_node(topology, size, stride) if rings else 1
+        return min(intra, cards * topology.inter_node_bytes_per_s * cal.network_efficiency)
     return intra
 
 
 def _ranks_per_node(topology: Topology, size: int, stride: int) -> int:
-    """Members a group of `size` ranks `stride` apart has on one node (ranks fill a node before the next)."""
-    return max(1, min(size, topology.devices_per_node // max(stride, 1)))
+    """The fewest members a group of `size` ranks `stride` apart (the one with rank 0) has on a node it
+    touches: its ring is as fast as the node with the fewest cards in it."""
+    per_node = collections.Counter(i * stride // topology.devices_per_node for i in range(size))
+    return min(per_node.values())
+
+
+def _trainable_params(profile: ModelProfile, plan: Plan, blocks: list[int], first: bool, last: bool) -> float:
+    """Of a rank's parameters (TP-split, before FSDP's sharding), those that require grad: what has gradients
+    to reduce and optimizer state to update (LoRA's frozen base weights have neither)."""
+    tp = plan.tp
+    trainable = 0.0
+    for i in blocks:
+        b = profile.blocks[i]
+        share = 1.0 if b.num_trainable_params is None or b.num_params == 0 else b.num_trainable_params / b.num_params
+        trainable += (b.num_params - b.matmul_params * (1 - 1 / tp)) * share
+    outside = profile.num_trainable_params - sum(
+        b.num_params if b.num_trainable_params is None else b.num_trainable_params for b in profile.blocks)
+    return trainable + max(outside, 0) * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0) / tp
 
 
 def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration, *,
@@ -331,18 +348,19 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     params = sum(profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks)
     params += (profile.num_params - sum(b.num_params for b in profile.blocks)) * (0.5 * first + 0.5 * last
                                                                                   if plan.pp > 1 else 1.0) / tp
+    trainable = _trainable_params(profile, plan, blocks, first, last)  # gradients: reduced, and updated
     dp_comm = 0.0
     if plan.uses_fsdp and plan.dp_shard > 1:
         bw = _group_bandwidth(topology, plan.dp_shard, tp, cal)
         gathers = (2 if plan.reshard_after_forward else 1) * (n_micro if plan.zero_stage == 3 else 1)
         scatters = 1 if plan.zero_stage == 1 else n_micro
         total = gathers * _collective_s(params * elem, plan.dp_shard, bw, cal, "all_gather") \
-            + scatters * _collective_s(params * 4, plan.dp_shard, bw, cal, "reduce_scatter")
+            + scatters * _collective_s(trainable * 4, plan.dp_shard, bw, cal, "reduce_scatter")
         hidden_by = cal.fsdp_overlap * (compute + memory + recompute)
         dp_comm += max(total - hidden_by, total / max(len(blocks), 1))  # the first unit's gather never hides
     if plan.dp_replicate > 1:
         bw = _group_bandwidth(topology, plan.dp_replicate, plan.dp_shard * tp, cal)
-        dp_comm += _collective_s(params * 4 / plan.dp_shard, plan.dp_replicate, bw, cal, "all_reduce") \
+        dp_comm += _collective_s(trainable * 4 / plan.dp_shard, plan.dp_replicate, bw, cal, "all_reduce") \
             * (1 - cal.fsdp_overlap / 2)
 
     # Pipeline bubble: (p - 1) micro-batch stage-times over the m micro-batches, per chunk under interleaving
@@ -358,21 +376,21 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         if plan.pp_schedule == "zero_bubble":
             bubble *= cal.zero_bubble_factor
         pp_bubble = bubble
-        bw = _group_bandwidth(topology, p, plan.dp_replicate * plan.dp_shard * tp, cal)
+        bw = _group_bandwidth(topology, p, plan.dp_replicate * plan.dp_shard * tp, cal, rings=False)
         pp_comm = n_micro * 2 * v * (cal.comm_latency_s + hidden_bytes / bw)
 
-    # Optimizer: fused AdamW reads and writes fp32 weights, gradients and both moments of the shards over the
-    # bandwidth its multi-tensor kernels achieve (optimizer_memory_efficiency); seconds.
-    shard_params = params / plan.dp_shard
-    optimizer_hbm = topology.device.hbm_bytes_per_s * cal.optimizer_memory_efficiency
-    optimizer = 0.0 if plan.cpu_offload else shard_params * cal.optimizer_bytes_per_param / optimizer_hbm
+    # Optimizer: fused AdamW reads and writes fp32 weights, gradients and both moments of the trainable shards
+    # over the bandwidth its multi-tensor kernels achieve (optimizer_memory_efficiency); seconds.
+    shard_params, shard_trainable = params / plan.dp_shard, trainable / plan.dp_shard
+    optimizer_bytes_per_s = topology.device.hbm_bytes_per_s * cal.optimizer_memory_efficiency
+    optimizer = 0.0 if plan.cpu_offload else shard_trainable * cal.optimizer_bytes_per_param / optimizer_bytes_per_s
     # Overhead: fixed costs per micro-batch and stage chunk (graph launches, hooks, the loss); seconds.
     overhead = n_micro * plan.pp_stages_per_rank * cal.microbatch_overhead_s
     # Offload: gradients to the host, weights back over PCIe, and Adam on the CPU; seconds.
     offload = 0.0
     if plan.cpu_offload:
-        offload = shard_params * (4 + 4) / cal.pcie_bytes_per_s + shard_params * cal.optimizer_bytes_per_param \
-            / cal.cpu_adam_bytes_per_s
+        offload = (shard_params + shard_trainable) * 4 / cal.pcie_bytes_per_s \
+            + shard_trainable * cal.optimizer_bytes_per_param / cal.cpu_adam_bytes_per_s
 
     prediction = TimePrediction(compute_s=compute, memory_s=memory, launch_s=launch, recompute_s=recompute,
                                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_bubble_s=pp_bubble, pp_comm_s=pp_comm,

@@ -12,11 +12,12 @@ import pytest
 import autopar
 from autopar.cost import Calibration
 from bench import microbench_ops as mb
+from bench._common import RESULTS
 
 TRUTH = Calibration(matmul_efficiency=0.7, matmul_half_width=60.0, matmul_rows_half=100.0, misaligned_gemm_factor=0.2,
                     fp32_matmul_efficiency=0.6, conv_efficiency=0.6, conv_nchw_factor=0.5, attention_efficiency=0.65,
                     attention_half_keys=200.0, attention_half_head_dim=40.0, masked_attention_factor=0.5,
-                    grouped_gemm_efficiency=0.7)
+                    grouped_gemm_efficiency=0.7, fp32_matmul_half_depth=50.0, fp32_matmul_half_output=1e5)
 H200 = autopar.Topology.from_spec("1xH200").device
 
 
@@ -32,8 +33,10 @@ def _records() -> list[dict]:
                         bytes=2 * (m * k + k * n + m * n), batch_dim=1))
     out.append(dict(kind="gemm", shape=[1, 16384, 50257, 1024], dtype="bfloat16", flops=2.0 * 16384 * 50257 * 1024,
                     bytes=2 * (16384 * 1024 + 1024 * 50257 + 16384 * 50257), batch_dim=1))
-    out.append(dict(kind="gemm", shape=[1, 8192, 4096, 4096], dtype="float32", flops=2.0 * 8192 * 4096 * 4096,
-                    bytes=4 * (8192 * 4096 * 3), batch_dim=1))
+    for m in (128, 512, 2048, 8192):  # fp32 GEMMs over output sizes and depths (the SIMT rate's two losses)
+        for k in (128, 512, 4096):
+            out.append(dict(kind="gemm", shape=[1, m, 4096, k], dtype="float32", flops=2.0 * m * 4096 * k,
+                            bytes=4 * (m * k + k * 4096 + m * 4096), batch_dim=1))
     for cl in (1, 0):
         for m, n, k in ((64 * 56 * 56, 64, 576), (64 * 28 * 28, 128, 1152), (64 * 14 * 14, 256, 2304)):
             out.append(dict(kind="conv", shape=[m, n, k, 1, cl], dtype="bfloat16", flops=2.0 * m * n * k,
@@ -59,8 +62,17 @@ def test_the_fit_recovers_the_factors_the_records_were_priced_with(tmp_path):
     for name in ("matmul_efficiency", "matmul_half_width", "matmul_rows_half", "misaligned_gemm_factor",
                  "fp32_matmul_efficiency", "conv_efficiency", "conv_nchw_factor", "attention_efficiency",
                  "attention_half_keys", "attention_half_head_dim", "masked_attention_factor",
-                 "grouped_gemm_efficiency"):
+                 "grouped_gemm_efficiency", "fp32_matmul_half_depth", "fp32_matmul_half_output"):
         assert getattr(cal, name) == pytest.approx(getattr(TRUTH, name), rel=0.05), (name, notes)
+
+
+def test_the_default_fp32_factors_are_the_fit_of_the_committed_h200_micro_benchmarks():
+    """autopar's fp32 GEMM factors are what `--fit` gives on the H200 files in bench/results (rounded)."""
+    cal, notes = mb.fit([str(RESULTS / "microbench_ops_h200_2026-12-01.json"),
+                         str(RESULTS / "microbench_ops_h200_2026-12-02.json")])
+    default = Calibration()
+    for name in ("fp32_matmul_efficiency", "fp32_matmul_half_depth", "fp32_matmul_half_output"):
+        assert getattr(default, name) == pytest.approx(getattr(cal, name), rel=0.02), (name, notes)
 
 
 def test_the_script_runs_on_cpu_and_fits_what_it_wrote(tmp_path):

@@ -21,7 +21,6 @@ import functools
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 import autopar
@@ -47,9 +46,9 @@ class Attention2021(CausalSelfAttention):
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         scores = torch.matmul(q * self.head_dim**-0.5, k.transpose(-2, -1))  # (b, heads, s, s)
-        probs = F.dropout(torch.softmax(scores, dim=-1), p=DROPOUT_2021, training=self.training)
+        probs = F.dropout(torch.softmax(scores, dim=-1), p=self.dropout, training=self.training)
         y = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)  # (b, heads, s, head_dim) -> (b, s, h)
-        return F.dropout(self.o_proj(y), p=DROPOUT_2021, training=self.training)
+        return F.dropout(self.o_proj(y), p=self.dropout, training=self.training)
 
 
 @functools.lru_cache(maxsize=None)

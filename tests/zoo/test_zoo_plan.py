@@ -59,8 +59,8 @@ def roofline_ratio(step_s: float, profile: ModelProfile, plan: autopar.Plan, top
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("family_", ZOO, ids=[f.name for f in ZOO])
-def test_realistic_model_plans_and_its_prediction_is_near_its_flops(family_: Family, topology: str,
-                                                                    record_property):
+def test_realistic_model_plans_and_its_prediction_is_within_its_roofline(family_: Family, topology: str,
+                                                                         record_property):
     why = family_.unavailable()
     if why is not None:
         pytest.skip(why)
