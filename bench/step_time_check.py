@@ -2,7 +2,8 @@
 (bench/results/validate_h200_2026-11-29.jsonl) and of the tuning grids (tune_h200_2026-11-29.jsonl) from their
 recorded plans, and prints predicted vs measured step time; `--zoo` adds the model zoo's plans at realistic size
 (bench/zoo.py) with their predicted step over the time their traced FLOPs take at peak (tests/zoo/test_zoo_plan.py's
-ratio, wanted between 1x and 10x); `--zoo-measured` re-predicts the zoo's own H200 runs (bench/zoo_h200.py).
+lower bound, at least 1x; its upper bound is 10x the roofline, bench/zoo_roofline.py); `--zoo-measured` re-predicts
+the zoo's own H200 runs (bench/zoo_h200.py), `--wrap-latest` only each family's latest wrap row (issue 10's table).
 
     python -m bench.step_time_check [--zoo vit,whisper,...] [--zoo-measured bench/results/zoo_h200_DATE.jsonl ...
         [--wrap-latest]] [--no-grid] > bench/results/step_time_check_DATE.txt
