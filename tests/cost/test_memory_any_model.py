@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.cost import Calibration, predict_profile
-from autopar.cost.memory import predict_memory
+from autopar.cost.memory import _RankParams, _rank_memory, predict_memory, stage_blocks
 from autopar.exact import exact_memory
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import profile_model
@@ -379,3 +379,22 @@ def test_bf16_weight_copies_leave_out_the_experts_that_autocast_keeps_in_fp32():
     assert compiled.gathered_bytes == pytest.approx(2 * (profile.num_params - experts))
     fp32 = predict_memory(profile, P(micro_batch_size=4, precision="fp32", compile=True), Calibration())
     assert fp32.gathered_bytes == 0
+
+
+def test_each_pipeline_stage_leaves_out_the_copies_of_its_own_experts():
+    """Under a pipeline each stage counts bf16 copies of its own weights but its experts'."""
+    pytest.importorskip("transformers")
+    f = family("qwen2-moe")
+    model = build_model(f, "tiny")
+    profile = profile_model(model, make_sample(f, "tiny"), loss_fn=f.loss_fn, precision="bf16", warn=False,
+                            graphs=False)
+    assert [b.name for b in profile.blocks] == ["model.layers.0", "model.layers.1"]
+    plan = P(pp=2, micro_batch_size=2, grad_accum=2, pp_schedule="1f1b", precision="bf16", compile=True)
+    for rank, layer in ((0, 0), (1, 1)):
+        blocks, first, last = stage_blocks(profile, plan, rank)
+        assert blocks == [layer]
+        stage = _RankParams.of(profile, plan, blocks, first, last)
+        experts = sum(p.numel() for name, p in model.named_parameters() if f"layers.{layer}.mlp.experts." in name)
+        assert stage.grouped == experts > 0
+        memory = _rank_memory(profile, plan, Calibration(), None, 8, rank)
+        assert memory.gathered_bytes == pytest.approx(2 * (stage.params - experts))
