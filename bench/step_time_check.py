@@ -35,7 +35,7 @@ from autopar.profile import find_blocks
 from autopar.profile.trace import StepTrace
 from bench._common import PLAN_KEYS, RESULTS, build, plan_from_short, token_batch
 from bench.zoo_h200 import ONE_GPU_MODES
-from bench.zoo_h200_report import read_records, results
+from bench.zoo_h200_report import latest_wraps, read_records
 
 
 def with_op_records(profile: autopar.ModelProfile, model: torch.nn.Module, sample: Any, *, loss_fn: Any = None
@@ -154,9 +154,7 @@ def zoo_records(paths: list[str], *, wrap_latest: bool) -> list[dict[str, Any]]:
     """The records of bench/zoo_h200.py files in order; with `wrap_latest`, only each family's wrap record that
     its report keeps (the latest measured one: bench/zoo_h200_report.results)."""
     records = read_records([Path(p) for p in paths])
-    if not wrap_latest:
-        return records
-    return [r.wrap for r in results(records) if r.wrap is not None and r.ok(r.wrap)]
+    return latest_wraps(records) if wrap_latest else records
 
 
 def check_zoo_measured(paths: list[str], *, wrap_latest: bool = False) -> list[str]:

@@ -244,8 +244,9 @@ def _kernel_summary(prof: Any, num_steps: int) -> dict[str, Any]:
     longest = sorted(top.items(), key=lambda kv: -kv[1][0])
     by_kind: dict[str, list[tuple[str, float, int]]] = {}
     for name, (t, c) in longest:  # the 8 longest of each kind (the memory-bound ones hide under the GEMMs)
-        if len(by_kind.setdefault(kernel_kind(name), [])) < 8:
-            by_kind[kernel_kind(name)].append((name, round(t, 6), int(c) // num_steps))
+        kept = by_kind.setdefault(kernel_kind(name), [])
+        if len(kept) < 8:
+            kept.append((name, round(t, 6), int(c) // num_steps))
     return {"kernel_s": {k: round(v, 6) for k, v in seconds.items()},
             "kernel_count": {k: v // num_steps for k, v in counts.items()},
             "busy_s": round(_busy_s(intervals) / num_steps, 6),

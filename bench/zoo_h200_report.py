@@ -141,6 +141,11 @@ def results(records: list[dict[str, Any]]) -> list[FamilyResult]:
             for n in names]
 
 
+def latest_wraps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each family's wrap record the report keeps, where it measured a step (the table's rows)."""
+    return [r.wrap for r in results(records) if r.ok(r.wrap)]
+
+
 def _summary_line(what: str, errors: list[float], bound: str) -> str:
     if not errors:
         return f"- {what}: no family measured"

@@ -18,7 +18,7 @@ from pathlib import Path
 import autopar
 from autopar.topology import lookup_device
 from bench.zoo import build_model, family, make_sample, roofline_s
-from bench.zoo_h200_report import read_records, results
+from bench.zoo_h200_report import latest_wraps, read_records
 
 
 def row(name: str, rec: dict) -> str:
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| family | batch | wrap plan | step ms | FLOPs at peak ms | roofline ms | step / peak | step / roofline "
           "| predicted / peak | predicted / roofline |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for res in results(read_records(args.records)):
-        if res.ok(res.wrap) and (not chosen or res.family in chosen):
-            print(row(res.family, res.wrap), flush=True)
+    for rec in latest_wraps(read_records(args.records)):
+        if not chosen or rec["family"] in chosen:
+            print(row(rec["family"], rec), flush=True)
     return 0
 
 

@@ -349,10 +349,9 @@ def measure(topology: Topology, base: Calibration | None = None, *, shapes: Sequ
         bus = 2 * (w - 1) / w * t.numel() * 2 / dt
         extra["allreduce_bus_bytes_per_s"] = bus
         spans = w > topology.devices_per_node  # the world's ranks fill a node before the next
-        cards = max(1, w // topology.num_nodes) * topology.inter_node_bytes_per_s
-        link = topology.link_bytes_per_s(w, spans_nodes=spans,
-                                         ranks_per_node=max(1, w // topology.num_nodes) if spans else 1)
-        network_binds = spans and cards < topology.device.intra_node_bytes_per_s  # as time._group_bandwidth
+        per_node = max(1, w // topology.num_nodes) if spans else 1
+        link = topology.link_bytes_per_s(w, spans_nodes=spans, ranks_per_node=per_node)
+        network_binds = spans and link < topology.device.intra_node_bytes_per_s  # as time._group_bandwidth
         changes["network_efficiency" if network_binds else "comm_efficiency"] = min(1.0, bus / link)
     return base.replace(source=f"measured on {torch.cuda.get_device_name()}", extra=extra, **changes)
 

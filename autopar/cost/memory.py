@@ -119,10 +119,9 @@ class _RankParams:
         shared Parameter where it is first seen)."""
         tp = plan.tp
         on_rank = {i: profile.blocks[i].num_params - profile.blocks[i].matmul_params * (1 - 1 / tp) for i in blocks}
-        trainable = sum(on_rank[i] * _trainable_share(profile.blocks[i]) for i in blocks)
+        trainable = sum(on_rank[i] * trainable_share(profile.blocks[i]) for i in blocks)
         outside = float(profile.num_params - sum(b.num_params for b in profile.blocks))
-        outside_trainable = float(profile.num_trainable_params - sum(
-            b.num_params if b.num_trainable_params is None else b.num_trainable_params for b in profile.blocks))
+        outside_trainable = outside_trainable_params(profile)
         share = 1.0
         if plan.pp > 1:
             # Embeddings on the first stage, head on the last; a head tied to the embedding is a full copy on
@@ -147,7 +146,13 @@ def _grouped_weights(profile: ModelProfile, block: int) -> float:
                      if r.kind == "grouped_gemm" and not r.backward and r.batch_dim == 1))
 
 
-def _trainable_share(b: BlockProfile) -> float:
+def outside_trainable_params(profile: ModelProfile) -> float:
+    """Trainable parameters outside the blocks (embeddings, head), as the profile counts them."""
+    return float(profile.num_trainable_params - sum(
+        b.num_params if b.num_trainable_params is None else b.num_trainable_params for b in profile.blocks))
+
+
+def trainable_share(b: BlockProfile) -> float:
     if b.num_trainable_params is None or b.num_params == 0:
         return 1.0
     return b.num_trainable_params / b.num_params

@@ -29,7 +29,7 @@ from ..profile import ModelProfile
 from ..profile.model_profile import OpGroup
 from ..topology import Topology
 from .calibration import Calibration, matmul_arch
-from .memory import activation_profile, stage_blocks
+from .memory import activation_profile, outside_trainable_params, stage_blocks, trainable_share
 from .ops import OpsTime, Rates, TPSplit, group_time
 
 @dataclass(frozen=True)
@@ -250,14 +250,10 @@ def _trainable_params(profile: ModelProfile, plan: Plan, blocks: list[int], firs
     """Of a rank's parameters (TP-split, before FSDP's sharding), those that require grad: what has gradients
     to reduce and optimizer state to update (LoRA's frozen base weights have neither)."""
     tp = plan.tp
-    trainable = 0.0
-    for i in blocks:
-        b = profile.blocks[i]
-        share = 1.0 if b.num_trainable_params is None or b.num_params == 0 else b.num_trainable_params / b.num_params
-        trainable += (b.num_params - b.matmul_params * (1 - 1 / tp)) * share
-    outside = profile.num_trainable_params - sum(
-        b.num_params if b.num_trainable_params is None else b.num_trainable_params for b in profile.blocks)
-    return trainable + max(outside, 0) * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0) / tp
+    trainable = sum((b.num_params - b.matmul_params * (1 - 1 / tp)) * trainable_share(b)
+                    for b in (profile.blocks[i] for i in blocks))
+    outside = max(outside_trainable_params(profile), 0.0)
+    return trainable + outside * (0.5 * first + 0.5 * last if plan.pp > 1 else 1.0) / tp
 
 
 def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calibration, *,

@@ -365,16 +365,22 @@ def test_an_eager_step_the_trace_replayed_reserves_what_the_allocator_replay_say
                                                    **other)
 
 
-def test_bf16_weight_copies_leave_out_the_experts_that_autocast_keeps_in_fp32():
-    """Under bf16 autocast over fp32 weights a compiled (not replayed) plan counts a bf16 copy of every weight
-    but the MoE experts': their grouped GEMMs are on no autocast list and run in fp32, casting nothing."""
+@functools.lru_cache(maxsize=1)
+def _tiny_moe():
+    """The zoo's tiny Qwen2-MoE and its bf16 autocast trace (experts on torch._grouped_mm)."""
     pytest.importorskip("transformers")
     f = family("qwen2-moe")
     model = build_model(f, "tiny")
+    return model, profile_model(model, make_sample(f, "tiny"), loss_fn=f.loss_fn, precision="bf16", warn=False,
+                                graphs=False)
+
+
+def test_bf16_weight_copies_leave_out_the_experts_that_autocast_keeps_in_fp32():
+    """Under bf16 autocast over fp32 weights a compiled (not replayed) plan counts a bf16 copy of every weight
+    but the MoE experts': their grouped GEMMs are on no autocast list and run in fp32, casting nothing."""
+    model, profile = _tiny_moe()
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     assert 0 < experts < sum(p.numel() for p in model.parameters())
-    profile = profile_model(model, make_sample(f, "tiny"), loss_fn=f.loss_fn, precision="bf16", warn=False,
-                            graphs=False)
     compiled = predict_memory(profile, P(micro_batch_size=4, precision="bf16", compile=True), Calibration())
     assert compiled.gathered_bytes == pytest.approx(2 * (profile.num_params - experts))
     fp32 = predict_memory(profile, P(micro_batch_size=4, precision="fp32", compile=True), Calibration())
@@ -383,11 +389,7 @@ def test_bf16_weight_copies_leave_out_the_experts_that_autocast_keeps_in_fp32():
 
 def test_each_pipeline_stage_leaves_out_the_copies_of_its_own_experts():
     """Under a pipeline each stage counts bf16 copies of its own weights but its experts'."""
-    pytest.importorskip("transformers")
-    f = family("qwen2-moe")
-    model = build_model(f, "tiny")
-    profile = profile_model(model, make_sample(f, "tiny"), loss_fn=f.loss_fn, precision="bf16", warn=False,
-                            graphs=False)
+    model, profile = _tiny_moe()
     assert [b.name for b in profile.blocks] == ["model.layers.0", "model.layers.1"]
     plan = P(pp=2, micro_batch_size=2, grad_accum=2, pp_schedule="1f1b", precision="bf16", compile=True)
     for rank, layer in ((0, 0), (1, 1)):
