@@ -44,7 +44,7 @@ from .errors import CacheError
 #: refit of one script that changed every model's predictions on that hardware (issue 11, item 7).
 #: 7: fp32 GEMMs priced by depth and output (fp32_matmul_efficiency now before those losses), fp32 grouped GEMMs one
 #: GEMM a group, fused AdamW at its own bandwidth (optimizer_memory_efficiency), network cards per node (2026-12-02).
-CALIBRATION_VERSION = 7
+CALIBRATION_VERSION = 8
 #: Larger calibration files are refused unread (one is about 2 KiB).
 MAX_FILE_BYTES = 1 << 20
 

@@ -65,13 +65,18 @@ HF_ATTENTION = ((32, 12, 512, 64), (8, 25, 1024, 64))  # (batch, heads, seq, hea
 COMPILE_RESERVE_S = 45.0  # a compiled measurement starts only with this much of the budget left (inductor compiles)
 GROUPED = ((8, 2048, 4096, 14336), (8, 2048, 14336, 4096), (64, 512, 2048, 1408), (64, 512, 1408, 2048))
 ELEMENTWISE_NUMEL = (2**24, 2**26, 2**28)
+# (batch x heads, sequence, head dim) of attention's score GEMMs where SDPA's math path (or a model's own matmuls)
+# runs them as batched GEMMs: ViT-B/16 at 64 images (197 tokens), CLIP's text (77) and vision (50) towers, Swin's
+# 7 x 7 windows (49), ViT-L/14-336 (577), and aligned controls (196, 256)
+BMM_ATTENTION = ((768, 197, 64), (1536, 77, 64), (1536, 50, 64), (6144, 49, 32), (256, 577, 64), (768, 196, 64),
+                 (768, 256, 64), (384, 197, 128))
 MIN_SECONDS = 20e-6  # shorter kernels are left out of the fit
 
 QUICK = dict(GEMM_M=(64, 256), GEMM_N=(128,), GEMM_K=(64, 256), GEMM_EXTRA=((256, 250, 128),),
              FP32_GEMMS=((128, 128, 128),), CONVS=((3, 16, 32, 3, 1, 1), (16, 16, 16, 3, 1, 16)),
              ATTENTION_DIMS=(64,), ATTENTION_SEQS=(128, 256), ATTENTION_TOKENS=512, HF_ATTENTION=((2, 2, 64, 16),),
              GROUPED=((4, 64, 128, 64),), ELEMENTWISE_NUMEL=(2**16,), FP32_GRID_M=(64,), FP32_GRID_NK=((128, 64),),
-             FP32_GROUPED=((4, 32, 64, 48),))
+             FP32_GROUPED=((4, 32, 64, 48),), BMM_ATTENTION=((8, 33, 16), (8, 32, 16)))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -147,6 +152,25 @@ def bench_fp32_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
                     out.append(dict(kind="gemm", shape=[1, mm, nn_, kk], dtype="float32", flops=2.0 * mm * nn_ * kk,
                                     bytes=_nbytes(a, b) + mm * nn_ * 4, seconds=sec, batch_dim=1))
                 del a, b
+    return out
+
+
+def bench_bmm(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """bf16 batched GEMMs of attention's scores as SDPA's math path runs them (torch.bmm over transposed views:
+    S = Q K^T, (seq, seq, d); dV = P^T dO and dK = dS^T Q, (seq, d, seq)): a sequence that is not a multiple of
+    8 runs cuBLAS's unaligned batched kernels (misaligned_bmm_factor)."""
+    out = []
+    for bh, seq, d in s["BMM_ATTENTION"]:
+        q = torch.randn(bh, seq, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(bh, seq, d, device=dev, dtype=torch.bfloat16)
+        p = torch.randn(bh, seq, seq, device=dev, dtype=torch.bfloat16)
+        for (m, n, kk), fn in (((seq, seq, d), lambda: torch.bmm(q, k.transpose(1, 2))),
+                               ((seq, d, seq), lambda: torch.bmm(p.transpose(1, 2), q))):
+            sec = timer(fn)
+            if sec is not None:
+                out.append(dict(kind="gemm", shape=[bh, m, n, kk], dtype="bfloat16", flops=2.0 * bh * m * n * kk,
+                                bytes=2 * bh * (m * kk + kk * n + m * n), seconds=sec, batch_dim=0))
+        del q, k, p
     return out
 
 
@@ -379,9 +403,12 @@ def _fit_scale_and_two(records: list[dict], device: DeviceSpec, cal: Calibration
     return best[1]
 
 
-def fit(paths: str | list[str], as_device: str | None = None) -> tuple[Calibration, list[str]]:
+def fit(paths: str | list[str], as_device: str | None = None, *,
+        on_defaults: bool = False) -> tuple[Calibration, list[str]]:
     """The factors fitted to one or more microbench JSON files (the first file's header names the device), and
-    one line per factor: its value, from what, its error."""
+    one line per factor: its value, from what, its error. `on_defaults`: the one-factor ratios (misaligned
+    GEMMs, convolutions, grouped GEMMs) are fitted on top of autopar's default GEMM factors (fitted from real
+    steps' kernel profiles) rather than on this fit's own, so that they can be dropped into the defaults."""
     files = [paths] if isinstance(paths, str) else list(paths)
     per_file = [[json.loads(x) for x in open(path)] for path in files]
     lines = [per_file[0][0]] + [r for part in per_file for r in part[1:]]
@@ -396,7 +423,8 @@ def fit(paths: str | list[str], as_device: str | None = None) -> tuple[Calibrati
         return [r for r in records if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
 
     aligned = [r for r in kinds("gemm", dtype="bfloat16") if all(d % 8 == 0 for d in r["shape"][1:])]
-    misaligned = [r for r in kinds("gemm", dtype="bfloat16") if r not in aligned]
+    misaligned = [r for r in kinds("gemm", dtype="bfloat16") if r not in aligned and r["shape"][0] == 1]
+    misaligned_bmm = [r for r in kinds("gemm", dtype="bfloat16") if r not in aligned and r["shape"][0] > 1]
     # the GEMM factors are stated Hopper-equivalent (autopar.cost.calibration.MatmulArch)
     cal = _fit_scale_and_two(aligned, device, cal, "matmul_efficiency",
                              {"matmul_half_width": (1.0, 2048.0), "matmul_rows_half": (1.0, 4096.0)})
@@ -405,11 +433,15 @@ def fit(paths: str | list[str], as_device: str | None = None) -> tuple[Calibrati
                        f"{len(aligned)} bf16 GEMMs"))
     for name, recs, bounds in (
             ("misaligned_gemm_factor", misaligned, (0.02, 1.0)),
+            ("misaligned_bmm_factor", misaligned_bmm, (0.02, 1.0)),
             ("conv_efficiency", kinds("conv", channels_last=1), (0.05, 1.5)),
             ("conv_nchw_factor", kinds("conv", channels_last=0), (0.05, 1.5)),
             ("grouped_gemm_efficiency", kinds("grouped_gemm", dtype="bfloat16"), (0.05, 1.5))):
-        cal = _fit_factors(recs, device, cal, (name,), {name: bounds}, sweeps=1)
-        notes.append(_note(cal, recs, device, (name,), f"{len(recs)} records"))
+        base = Calibration() if on_defaults else cal
+        one = _fit_factors(recs, device, base, (name,), {name: bounds}, sweeps=1)
+        cal = cal.replace(**{name: getattr(one, name)})
+        notes.append(_note(one, recs, device, (name,), f"{len(recs)} records" + (", on the default GEMM factors"
+                                                                                  if on_defaults else "")))
     fp32 = kinds("gemm", dtype="float32") + kinds("grouped_gemm", dtype="float32")  # SIMT: dense and per-expert
     cal = _fit_scale_and_two(fp32, device, cal, "fp32_matmul_efficiency",
                              {"fp32_matmul_half_depth": (1.0, 4096.0), "fp32_matmul_half_output": (1e3, 1e7)})
@@ -476,6 +508,7 @@ def measure(args: argparse.Namespace) -> int:
         f.write(json.dumps(header) + "\n")
         sections = (("gemm", lambda: bench_gemms(timer, dev, shapes)),
                     ("gemm_fp32", lambda: bench_fp32_gemms(timer, dev, shapes)),
+                    ("bmm_attention", lambda: bench_bmm(timer, dev, shapes)),
                     ("grouped_gemm_fp32", lambda: bench_fp32_grouped(timer, dev, shapes)),
                     ("conv", lambda: bench_convs(timer, dev, shapes, 2 if args.quick else 64)),
                     ("attention", lambda: bench_attention(timer, dev, shapes)),
@@ -512,9 +545,11 @@ def main() -> int:
     ap.add_argument("--fit", default=None, nargs="+", metavar="JSON",
                     help="fit the factors to files this wrote (the first one's device), and print them")
     ap.add_argument("--as-device", default=None, help="with --fit: price with this device spec (e.g. H200)")
+    ap.add_argument("--on-defaults", action="store_true",
+                    help="with --fit: fit the one-factor ratios on autopar's default GEMM factors")
     args = ap.parse_args()
     if args.fit:
-        cal, notes = fit(args.fit, args.as_device)
+        cal, notes = fit(args.fit, args.as_device, on_defaults=args.on_defaults)
         default = Calibration()
         changed = {f.name: getattr(cal, f.name) for f in dataclasses.fields(cal)
                    if isinstance(getattr(cal, f.name), float) and getattr(cal, f.name) != getattr(default, f.name)}

@@ -157,15 +157,32 @@ def zoo_records(paths: list[str], *, wrap_latest: bool) -> list[dict[str, Any]]:
     return latest_wraps(records) if wrap_latest else records
 
 
+def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two zoo records ran the same step: family, mode, batch, plan (wrap's whole Plan), torch and
+    transformers."""
+    keys = ("family", "mode", "batch", "plan", "plan_short", "torch", "transformers")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def lease_steps(rec: dict[str, Any], records: list[dict[str, Any]]) -> list[float]:
+    """The measured step seconds of every record of `records` that ran `rec`'s step (same_run), one a process
+    and lease: host-bound steps differ up to 1.7x between leases of one H200 kind (bench/README.md)."""
+    return [r["step_s"] for r in records if r.get("status") == "ok" and r.get("step_s") and same_run(r, rec)]
+
+
 def check_zoo_measured(paths: list[str], *, wrap_latest: bool = False) -> list[str]:
     """The zoo's H200 runs (bench/zoo_h200.py records: the hand recipe and the plan modes, one GPU, bf16
-    autocast, eager or compiled, and the plans wrap chose) re-predicted with the model as it is now."""
+    autocast, eager or compiled, and the plans wrap chose) re-predicted with the model as it is now. With
+    `wrap_latest`, each row also gives the median of every lease's run of the same step (lease_steps) and the
+    error against it."""
     from bench.zoo import build_model, family, make_sample  # the zoo needs transformers
 
     out = [f"{'family':12} {'mode':13} {'batch':>5} {'measured ms':>11} {'then ms':>8} {'now ms':>8} {'err':>7} | "
-           f"{'compute':>7} {'memory':>7} {'launch':>7}"]
+           f"{'compute':>7} {'memory':>7} {'launch':>7}"
+           + (f" | {'leases':>6} {'min ms':>7} {'max ms':>7} {'median':>7} {'err':>7}" if wrap_latest else "")]
     traces: dict = {}
-    errs = []
+    errs, lease_errs = [], []
+    everything = read_records([Path(p) for p in paths])
     for rec in zoo_records(paths, wrap_latest=wrap_latest):
         plan = _measured_plan(rec)
         if plan is None:
@@ -193,14 +210,21 @@ def check_zoo_measured(paths: list[str], *, wrap_latest: bool = False) -> list[s
         errs.append(err)
         then = rec.get("predicted_step_s")
         t = pred.time
-        out.append(f"{name:12} {rec['mode']:13} {rec['batch']:5} {rec['step_s'] * 1e3:11.1f} "
-                   f"{then * 1e3 if then else float('nan'):8.1f} {pred.step_s * 1e3:8.1f} {err:+7.1%} | "
-                   f"{t.compute_s * 1e3:7.1f} {t.memory_s * 1e3:7.1f} {t.launch_s * 1e3:7.1f}")
+        line = (f"{name:12} {rec['mode']:13} {rec['batch']:5} {rec['step_s'] * 1e3:11.1f} "
+                f"{then * 1e3 if then else float('nan'):8.1f} {pred.step_s * 1e3:8.1f} {err:+7.1%} | "
+                f"{t.compute_s * 1e3:7.1f} {t.memory_s * 1e3:7.1f} {t.launch_s * 1e3:7.1f}")
+        if wrap_latest:
+            steps = lease_steps(rec, everything)
+            mid = statistics.median(steps)
+            lease_errs.append(pred.step_s / mid - 1)
+            line += (f" | {len(steps):6} {min(steps) * 1e3:7.1f} {max(steps) * 1e3:7.1f} {mid * 1e3:7.1f} "
+                     f"{lease_errs[-1]:+7.1%}")
+        out.append(line)
         print(out[-1], file=sys.stderr, flush=True)
-    if errs:
-        worst = max(errs, key=abs)
-        out.append(f"  step error {min(errs):+.1%} to {max(errs):+.1%}, median |error| "
-                   f"{statistics.median(abs(x) for x in errs):.1%}, worst {worst:+.1%}, over {len(errs)} runs")
+    for what, e in (("latest lease", errs), ("median of the leases", lease_errs)):
+        if e:
+            out.append(f"  step error against the {what}: {min(e):+.1%} to {max(e):+.1%}, median |error| "
+                       f"{statistics.median(abs(x) for x in e):.1%}, worst {max(e, key=abs):+.1%}, over {len(e)} runs")
     return out
 
 

@@ -207,7 +207,8 @@ def _busy_s(intervals: list[tuple[float, float]]) -> float:
 def kernels_of(step: Step, num_steps: int) -> dict[str, Any]:
     """Where `num_steps` more steps' GPU time goes (torch.profiler, CUDA activity only), per step: seconds and
     kernels by kind (kernel_kind), the seconds some kernel ran (busy_s: the step's wall time less this is the
-    GPU waiting for the host), the 12 longest kernels (name, seconds, count) and the 8 longest of each kind."""
+    GPU waiting for the host), the 12 longest kernels (name, seconds, count), the 8 longest of each kind, and
+    every kernel (all_kernels: name, seconds, count, by name), for pricing fused work kernel by kernel."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
@@ -221,7 +222,22 @@ def kernels_of(step: Step, num_steps: int) -> dict[str, Any]:
     top = sorted(cpu.key_averages(), key=lambda e: -e.self_cpu_time_total)[:25]
     out["cpu_top"] = [(e.key[:80], round(e.self_cpu_time_total / 1e6 / num_steps, 6), e.count // num_steps)
                       for e in top]
+    out["op_device_top"] = _op_device_top(step, num_steps)
     return out
+
+
+def _op_device_top(step: Step, num_steps: int, num_ops: int = 40) -> list[tuple[str, str, float, int]]:
+    """The ops whose own kernels take the most GPU time (op, input shapes, seconds and calls per step): which
+    aten op launched the memory-bound kernels a kernel name alone does not say. Profiled apart, CPU and CUDA
+    together with shapes, which slows the host but not the kernels."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(num_steps):
+            step()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    return [(e.key[:80], str(e.input_shapes)[:160], round(e.self_device_time_total / 1e6 / num_steps, 6),
+             e.count // num_steps) for e in ops[:num_ops]]
 
 
 def _kernel_summary(prof: Any, num_steps: int) -> dict[str, Any]:
@@ -237,7 +253,7 @@ def _kernel_summary(prof: Any, num_steps: int) -> dict[str, Any]:
         us = e.time_range.end - e.time_range.start
         seconds[kind] = seconds.get(kind, 0.0) + us / 1e6 / num_steps
         counts[kind] = counts.get(kind, 0) + 1
-        entry = top.setdefault(e.name[:100], [0.0, 0])
+        entry = top.setdefault(e.name[:160], [0.0, 0])
         entry[0] += us / 1e6 / num_steps
         entry[1] += 1
         intervals.append((e.time_range.start, e.time_range.end))
@@ -251,7 +267,8 @@ def _kernel_summary(prof: Any, num_steps: int) -> dict[str, Any]:
             "kernel_count": {k: v // num_steps for k, v in counts.items()},
             "busy_s": round(_busy_s(intervals) / num_steps, 6),
             "top_kernels": [(name, round(t, 6), int(c) // num_steps) for name, (t, c) in longest[:12]],
-            "top_by_kind": by_kind}
+            "top_by_kind": by_kind,
+            "all_kernels": [(name, round(t, 7), int(c) // num_steps) for name, (t, c) in longest]}
 
 
 def memory(opts: Options) -> dict[str, Any]:

@@ -31,11 +31,16 @@ from typing import Any
 
 import torch
 
+from autopar.strategies.compile import default_backend
 from bench._common import host_op_us
 from bench.zoo_h200 import (FAMILIES, Measurement, Options, Predictor, Runner, Step, append, batch_of,
-                            build_on_device, environment, first_line, real_sample, sync, time_steps)
+                            build_on_device, environment, first_line, kernels_of, real_sample, sync, time_steps)
 
 MODES = ("hand", "hand_compile", "wrap")
+#: A diagnostic mode: the hand recipe with the model's forward compiled in place, as autopar's apply_compile
+#: does it (not the module, as torch.compile(model) does): whether a gap between wrap and hand_compile on the
+#: same plan comes from how the model is compiled or from the rest of what wrap does.
+FORWARD_COMPILE = "hand_compile_forward"
 
 
 def _step(measurement: Measurement, mode: str, rec: dict[str, Any]) -> Step:
@@ -44,10 +49,32 @@ def _step(measurement: Measurement, mode: str, rec: dict[str, Any]) -> Step:
     sample = real_sample(measurement.family, measurement.opts)
     if mode == "wrap":
         return measurement._wrap(model, sample, rec, mode)
+    if mode == FORWARD_COMPILE:
+        step = measurement._hand(model, sample, rec, "hand")
+        model.forward = torch.compile(model.forward, backend=default_backend())
+        rec["plan_short"] = rec["plan_short"].replace("eager", "compile") + " (forward compiled in place)"
+        return step
     return measurement._hand(model, sample, rec, mode)
 
 
-def race_family(name: str, modes: list[str], opts: Options, rounds: int) -> dict[str, Any]:
+def _dynamo_counts() -> dict[str, int]:
+    """torch._dynamo's counters (frames, graphs, recompiles), flattened: their change over one mode's build and
+    warm-up says how many graphs it made and whether it recompiled (e.g. a dynamic batch dimension)."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{key}": int(value) for group, table in counters.items() for key, value in table.items()
+            if isinstance(value, (int, float))}
+
+
+def _profile(step: Step, num_steps: int) -> dict[str, Any]:
+    """Where the mode's step goes (bench.zoo_h200.kernels_of), less its per-op table: GPU busy time, kernel
+    seconds and counts by kind, the longest kernels and the host's busiest ops."""
+    out = kernels_of(step, num_steps)
+    out.pop("op_device_top", None)
+    return out
+
+
+def race_family(name: str, modes: list[str], opts: Options, rounds: int, profile_steps: int = 0) -> dict[str, Any]:
     """Every mode's step built and warmed, then `rounds` rotated rounds of `opts.steps` steps each."""
     family = FAMILIES[name]
     measurement = Measurement(family, opts, Predictor(family, opts))
@@ -56,17 +83,21 @@ def race_family(name: str, modes: list[str], opts: Options, rounds: int) -> dict
     steps: dict[str, Step] = {}
     for mode in modes:
         mode_rec: dict[str, Any] = {"batch": rec["batch"]}
+        before = _dynamo_counts()
         try:
             steps[mode] = _step(measurement, mode, mode_rec)
             for _ in range(opts.warmup):
                 steps[mode]()
             sync(opts.device)
             mode_rec["status"] = "ok"
+            mode_rec["dynamo"] = {k: v - before.get(k, 0) for k, v in _dynamo_counts().items()
+                                  if v != before.get(k, 0)}
         except Exception as exc:  # recorded; the other modes still race
             mode_rec.update(status="error", error=first_line(exc))
             steps.pop(mode, None)
         rec["modes"][mode] = {k: v for k, v in mode_rec.items() if k in ("status", "error", "plan_short",
-                                                                          "predicted_step_s", "optimizer")}
+                                                                          "predicted_step_s", "optimizer",
+                                                                          "dynamo")}
     timing = dataclasses.replace(opts, warmup=0)
     times: dict[str, list[float]] = {m: [] for m in steps}
     round_medians: dict[str, list[float]] = {m: [] for m in steps}
@@ -81,6 +112,9 @@ def race_family(name: str, modes: list[str], opts: Options, rounds: int) -> dict
     for mode in steps:
         rec["modes"][mode].update(step_s=statistics.median(times[mode]), round_step_s=round_medians[mode])
     rec["host_op_us_rounds"] = host_us
+    if profile_steps and opts.device == "cuda":
+        for mode in steps:
+            rec["modes"][mode]["profile"] = _profile(steps[mode], profile_steps)
     return rec
 
 
@@ -148,6 +182,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after the rounds, profile this many steps of each mode (kernels, GPU busy time, host ops)")
     ap.add_argument("--family-timeout-s", type=float, default=300.0)
     ap.add_argument("--time-budget-s", type=float, default=480.0, help="no family starts after this (s)")
     ap.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/zoo_race.jsonl)")
@@ -168,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    hand_predictions=False, compile_on_cpu=False, out=out,
                    command=" ".join(["python -m bench.zoo_race", *given]))
     if args.child:
-        append(out, race_family(args.child, args.modes.split(","), opts, args.rounds))
+        append(out, race_family(args.child, args.modes.split(","), opts, args.rounds, args.profile_steps))
         return 0
     run_families(args, given)
     if out.exists():

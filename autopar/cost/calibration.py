@@ -127,6 +127,12 @@ class Calibration:
     # and read twice (once by each GEMM), P's bf16 copy; bytes; counted as above
     misaligned_gemm_factor: float = 0.16  # eager bf16 GEMM with a dimension not a multiple of 8 / aligned; ratio;
     # H200 kernel profile (GPT-2's head, vocabulary 50257: cuBLAS's sm75 align1 kernels, 124 vs 770 TFLOP/s)
+    misaligned_bmm_factor: float = 0.049  # the same for a batched bf16 GEMM (attention's scores over 197 or 77
+    # tokens, eager or in SDPA's math path: cuBLAS's sm75 64 x 64 align1 batched kernels); ratio; H200
+    # micro-benchmarks (bench/results/microbench_ops_h200_2026-12-02b.json: 14 unaligned score bmm's, 49-577
+    # tokens, head dims 32-128, 14-83 TFLOP/s), fitted on the default GEMM factors by `python -m
+    # bench.microbench_ops --fit bench/results/microbench_ops_h200_2026-12-0*.json --on-defaults`: median +8%,
+    # range -58% to +147% (the shape's depth loss is steeper in these kernels than in the aligned ones)
     microbatch_overhead_s: float = 5e-4  # fixed cost per micro-batch (graph launches, hooks, loss); seconds
     fp32_matmul_efficiency: float = 0.78  # fp32 (no tensor cores, TF32 off) GEMM rate / fp32 peak, less the
     # depth and fill losses below; ratio; H200 micro-benchmarks (bench/results/microbench_ops_h200_2026-12-02.json:

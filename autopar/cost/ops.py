@@ -40,7 +40,8 @@ class Rates:
     out_half: float  # output elements at which a GEMM's rate halves (the last wave's idle SMs)
     misaligned: float  # rate of an eager GEMM loading one element at a time (a leading dimension odd) / aligned:
     # `_misaligned` scales it by the elements it loads at once
-    extern_misaligned: float  # the same for an extern GEMM inductor does not pad (SDPA's math path)
+    misaligned_bmm: float  # the same for a batched GEMM (cuBLAS's unaligned batched kernels; 1 compiled: padded)
+    extern_misaligned_bmm: float  # the same for the batched GEMMs inductor does not pad (SDPA's math path)
     math_fp32_eff: float  # the math path's fp32 batched GEMMs / fp32 peak (Calibration.math_attention_fp32_efficiency)
     math_bytes: tuple[float, float]  # bytes a score element of the math path moves, (forward, backward)
     fp32_eff: float  # fp32 SIMT GEMMs' best fraction of the fp32 peak (fp32_matmul_efficiency)
@@ -76,7 +77,8 @@ class Rates:
                    gemm_half=cal.matmul_half_width * arch.half_width_ratio,
                    out_half=cal.matmul_rows_half * 2048,  # the factor is stated as rows of a 2048-wide output
                    misaligned=1.0 if plan.compile else cal.misaligned_gemm_factor,
-                   extern_misaligned=cal.misaligned_gemm_factor, math_fp32_eff=cal.math_attention_fp32_efficiency,
+                   misaligned_bmm=1.0 if plan.compile else cal.misaligned_bmm_factor,
+                   extern_misaligned_bmm=cal.misaligned_bmm_factor, math_fp32_eff=cal.math_attention_fp32_efficiency,
                    math_bytes=(cal.math_attention_bytes_forward, cal.math_attention_bytes_backward),
                    fp32_eff=cal.fp32_matmul_efficiency, fp32_gemm_half=cal.fp32_matmul_half_depth,
                    fp32_out_half=cal.fp32_matmul_half_output, conv_eff=cal.conv_efficiency,
@@ -304,7 +306,7 @@ def _unfused_attention_s(shape: list[float], backward: bool, rates: Rates) -> fl
     BERT and ViT held 5.6 and 1.3 GiB more than their fused saved sets: autopar.profile.remat; their kernel
     profiles, bench/results/zoo_h200_profile_2026-12-01c.jsonl: 2 of a layer's 6 bmm's fp32 SIMT kernels, 4
     bf16, unpadded). Forward: S = Q K^T (bf16), O = P V (fp32); backward: dP = dO V^T, dV = P^T dO, dK = dS^T Q
-    (bf16), dQ = dS K (fp32). bf16 GEMMs at their shapes' rates (misaligned_gemm_factor where a dimension is not
+    (bf16), dQ = dS K (fp32). bf16 GEMMs at their shapes' rates (misaligned_bmm_factor where a dimension is not
     a multiple of 8: inductor does not pad these); fp32 ones at math_attention_fp32_efficiency of the fp32 peak
     times their 128-row tiles' fill; the scores' traffic (math_attention_bytes_*: fp32 as they move between
     the kernels; what the step saves of them for backward is bf16, autopar.profile.remat) at inductor's fused
@@ -318,7 +320,7 @@ def _unfused_attention_s(shape: list[float], backward: bool, rates: Rates) -> fl
     seconds = 0.0
     for m, n, k in bf16:
         rate = _gemm_rate([bh, m, n, k], 0, rates) * _misaligned(min(map(_alignment, (m, n, k))),
-                                                                   rates.extern_misaligned)
+                                                                   rates.extern_misaligned_bmm)
         seconds += 2.0 * bh * m * n * k / rate
     for m, n, k in fp32:
         fill = m / (128.0 * math.ceil(m / 128.0))
@@ -329,15 +331,16 @@ def _unfused_attention_s(shape: list[float], backward: bool, rates: Rates) -> fl
 def _gemm_rate(shape: list[float], grow: int, rates: Rates) -> float:
     """(batch, M, N, K): depth K, output batch x M x N. Eager, a leading dimension (M, N or K other than the one
     the batch grows) that is not a multiple of 8 elements (16 bytes of bf16; GPT-2's vocabulary of 50257) runs
-    cuBLAS's unaligned kernels (`misaligned_gemm_factor`); compiled, inductor pads it
-    (torch._inductor.config.shape_padding). fp32: SIMT GEMMs (_fp32_gemm_rate)."""
+    cuBLAS's unaligned kernels (`misaligned_gemm_factor`; batched, `misaligned_bmm_factor`: attention's scores
+    over 197 or 77 tokens); compiled, inductor pads it (torch._inductor.config.shape_padding). fp32: SIMT GEMMs
+    (_fp32_gemm_rate)."""
     b, m, n, k = shape
     out = b * m * n
     if not rates.bf16:
         return _fp32_gemm_rate(out, k, rates)
     frac = gemm_fraction(k, out, rates.gemm_eff, rates.gemm_half, rates.out_half)
     align = min(_alignment(d) for i, d in ((1, m), (2, n), (3, k)) if i != grow)
-    return rates.peak * frac * _misaligned(align, rates.misaligned)
+    return rates.peak * frac * _misaligned(align, rates.misaligned_bmm if b > 1 else rates.misaligned)
 
 
 def _fp32_gemm_rate(out: float, depth: float, rates: Rates) -> float:

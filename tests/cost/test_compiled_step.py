@@ -91,10 +91,10 @@ def test_per_block_compile_keeps_the_fused_kernels_of_masks_only_a_whole_graph_b
 
 
 def test_a_misaligned_sequence_costs_more_per_score_element_on_the_math_path():
-    """ViT's 197 tokens: the math path's bf16 GEMMs are not padded (extern_misaligned), so a score element
+    """ViT's 197 tokens: the math path's bf16 GEMMs are not padded (extern_misaligned_bmm), so a score element
     costs more than at 192 or 200 tokens; without the misalignment factor, about the same."""
     compiled = _rates(compile=True)
-    aligned = dataclasses.replace(compiled, extern_misaligned=1.0)
+    aligned = dataclasses.replace(compiled, extern_misaligned_bmm=1.0)
     for backward in (False, True):
         def per_score(s: int, rates: Rates) -> float:
             return op_seconds(_attention(b=64, s=s, backward=backward, masked=2), rates) / (64 * 12 * s * s)

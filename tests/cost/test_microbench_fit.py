@@ -15,6 +15,7 @@ from bench import microbench_ops as mb
 from bench._common import RESULTS
 
 TRUTH = Calibration(matmul_efficiency=0.7, matmul_half_width=60.0, matmul_rows_half=100.0, misaligned_gemm_factor=0.2,
+                    misaligned_bmm_factor=0.07,
                     fp32_matmul_efficiency=0.6, conv_efficiency=0.6, conv_nchw_factor=0.5, attention_efficiency=0.65,
                     attention_half_keys=200.0, attention_half_head_dim=40.0, masked_attention_factor=0.5,
                     grouped_gemm_efficiency=0.7, fp32_matmul_half_depth=50.0, fp32_matmul_half_output=1e5)
@@ -28,6 +29,10 @@ def _records() -> list[dict]:
             for k in (64, 256, 1024, 4096):
                 out.append(dict(kind="gemm", shape=[1, m, n, k], dtype="bfloat16", flops=2.0 * m * n * k,
                                 bytes=2 * (m * k + k * n + m * n), batch_dim=1))
+    for bh, seq, d in ((768, 197, 64), (1536, 77, 64), (6144, 49, 32)):  # unaligned batched score GEMMs
+        for m, n, k in ((seq, seq, d), (seq, d, seq)):
+            out.append(dict(kind="gemm", shape=[bh, m, n, k], dtype="bfloat16", flops=2.0 * bh * m * n * k,
+                            bytes=2 * bh * (m * k + k * n + m * n), batch_dim=0))
     for m, n, k in ((256, 1024, 65536), (512, 512, 65536), (128, 2048, 65536), (256, 256, 131072)):
         out.append(dict(kind="gemm", shape=[1, m, n, k], dtype="bfloat16", flops=2.0 * m * n * k,
                         bytes=2 * (m * k + k * n + m * n), batch_dim=1))
@@ -60,7 +65,7 @@ def test_the_fit_recovers_the_factors_the_records_were_priced_with(tmp_path):
     path.write_text("\n".join(json.dumps(x) for x in [header, *_records()]) + "\n")
     cal, notes = mb.fit(str(path))
     for name in ("matmul_efficiency", "matmul_half_width", "matmul_rows_half", "misaligned_gemm_factor",
-                 "fp32_matmul_efficiency", "conv_efficiency", "conv_nchw_factor", "attention_efficiency",
+                 "misaligned_bmm_factor", "fp32_matmul_efficiency", "conv_efficiency", "conv_nchw_factor", "attention_efficiency",
                  "attention_half_keys", "attention_half_head_dim", "masked_attention_factor",
                  "grouped_gemm_efficiency", "fp32_matmul_half_depth", "fp32_matmul_half_output"):
         assert getattr(cal, name) == pytest.approx(getattr(TRUTH, name), rel=0.05), (name, notes)
@@ -73,6 +78,28 @@ def test_the_default_fp32_factors_are_the_fit_of_the_committed_h200_micro_benchm
     default = Calibration()
     for name in ("fp32_matmul_efficiency", "fp32_matmul_half_depth", "fp32_matmul_half_output"):
         assert getattr(default, name) == pytest.approx(getattr(cal, name), rel=0.02), (name, notes)
+
+
+def test_the_default_misaligned_bmm_factor_is_the_fit_of_the_committed_h200_micro_benchmarks():
+    """The unaligned batched GEMMs' ratio is what `--fit --on-defaults` gives on the H200 files (rounded)."""
+    cal, notes = mb.fit(sorted(str(p) for p in RESULTS.glob("microbench_ops_h200_2026-12-0*.json")), on_defaults=True)
+    assert Calibration().misaligned_bmm_factor == pytest.approx(cal.misaligned_bmm_factor, rel=0.02), notes
+
+
+def test_fitting_on_the_defaults_keeps_the_default_gemm_factors_under_the_ratios(tmp_path):
+    """`on_defaults`: a one-factor ratio is fitted on the default GEMM factors, so records priced with the
+    defaults and a known ratio give that ratio back, whatever the aligned GEMMs' own fit says."""
+    truth = Calibration(misaligned_bmm_factor=0.07)
+    recs = [r for r in _records() if r["kind"] == "gemm" and r["dtype"] == "bfloat16"]
+    for r in recs:
+        r["seconds"] = mb._predicted(r, H200, truth) * (1.0 if r["shape"][0] > 1 else 1.3)
+    path = tmp_path / "microbench_ops.json"
+    header = dict(date="test", device="NVIDIA H200", torch="test", command="test", spec=H200.to_dict())
+    path.write_text("\n".join(json.dumps(x) for x in [header, *recs]) + "\n")
+    chained, _ = mb.fit(str(path))
+    on_defaults, _ = mb.fit(str(path), on_defaults=True)
+    assert on_defaults.misaligned_bmm_factor == pytest.approx(0.07, rel=0.05)
+    assert chained.misaligned_bmm_factor != pytest.approx(0.07, rel=0.05)
 
 
 def test_the_script_runs_on_cpu_and_fits_what_it_wrote(tmp_path):

@@ -56,3 +56,18 @@ def test_the_race_runs_a_tiny_family_on_a_cpu(tmp_path):
     for mode in ("hand", "wrap"):
         assert rec["modes"][mode]["status"] == "ok" and len(rec["modes"][mode]["round_step_s"]) == 2
     assert "| mlp |" in proc.stdout
+
+
+@pytest.mark.zoo
+def test_the_forward_compiled_mode_compiles_the_forward_in_place_and_counts_its_graphs(tmp_path):
+    out = tmp_path / "race.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS} | {"AUTOPAR_COMPILE_BACKEND": "eager"}
+    proc = subprocess.run([sys.executable, "-m", "bench.zoo_race", "--families", "mlp", "--size", "tiny", "--modes",
+                           "hand,hand_compile_forward", "--rounds", "1", "--steps", "2", "--warmup", "1", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    compiled = rec["modes"]["hand_compile_forward"]
+    assert compiled["status"] == "ok" and "forward compiled in place" in compiled["plan_short"]
+    assert compiled["dynamo"].get("stats.unique_graphs", 0) >= 1  # it made a graph; eager made none
+    assert not rec["modes"]["hand"].get("dynamo", {}).get("stats.unique_graphs")
