@@ -13,11 +13,21 @@ is the folder switched in (the old one renamed aside, the new one renamed to `pa
 A crash at any point leaves `path` complete, or, in the instant between the two renames, both complete
 folders beside it: `load` then takes the new one (the old one if the new one is not complete), and says so.
 
+A save replaces only what it may: a new or empty folder, or one that `autopar.yaml` marks as an autopar
+checkpoint and that holds nothing but that checkpoint's files. Any other folder (your notes, a data set, the
+current directory, HOME, `/`) is refused in one line before anything is written. A path that is a symbolic
+link saves into the folder it points to (the link stays). A save that fails (a full disk, a rank's error)
+removes its new folder and names the cause; the checkpoint there before is unchanged.
+
+Parameter groups are matched by the parameters' names, not their positions: groups built in another order
+get their own settings back, and groups that do not match the saved ones are refused.
+
 DCP's own metadata file is read by torch (with pickle): load checkpoints you trust, as with torch.load.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -74,43 +84,175 @@ def _own_files(folder: Path, rank: int) -> list[Path]:
         ([p for p in files if p not in shards] if rank == 0 else [])
 
 
+def _protected(folder: Path) -> str | None:
+    """What `folder` is, where autopar.save must never replace it whatever it holds: "/", HOME, the current
+    directory (or a folder holding it)."""
+    resolved = folder.resolve()
+    if resolved == Path(resolved.anchor):
+        return "the root of the file system"
+    try:
+        if resolved == Path.home().resolve():
+            return "your home folder"
+    except (RuntimeError, KeyError):  # no HOME and no password entry
+        pass
+    cwd = Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        return "the current directory" if resolved == cwd else "a folder that holds the current directory"
+    return None
+
+
+def _foreign_entries(folder: Path) -> list[str]:
+    """The entries of an existing folder that are not an autopar checkpoint's: everything, unless `autopar.yaml`
+    marks the folder as one; then whatever its manifest does not list (besides DCP's files and the manifest)."""
+    entries = sorted(p.name for p in folder.iterdir())
+    try:
+        meta = load_yaml((folder / _META).read_bytes().decode("utf-8")) if (folder / _META).is_file() else None
+    except (OSError, UnicodeDecodeError, AutoparError, yaml.YAMLError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("autopar_checkpoint") != 1:
+        return entries
+    listed = set(meta["files"]) if isinstance(meta.get("files"), dict) else set()
+    return [e for e in entries if (folder / e).is_dir()
+            or (e not in listed and e not in (_META, ".metadata") and not _SHARD.match(e))]
+
+
+def _refusal(path: Path) -> str:
+    """Why `autopar.save` may not write to `path` ("" where it may): only a new or empty folder, or an autopar
+    checkpoint holding nothing else, is ever replaced; never "/", HOME or the current directory."""
+    if not path.exists():
+        return ""
+    if not path.is_dir():
+        return f"{path} is a file, not a checkpoint folder: give a folder path to autopar.save."
+    what = _protected(path)
+    if what is not None:
+        return (f"{path} is {what}: autopar.save never replaces it; give a folder of its own, e.g. "
+                f"{path / 'checkpoint'}.")
+    foreign = _foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return (f"{path} holds files that are not an autopar checkpoint's ({shown}): autopar.save replaces only "
+                "a new or empty folder or a checkpoint it wrote; give another folder.")
+    return ""
+
+
+def _state_bytes(*states: Any) -> int:
+    """Bytes of this rank's tensors in nested state dicts (a DTensor's local shard)."""
+    import torch
+
+    total = 0
+    stack = list(states)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor):
+            local = item.to_local() if hasattr(item, "to_local") else item
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _no_space(exc: BaseException) -> OSError | None:
+    """The 'no space left on device' (or quota) error behind `exc`, through DCP's per-rank failures."""
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def _save_error(path: Path, new: Path, exc: BaseException, need_bytes: int) -> AutoparError:
+    """The one-line error of a failed save: the cause, and, for a full disk, how much was free and needed."""
+    full = _no_space(exc)
+    if full is not None:
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        cause = (f"no space left on device ({_gib(free)} free on the file system of {path.parent}; this process's "
+                 f"share of the checkpoint needs about {_gib(need_bytes)})")
+    else:
+        text = str(exc).strip().splitlines()
+        cause = f"{type(exc).__name__}: {text[0] if text else ''}"
+    return AutoparError(f"could not save to {path} ({cause}); the unfinished {new.name} was removed, and the "
+                        "checkpoint there before, if any, is unchanged.")
+
+
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path:
     """Save `model` (wrapped by autopar or not) and `optimizer` to the folder `path`, from every rank; a
-    checkpoint already at `path` stays complete until the new one is (see the module docstring)."""
+    checkpoint already at `path` stays complete until the new one is, and only a new or empty folder or an
+    autopar checkpoint is ever replaced (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise AutoparError(f"{path} is a file, not a checkpoint folder: give a folder path to autopar.save.")
+    if path.is_symlink():  # save into the folder it points to; the link stays a link
+        path = path.resolve()
+    refusal = broadcast_text(_refusal(path) if _rank() == 0 else None)  # every rank refuses rank 0's way
+    if refusal:
+        raise AutoparError(refusal)
     token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     new = path.parent / f".{path.name}.new-{token}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
-    except CheckpointException as exc:  # a BaseException: it would escape the user's `except Exception`
-        raise AutoparError(f"could not save to {path} (CheckpointException: {str(exc).splitlines()[0] if str(exc) else ''}"
-                           "); the checkpoint there before, if any, is unchanged.") from exc
-    _barrier()
-    sums = {p.name: _digest(p) for p in _own_files(new, _rank())}
-    atomic_write_text(new / _SUMS.format(rank=_rank()), yaml.safe_dump(sums, sort_keys=True))
-    _barrier()
+        _write(model, optimizer, model_sd, optim_sd, new, dcp)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException; KeyboardInterrupt cleans too
+        shutil.rmtree(new, ignore_errors=True)
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        raise _save_error(path, new, exc, _state_bytes(model_sd, optim_sd)) from exc
     if _rank() == 0:
-        files: dict[str, Any] = {}
-        for r in range(_world()):
-            part = new / _SUMS.format(rank=r)
-            files.update(load_yaml(part.read_text()))
-            part.unlink()
-        state = getattr(model, "_autopar_applied", None)
-        fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
-        meta = {"autopar_checkpoint": 1, "model_fingerprint": fingerprint,
-                "plan": state.plan.to_dict() if state is not None else None,
-                "optimizer": type(optimizer).__name__, "files": files}
-        atomic_write_text(new / _META, yaml.safe_dump(meta, sort_keys=False))  # last: the folder is complete
         _switch(new, path, token)
     _barrier()
     return path
+
+
+def _write(model: nn.Module, optimizer: Any, model_sd: dict, optim_sd: dict, new: Path, dcp: Any) -> None:
+    """Every rank's shards, their sums, and (rank 0, last) the manifest, into the hidden folder `new`."""
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
+    _barrier()
+    sums = {p.name: _digest(p) for p in _own_files(new, _rank())}
+    mine = {"files": sums, "param_groups": _group_names(optim_sd)}
+    atomic_write_text(new / _SUMS.format(rank=_rank()), yaml.safe_dump(mine, sort_keys=True))
+    _barrier()
+    error: BaseException | None = None
+    if _rank() == 0:
+        try:
+            files: dict[str, Any] = {}
+            groups: list[set[str]] = []
+            for r in range(_world()):  # a pipeline stage holds its own parameters in each group
+                part = new / _SUMS.format(rank=r)
+                theirs = load_yaml(part.read_text())
+                files.update(theirs["files"])
+                for i, names in enumerate(theirs["param_groups"]):
+                    groups += [set() for _ in range(i + 1 - len(groups))]
+                    groups[i].update(names)
+                part.unlink()
+            state = getattr(model, "_autopar_applied", None)
+            fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
+            meta = {"autopar_checkpoint": 1, "model_fingerprint": fingerprint,
+                    "plan": state.plan.to_dict() if state is not None else None,
+                    "optimizer": type(optimizer).__name__, "files": files,
+                    "param_groups": [sorted(g) for g in groups]}
+            atomic_write_text(new / _META, yaml.safe_dump(meta, sort_keys=False))  # last: the folder is complete
+        except Exception as exc:  # every rank learns of it (first_failure), rank 0 raises its own
+            error = exc
+    first_failure(error)
+
+
+def _group_names(optim_sd: dict) -> list[list[str]]:
+    """Each optimizer group's parameter names, in order (get_state_dict names them)."""
+    return [[str(n) for n in group.get("params", [])] for group in optim_sd.get("param_groups", [])]
 
 
 def _switch(new: Path, path: Path, token: str) -> None:
@@ -144,9 +286,19 @@ def _resolve(path: Path) -> Path:
 
 def _verify(path: Path, files: Any) -> None:
     """Every listed file present, of its size and SHA-256 (each rank checks its share; every rank raises if one
-    fails). Checkpoints saved before checksums (no `files`) are not checked."""
+    fails). A manifest without a mapping of files is damaged (`load(..., verify=False)` reads a checkpoint
+    written before checksums)."""
     error: BaseException | None = None
-    if isinstance(files, dict):
+    well_formed = isinstance(files, dict) and files and all(
+        isinstance(k, str) and "/" not in k and k not in (".", "..") and isinstance(v, dict) and isinstance(v.get("bytes"), int)
+        and isinstance(v.get("sha256"), str) for k, v in files.items())
+    if not well_formed:
+        what = ("missing" if files is None else "malformed" if isinstance(files, dict) else
+                f"a {type(files).__name__}, not a mapping of file sizes and hashes")
+        error = AutoparError(f"{path / _META} is damaged: its `files` is {what}; "
+                             "the checkpoint cannot be verified (one saved by an autopar before checksums loads with "
+                             "autopar.load(..., verify=False)).")
+    else:
         names = sorted(files)
         for name in names[_rank()::_world()]:
             f, want = path / name, files[name]
@@ -183,12 +335,47 @@ def _tied_aliases(path: Path, optim_sd: dict, state: Any) -> dict[str, str]:
     return aliases
 
 
-def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, force: bool = False) -> None:
+def _group_order(own: list[list[str]], saved: Any, aliases: dict[str, str], num_loaded: int,
+                 path: Path) -> list[int]:
+    """For each of this optimizer's groups (its parameters' names), the index of the saved group that held the
+    same parameters: groups are matched by name, never by position. A checkpoint that did not record its groups'
+    names (saved before this check) is taken in order."""
+    if saved is None:
+        return list(range(len(own)))
+    if not isinstance(saved, list) or not all(isinstance(g, list) for g in saved):
+        raise AutoparError(f"{path / _META} is damaged: its `param_groups` is not a list of name lists.")
+    if len(saved) != len(own) or num_loaded != len(own):
+        raise AutoparError(f"the checkpoint at {path} has {len(saved)} optimizer parameter groups and this optimizer "
+                           f"{len(own)}: build the optimizer with the groups it was saved with.")
+    where = {name: j for j, names in enumerate(saved) for name in names}
+    order = []
+    for k, names in enumerate(own):
+        if not names:  # a group this process holds no parameter of (a pipeline stage's): by position
+            order.append(k)
+            continue
+        found = {where[n] if n in where else where.get(aliases.get(n, ""), -1) for n in names} - {-1}
+        missing = [n for n in names if n not in where and aliases.get(n) not in where]
+        if len(found) != 1 or missing:
+            detail = (f"{missing[0]} is in none of the saved groups" if missing else
+                      "its parameters were in saved groups " + ", ".join(map(str, sorted(found))))
+            raise AutoparError(f"this optimizer's parameter group {k} matches no saved group ({detail}): build "
+                               "the optimizer's groups with the parameters they held when saved (their order may differ).")
+        order.append(found.pop())
+    if sorted(order) != list(range(len(own))):
+        raise AutoparError(f"two of this optimizer's parameter groups match one saved group of {path}: build the "
+                           "optimizer's groups with the parameters they held when saved.")
+    return order
+
+
+def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, force: bool = False,
+         verify: bool = True) -> None:
     """Load a checkpoint saved by `save` into `model` and `optimizer`, under any plan and world size.
 
     The optimizer must be the same kind as the one saved (its state is matched by parameter name): another
     kind is refused, as is a checkpoint of another model (by fingerprint), unless `force=True`. Every file is
-    verified against the sizes and SHA-256s the save recorded.
+    verified against the sizes and SHA-256s the save recorded; a manifest without them is refused as damaged
+    unless `verify=False` (a checkpoint saved before checksums). Each parameter group takes the settings
+    (learning rate, weight decay, ...) of the saved group that held the same parameters, by name.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -203,7 +390,8 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
         raise AutoparError(f"{meta_path} is not plain YAML ({exc.__class__.__name__}): the checkpoint is damaged.") from None
     if not isinstance(meta, dict) or meta.get("autopar_checkpoint") != 1:
         raise AutoparError(f"{meta_path} is not an autopar checkpoint description.")
-    _verify(path, meta.get("files"))
+    if verify:
+        _verify(path, meta.get("files"))
     saved_kind = meta.get("optimizer")
     if not force and saved_kind is not None and saved_kind != type(optimizer).__name__:
         raise AutoparError(
@@ -237,6 +425,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
         ) from exc
     for mine, theirs in aliases.items():
         optim_sd["state"][mine] = optim_sd["state"].pop(theirs)
-    for group, params in zip(optim_sd.get("param_groups", []), own_params):
-        group["params"] = params
+    loaded = optim_sd.get("param_groups", [])
+    order = _group_order(own_params, meta.get("param_groups"), aliases, len(loaded), path)
+    optim_sd["param_groups"] = [dict(loaded[j], params=params) for j, params in zip(order, own_params)]
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

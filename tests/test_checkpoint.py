@@ -101,12 +101,14 @@ def test_every_file_is_listed_with_its_size_and_hash(saved):
     assert not list(path.parent.glob(".ckpt.*"))  # no folder left beside it
 
 
-def test_a_checkpoint_saved_before_checksums_still_loads(saved):
+def test_a_checkpoint_saved_before_checksums_still_loads_with_verify_off(saved):
     path, a, _ = saved
     meta = yaml.safe_load((path / "autopar.yaml").read_text())
-    del meta["files"]
+    del meta["files"], meta["param_groups"]
     (path / "autopar.yaml").write_text(yaml.safe_dump(meta))
-    assert _same(_loaded(path)[0], a)
+    model, opt = model_and_optimizer(99)
+    autopar.load(model, opt, path, verify=False)
+    assert _same(_params(model), a)
 
 
 def test_loading_into_another_kind_of_optimizer_is_refused(saved):
@@ -127,3 +129,146 @@ def test_each_rank_hashes_its_own_shards_and_never_another_rank_s_sums_files(tmp
         (tmp_path / name).write_text("x")
     assert [p.name for p in _own_files(tmp_path, 0)] == ["__0_0.distcp", ".metadata"]
     assert [p.name for p in _own_files(tmp_path, 1)] == ["__1_0.distcp"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Issue 32: a save replaces only what it may, a failed save leaves nothing, groups are matched by name.
+
+
+def _tree(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_save_onto_a_folder_that_is_not_a_checkpoint_is_refused_and_leaves_it_untouched(tmp_path):
+    """It used to replace the folder: notes.txt and data/train.csv were gone."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "notes.txt").write_text("my notes")
+    (folder / "data" / "train.csv").write_text("x,y\n1,2\n")
+    before = _tree(folder)
+    model, opt = model_and_optimizer(1)
+    with pytest.raises(AutoparError, match=r"holds files that are not an autopar checkpoint's \(data, notes.txt\)"):
+        autopar.save(model, opt, folder)
+    assert _tree(folder) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]  # no hidden folder left beside it
+
+
+def test_a_checkpoint_folder_holding_a_file_of_the_users_is_not_replaced(saved):
+    path, a, _ = saved
+    (path / "notes.txt").write_text("kept")
+    model, opt = model_and_optimizer(2)
+    with pytest.raises(AutoparError, match=r"\(notes.txt\)"):
+        autopar.save(model, opt, path)
+    assert (path / "notes.txt").read_text() == "kept" and _same(_loaded(path)[0], a)
+
+
+@pytest.mark.parametrize("where", ["cwd", "home", "root"])
+def test_the_current_directory_home_and_root_are_never_replaced_even_empty(tmp_path, monkeypatch, where):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.chdir(tmp_path if where != "cwd" else empty)
+    monkeypatch.setenv("HOME", str(empty if where == "home" else tmp_path / "elsewhere"))
+    target = {"cwd": ".", "home": str(empty), "root": "/"}[where]
+    what = {"cwd": "the current directory", "home": "your home folder", "root": "the root of the file system"}
+    model, opt = model_and_optimizer(1)
+    with pytest.raises(AutoparError, match=f"is {what[where]}: autopar.save never replaces it"):
+        autopar.save(model, opt, target)
+    assert list(empty.iterdir()) == []
+
+
+def test_an_empty_folder_and_an_autopar_checkpoint_are_replaced(tmp_path, saved):
+    empty = tmp_path / "new"
+    empty.mkdir()
+    model, opt = model_and_optimizer(2)
+    autopar.save(model, opt, empty)
+    path, _, b = saved
+    autopar.save(model, opt, path)
+    assert _same(_loaded(empty)[0], b) and _same(_loaded(path)[0], b)
+
+
+def test_a_save_through_a_symlink_writes_into_the_folder_it_points_to_and_keeps_the_link(saved, tmp_path):
+    path, _, b = saved
+    link = tmp_path / "latest"
+    link.symlink_to(path, target_is_directory=True)
+    autopar.save(*model_and_optimizer(2), link)
+    assert link.is_symlink() and link.resolve() == path.resolve()
+    assert _same(_loaded(link)[0], b) and _same(_loaded(path)[0], b)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("stage", ["shards", "manifest"])
+def test_a_save_that_runs_out_of_space_leaves_nothing_and_says_how_much_it_needed(saved, monkeypatch, stage):
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import autopar.checkpoint as ckpt
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if stage == "shards":
+        monkeypatch.setattr(fs, "_write_item", full)
+    else:
+        monkeypatch.setattr(ckpt, "atomic_write_text", full)
+    path, a, _ = saved
+    model, opt = model_and_optimizer(2)
+    need = sum(p.numel() * 4 for p in model.parameters()) * 3  # weights and AdamW's two moments, fp32
+    with pytest.raises(AutoparError, match=r"no space left on device \(.* free on the file system of .*; this "
+                                           rf"process's share of the checkpoint needs about {need / 2**20:.1f} MiB\)"):
+        autopar.save(model, opt, path)
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.startswith(".ckpt")) == []
+    monkeypatch.undo()
+    assert _same(_loaded(path)[0], a)
+
+
+@pytest.mark.parametrize("files", ["missing", [], "a-string", {"x": "not a digest"}])
+def test_a_manifest_without_a_mapping_of_files_is_refused_as_damaged_unless_verify_is_off(saved, files):
+    path, a, _ = saved
+    meta = yaml.safe_load((path / "autopar.yaml").read_text())
+    if files == "missing":
+        del meta["files"]
+    else:
+        meta["files"] = files
+    (path / "autopar.yaml").write_text(yaml.safe_dump(meta))
+    model, opt = model_and_optimizer(99)
+    with pytest.raises(AutoparError, match=r"autopar.yaml is damaged: its `files` is .*verify=False"):
+        autopar.load(model, opt, path)
+    autopar.load(model, opt, path, verify=False)
+    assert _same(_params(model), a)
+
+
+def _grouped(seed: int, order: str, lrs=(0.1, 0.2), decays=(0.0, 0.5)):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    groups = {"a": {"params": list(model[0].parameters()), "lr": lrs[0], "weight_decay": decays[0]},
+              "b": {"params": list(model[1].parameters()), "lr": lrs[1], "weight_decay": decays[1]}}
+    opt = torch.optim.AdamW([groups[k] for k in order])
+    model(torch.randn(2, 8)).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def test_parameter_groups_built_in_another_order_get_their_own_settings_back(tmp_path):
+    """They were restored by position: each group got the other's lr and weight decay."""
+    model, opt = _grouped(1, "ab")
+    autopar.save(model, opt, tmp_path / "ck")
+    model2, opt2 = _grouped(2, "ba", lrs=(9.0, 9.0), decays=(9.0, 9.0))
+    autopar.load(model2, opt2, tmp_path / "ck")
+    first, second = opt2.param_groups  # built b, a
+    assert (first["lr"], first["weight_decay"]) == (0.2, 0.5) and (second["lr"], second["weight_decay"]) == (0.1, 0.0)
+    assert first["params"][0] is model2[1].weight and second["params"][0] is model2[0].weight
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+
+
+def test_parameter_groups_that_hold_other_parameters_than_the_saved_ones_are_refused(tmp_path):
+    model, opt = _grouped(1, "ab")
+    autopar.save(model, opt, tmp_path / "ck")
+    torch.manual_seed(3)
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    mixed = torch.optim.AdamW([{"params": [model2[0].weight, model2[1].weight]},
+                               {"params": [model2[0].bias, model2[1].bias]}])
+    with pytest.raises(AutoparError, match="parameter group 0 matches no saved group"):
+        autopar.load(model2, mixed, tmp_path / "ck")

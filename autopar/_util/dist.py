@@ -71,6 +71,8 @@ def broadcast_text(text: str | None, *, src: int = 0) -> str:
     data = (text or "").encode()
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src)
+    if int(length.item()) == 0:
+        return ""
     buf = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
     if dist.get_rank() == src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
