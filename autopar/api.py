@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ._util import dist as _dist
-from ._util.batch import sample_batch_size
+from ._util.batch import check_peers_on_first_forward, sample_batch_size
 from ._util.log import get_logger
 from ._util.stale_params import forget_replaced
 from .errors import InfeasiblePlanError, PlanError, TraceError
@@ -261,6 +261,9 @@ def wrap(
         for note in state.notes:
             get_logger().info("%s", note)
     attach(model, state)
+    if chosen.tp > 1 and chosen.pp == 1:  # TP peers must read one batch: checked at the first forward (PP: train_step)
+        check_peers_on_first_forward(model, data_rank=state.data_shard.rank, device=state.device,
+                                     degrees="tensor-parallel")
     hook.applied(model, chosen, profile)
     return model
 

@@ -87,6 +87,19 @@ class ResultNotSavedError(StorageError):
         self.report = report
 
 
+class StudyLockedError(StorageError):
+    """Another tuner holds the study's lock (`path`, STUDY.lock): refused at once, before any probe or trial."""
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """The tuner got SIGTERM or SIGINT (`signum`): the run in flight was ended and its trial recorded as
+    interrupted. A KeyboardInterrupt, so that nothing catching Exception stops it; `autopar tune` exits 128+signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class LaunchError(TuneError):
     """The tuner's launch command cannot start: its program is not on PATH (or not executable), or the
     training script it names does not exist. Raised before any run."""
@@ -95,3 +108,17 @@ class LaunchError(TuneError):
 class EnvironmentVariableError(AutoparError, ValueError):
     """An environment variable autopar reads (torchrun's WORLD_SIZE, RANK, MASTER_ADDR..., the tuner's) is
     missing or not a valid value; the message names it, its value and who sets it."""
+
+
+class SampleError(ProfileError):
+    """A `sample=` that does not fit the model's forward (a keyword it does not take, an argument it needs that
+    the sample lacks). Raised before any trace: the sample is wrong, not the model."""
+
+
+class LossError(AutoparError, ValueError):
+    """autopar.train_step without `loss_fn` on a model whose output carries no loss (no `.loss`, not a scalar)."""
+
+
+class PeerBatchError(PlanError):
+    """The ranks of one tensor- or pipeline-parallel group were given different batches (they must read the
+    same samples: autopar.dataloader / autopar.data_shard shard by data-parallel rank only)."""

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .errors import PlanError
 from .plans import Plan
-from ._util.batch import call_model, default_loss, map_tensors, sample_batch_size
+from ._util.batch import call_model, check_peer_batches, map_tensors, model_loss, sample_batch_size
 from .strategies.tensor_parallel import loss_parallel_scope
 from .strategies.pipeline import sync_tied_grads
 from .strategies.state import applied
@@ -57,7 +57,7 @@ def split_batch(batch: Any, num: int) -> list[Any]:
 def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:
     if loss_fn is not None:
         return loss_fn
-    return lambda output, batch: default_loss(output)
+    return lambda output, batch: model_loss(output)
 
 
 def _replication(grad: torch.Tensor, mesh: Any) -> int:
@@ -136,8 +136,13 @@ def train_step(
     `batch` is this rank's batch as the plan reads it (`autopar.data_shard`, or `autopar.dataloader`):
     plan.local_batch_size samples, as a tensor, tuple or dict (the model is called as model(x),
     model(*x) or model(**x)). `loss_fn(output, batch)` returns the mean loss of a (micro-)batch;
-    without it, `output.loss` (Hugging Face models given labels). Works for every plan, also those
-    without accumulation or pipeline, so a loop written with it runs under any plan.
+    without it, `output.loss` (Hugging Face models given labels) or an output that is itself a scalar
+    loss; any other output without loss_fn is refused (LossError), never trained on a stand-in. Works
+    for every plan, also those without accumulation or pipeline, so a loop written with it runs under any plan.
+
+    The first step of a pipeline-parallel plan checks that the ranks of each pipeline (and tensor-parallel)
+    group were given the same batch, and refuses otherwise on every rank (PeerBatchError); a tensor-parallel
+    plan without a pipeline checks at the model's first forward (installed by autopar.wrap).
 
     Under tensor parallelism the loss is vocab-parallel: the head's logits reach `loss_fn` as a DTensor
     split over the vocabulary, and cross-entropy runs on the shards. A loss that needs the full logits as a
@@ -152,6 +157,7 @@ def train_step(
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
     loss_of = _loss(loss_fn)
     n = plan.grad_accum
+    unchecked = [runtime is not None]  # the pipeline's peers' batches, checked at the first step
 
     def _finish() -> None:
         if max_grad_norm is not None:
@@ -167,6 +173,10 @@ def train_step(
                 f"(micro-batch {plan.micro_batch_size} x accumulation {plan.grad_accum}): feed that many "
                 "(autopar.dataloader does)."
             )
+        if unchecked[0]:
+            check_peer_batches(batch, data_rank=state.data_shard.rank, device=state.device,
+                               degrees="pipeline-parallel" if plan.tp == 1 else "pipeline- and tensor-parallel")
+            unchecked[0] = False
         micro = split_batch(_to(batch, state.device), n)
         if runtime is not None:
             with loss_parallel_scope(vocab_parallel):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Mapping
 
 import torch
+import torch.distributed as dist
 
-from ..errors import ProfileError
+from ..errors import LossError, PeerBatchError, ProfileError, SampleError
 
 
 def sample_batch_size(sample: Any) -> int:
@@ -69,6 +71,94 @@ def call_model(model: Callable[..., Any], sample: Any) -> Any:
     """Call the model with a sample the way autopar does everywhere (see `split_sample`)."""
     args, kwargs = split_sample(sample)
     return model(*args, **kwargs)
+
+
+def check_sample_fits(model: Any, sample: Any) -> None:
+    """A SampleError where `sample`, passed as autopar passes it (`split_sample`), cannot bind to the model's
+    forward: a keyword it does not take (and no **kwargs), a required argument the sample lacks, too many
+    positional values. A forward whose signature cannot be read is not checked."""
+    forward = getattr(model, "forward", model)
+    try:
+        signature = inspect.signature(forward)
+    except (TypeError, ValueError):
+        return
+    args, kwargs = split_sample(sample)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        given = f"has keys {list(kwargs)}" if isinstance(sample, Mapping) else \
+            f"is {len(args)} positional value(s)" if isinstance(sample, (tuple, list)) else "is one tensor"
+        params = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        name = f"{type(model).__name__}.forward({', '.join(params)})"
+        raise SampleError(f"sample= does not fit {name} ({exc}): the sample {given}, forward takes {params}; give a "
+                          "sample the model is called with as model(x), model(*sample) or model(**sample).") from None
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model returned, for autopar.train_step without loss_fn: `output.loss` or `output["loss"]`
+    (Hugging Face given labels), or the output itself where it is a scalar tensor; else a LossError (a step
+    must not train on some stand-in such as the sum of the logits)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    if isinstance(output, torch.Tensor):
+        what = f"a tensor of shape {tuple(output.shape)}"
+    elif isinstance(output, (Mapping, tuple, list)):
+        what = f"a {type(output).__name__} of {len(output)} value(s)" + (
+            " whose loss is None (no labels in the batch?)" if isinstance(output, Mapping) and "loss" in output else "")
+    else:
+        what = f"a {type(output).__name__}"
+    raise LossError(f"the model's output is {what} with no .loss: pass loss_fn=lambda output, batch: ... (the batch's "
+                    "mean loss) to autopar.train_step.")
+
+
+def batch_fingerprint(batch: Any) -> list[float]:
+    """A few numbers that differ, in practice, between two different batches: the number of tensors, of their
+    elements, their sums and sums of squares (float64), and the same sums weighted by each tensor's position
+    and shape. Its size does not depend on the batch (so that ranks can gather it)."""
+    tensors: list[torch.Tensor] = []
+    map_tensors(tensors.append, batch)
+    acc = torch.zeros(7, dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
+    for i, t in enumerate(tensors):
+        x = t.detach().to(acc.device, torch.float64)
+        s, q = x.sum(), x.pow(2).sum()
+        shape = float(sum((j + 1) * d for j, d in enumerate(t.shape)))
+        acc += torch.stack([torch.ones_like(s), torch.full_like(s, float(t.numel())), s, q, (i + 1) * s,
+                            (i + 1) * q, torch.full_like(s, (i + 1) * shape)])
+    return acc.tolist()
+
+
+def check_peer_batches(batch: Any, *, data_rank: int, device: torch.device, degrees: str) -> None:
+    """Collective over every rank: a PeerBatchError on every rank where two ranks of one data-parallel index
+    (the tensor- / pipeline-parallel peers that must read the same samples) hold different batches. One
+    all_gather of a few numbers a rank; nothing without a process group of several."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    if dist.get_backend() != "nccl":
+        device = torch.device("cpu")
+    mine = torch.tensor([float(data_rank), *batch_fingerprint(batch)], dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    first: dict[float, tuple[int, torch.Tensor]] = {}
+    for rank, row in enumerate(every):
+        seen = first.setdefault(float(row[0]), (rank, row))
+        if not torch.allclose(seen[1][1:], row[1:], rtol=1e-9, atol=1e-9):
+            raise PeerBatchError(
+                f"the ranks of a {degrees} group were given different batches (ranks {seen[0]} and {rank}): give every "
+                "rank of a group the same batch (autopar.dataloader(model, dataset) or autopar.data_shard(model), "
+                "which shard by data-parallel rank only, not a DistributedSampler over every rank).")
+
+
+def check_peers_on_first_forward(model: torch.nn.Module, *, data_rank: int, device: torch.device,
+                                 degrees: str) -> None:
+    """Before the model's first forward (then never again): `check_peer_batches` on what it is called with."""
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()
+        check_peer_batches((args, kwargs), data_rank=data_rank, device=device, degrees=degrees)
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
 
 def default_loss(output: Any) -> torch.Tensor:

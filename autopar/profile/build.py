@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from .._util.batch import first_tensor, sample_batch_size
+from .._util.batch import check_sample_fits, first_tensor, sample_batch_size
 from ..errors import ProfileError, TraceError
 from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
 from .graphs import GraphCount, dynamo_graphs
@@ -62,6 +62,7 @@ def profile_model(
     if batch == 0:
         raise ProfileError("the sample is an empty batch (batch size 0): give one batch of at least one sample, as "
                            "the training loop feeds it.")
+    check_sample_fits(model, sample)  # a sample that cannot be bound to forward: its own error, before any trace
     blocks_path, units, repeated = find_blocks(model, blocks)
     notes: list[str] = []
     if not repeated:
