@@ -37,11 +37,11 @@ from typing import Any, Mapping
 import torch
 import yaml
 
-from ._util.io import atomic_write_text, cache_root, cache_subdir, read_private_bytes
+from ._util.io import CacheWarning, atomic_write_text, cache_root, cache_subdir, read_private_bytes
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, CacheError, PlanError
 from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
-from .plans import Loop, Plan
+from .plans import COMPILE_BACKEND_ENV, Loop, Plan
 
 #: Version of the cache file layout (the top-level mapping). It is part of every key's digest, so files of
 #: another layout are never read under this one's names.
@@ -51,10 +51,6 @@ MAX_FILE_BYTES = 1 << 20
 
 _FORMAT_FIELD = "autopar_plan_cache"
 _TOP_LEVEL = (_FORMAT_FIELD, "key", "plan", "measurement", "stored_at")
-
-
-class CacheWarning(UserWarning):
-    """A cache file skipped while listing the cache (`entries`)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,6 +279,8 @@ def _read_entry(path: Path, *, expected: CacheKey | None) -> CacheEntry | None:
     try:
         plan = Plan.from_dict(data.get("plan"))
     except (PlanError, TypeError, ValueError) as exc:
+        if isinstance(exc, PlanError) and str(exc).startswith(f"{COMPILE_BACKEND_ENV}="):
+            raise  # the environment's compile backend is wrong, not the file: deleting it would not help
         raise CacheError(f"{path} holds an invalid plan: {exc} {remedy}") from None
     for name, label in (("model_fingerprint", "model"), ("topology_fingerprint", "topology")):
         have = getattr(plan, name)

@@ -7,7 +7,10 @@ a given world (number of processes), global batch or model is checked against th
 Derived, never stored: the world size (the product of the mesh degrees) and the global batch
 (micro-batch x accumulation x data-parallel degree).
 
-Files are YAML, read with `yaml.safe_load` only: a plan file can hold plain values and nothing else.
+Files are YAML, read with `yaml.safe_load` only: a plan file can hold plain values and nothing else. Every
+field's type is checked when a plan is built, so when a file is read, on every rank (the numbers of `prediction`
+and `measurement` by name: seconds and bytes finite); a plan that compiles checks its backend
+(AUTOPAR_COMPILE_BACKEND, else inductor) against torch.compile's registered ones then, not at the first forward.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ CHECKPOINTING = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (1, 2, 3)
+#: The torch.compile backend of a plan that compiles: `AUTOPAR_COMPILE_BACKEND` if set, else inductor.
+COMPILE_BACKEND_ENV = "AUTOPAR_COMPILE_BACKEND"
+DEFAULT_COMPILE_BACKEND = "inductor"
+
+#: The numbers a prediction (autopar.cost.Prediction.summary) or a measurement records, by what they measure:
+#: seconds and bytes are finite and not negative; rates and fractions are numbers, not negative (NaN: unknown).
+#: Other names keep plain values (numbers, strings, true/false, null, mappings of those).
+_FINITE_NUMBERS = {"memory_bytes": "bytes", "allocated_bytes": "bytes", "step_s": "seconds"}
+_NUMBERS = {"samples_per_s": "samples per second", "tokens_per_s": "tokens per second",
+            "throughput": "samples or tokens per second", "mfu": "a fraction", "steps": "a count"}
+_MAX_RECORD_DEPTH = 8  # nested mappings in a prediction or measurement
 
 # Fields that say what the strategy is; provenance (fingerprints, prediction, measurement) is not part of it.
 _STRATEGY_FIELDS = (
@@ -143,23 +157,77 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def _plain_mapping(name: str, value: Any) -> dict[str, Any] | None:
-    """A copy of `value` holding only str keys and numbers, strings, bools or None (YAML-safe, comparable)."""
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plain_mapping(name: str, value: Any, depth: int = 0) -> dict[str, Any] | None:
+    """A copy of `value` holding only str keys and numbers, strings, bools or None (YAML-safe, comparable); the
+    numbers of _FINITE_NUMBERS and _NUMBERS checked by name. Refused: one line naming the field, its value and
+    what it must be."""
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise PlanError(f"Plan.{name} must be a mapping of names to numbers, got {type(value).__name__}.")
+        raise PlanError(f"Plan.{name} must be a mapping of names to numbers, got {value!r} "
+                        f"({type(value).__name__}).")
+    if depth >= _MAX_RECORD_DEPTH:
+        raise PlanError(f"Plan.{name} nests more than {_MAX_RECORD_DEPTH} mappings deep: a prediction or "
+                        "measurement maps names to numbers.")
     out: dict[str, Any] = {}
     for k, v in value.items():
         if not isinstance(k, str):
-            raise PlanError(f"Plan.{name} keys must be strings, got {k!r}.")
+            raise PlanError(f"Plan.{name} keys must be strings, got {k!r} ({type(k).__name__}).")
+        field_name = f"{name}.{k}"
+        if k in _FINITE_NUMBERS:
+            if not _is_number(v) or not math.isfinite(v) or v < 0:
+                raise PlanError(f"Plan.{field_name} must be a finite number of {_FINITE_NUMBERS[k]}, not negative, "
+                                f"got {v!r} ({type(v).__name__}).")
+        elif k in _NUMBERS:
+            if not _is_number(v) or v < 0:
+                raise PlanError(f"Plan.{field_name} must be a number ({_NUMBERS[k]}), not negative, got {v!r} "
+                                f"({type(v).__name__}).")
         if isinstance(v, Mapping):
-            out[k] = _plain_mapping(f"{name}.{k}", v)
+            out[k] = _plain_mapping(field_name, v, depth + 1)
         elif v is None or isinstance(v, (bool, int, float, str)):
             out[k] = float(v) if isinstance(v, float) else v
         else:
-            raise PlanError(f"Plan.{name}[{k!r}] must be a number, string or bool, got {type(v).__name__}.")
+            raise PlanError(f"Plan.{field_name} must be a number, string or bool (or null), got {v!r} "
+                            f"({type(v).__name__}).")
     return out
+
+
+_REGISTERED_BACKENDS: set[str] = {DEFAULT_COMPILE_BACKEND}  # names found registered, so looked up once each
+
+
+def compile_backends() -> list[str]:
+    """torch.compile's registered backends (torch._dynamo.list_backends, every tag), sorted. torch._dynamo is
+    imported here, on first use, not when autopar is."""
+    import torch._dynamo
+
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def compile_backend_refusal(backend: Any, *, source: str) -> str | None:
+    """Why `backend` (named by `source`, e.g. "AUTOPAR_COMPILE_BACKEND") is not a torch.compile backend (one line
+    naming it and the valid choices), or None when torch registers it."""
+    if isinstance(backend, str) and backend in _REGISTERED_BACKENDS:
+        return None
+    choices = compile_backends()
+    if isinstance(backend, str) and backend in choices:
+        _REGISTERED_BACKENDS.add(backend)
+        return None
+    return (f"{source}={backend!r} is not a torch.compile backend: use one of {', '.join(map(repr, choices))} "
+            f"(default {DEFAULT_COMPILE_BACKEND!r}).")
+
+
+def configured_compile_backend() -> str:
+    """The backend a compiling plan runs with: AUTOPAR_COMPILE_BACKEND if set, else inductor; a name torch does
+    not register is refused (PlanError, naming it and the valid choices)."""
+    backend = os.environ.get(COMPILE_BACKEND_ENV) or DEFAULT_COMPILE_BACKEND
+    why = compile_backend_refusal(backend, source=COMPILE_BACKEND_ENV)
+    if why is not None:
+        raise PlanError(why.replace(" (default", ", or unset it (default", 1))
+    return backend
 
 
 @dataclass(frozen=True)
@@ -223,6 +291,8 @@ class Plan:
                 raise PlanError(f"Plan.{name} must be a string or None, got {value!r}.")
         object.__setattr__(self, "prediction", _plain_mapping("prediction", self.prediction))
         object.__setattr__(self, "measurement", _plain_mapping("measurement", self.measurement))
+        if self.compile:  # the backend it will compile with, checked now rather than at the first forward
+            configured_compile_backend()
 
         # Options that do not combine.
         if self.pp > 1:

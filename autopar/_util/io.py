@@ -6,7 +6,9 @@ and the folder fsynced (POSIX). `cache_dir()` is the root of autopar's caches (t
 calibration cache). A cache file is data autopar acts on, so it is read only when nobody else could have
 changed it: `check_private` refuses a symlink, something of another user, or (on POSIX) a mode that the
 group or others can write; `cache_subdir` and `read_private_bytes` apply it to a cache's folder and files.
-Every refusal is a `CacheError` that names the path and says what to do.
+Every refusal is a `CacheError` that names the path and says what to do. Where the default cache folder (under
+$XDG_CACHE_HOME or the home folder) cannot be made, a read finds nothing cached and says so once a process (a
+`CacheWarning`): autopar plans without its caches. An AUTOPAR_CACHE_DIR that names a file is refused.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import errno
 import os
 import stat
 import tempfile
+import warnings
 from pathlib import Path
 
 from ..errors import CacheError, StorageError
@@ -103,18 +106,52 @@ def check_writable(path: Path, *, what: str, remedy: str, folder: bool) -> None:
 # ---------------------------------------------------------------------------------------------------
 # The cache folder and its privacy check
 # ---------------------------------------------------------------------------------------------------
+class CacheWarning(UserWarning):
+    """A cache skipped: the default cache folder cannot be made, or a cache file was refused while listing."""
+
+
+CACHE_DIR_ENV = "AUTOPAR_CACHE_DIR"
+#: Default cache folders found unusable in this process: each is warned about once, then skipped quietly.
+_SKIPPED_ROOTS: set[str] = set()
+
+
 def cache_root() -> Path:
-    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar; nothing is created."""
-    base = os.environ.get("AUTOPAR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autopar")
-    return Path(base)
+    """$AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar; nothing is created. An
+    AUTOPAR_CACHE_DIR that is a file is refused (CacheError)."""
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        if os.path.exists(explicit) and not os.path.isdir(explicit):
+            raise CacheError(f"{CACHE_DIR_ENV}={explicit} is a file, not a folder: point it at a folder or unset it")
+        return Path(explicit)
+    return Path(os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "autopar"))
 
 
 def cache_dir() -> Path:
-    """`cache_root()`, created private (0700) if it does not exist."""
+    """`cache_root()`, created private (0700) if it does not exist; CacheError when it cannot be."""
     path = cache_root()
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise CacheError(f"cannot make autopar's cache folder {path} ({exc.strerror or exc}): point "
+                         f"{CACHE_DIR_ENV} at a folder you can write.") from None
     return path
+
+
+def _readable_cache_dir() -> Path | None:
+    """`cache_dir()` for a read; None where the default folder (no AUTOPAR_CACHE_DIR) cannot be made, with one
+    CacheWarning a process for that folder: nothing is cached there, and planning goes on without the caches."""
+    try:
+        return cache_dir()
+    except CacheError as exc:
+        if os.environ.get(CACHE_DIR_ENV):
+            raise
+        root = str(cache_root())
+        if root not in _SKIPPED_ROOTS:
+            _SKIPPED_ROOTS.add(root)
+            warnings.warn(f"autopar: no plan or calibration cache in this process: {exc} autopar plans without them.",
+                          CacheWarning, stacklevel=4)
+        return None
 
 
 def check_private(path: Path, st: os.stat_result, *, want_dir: bool) -> None:
@@ -156,9 +193,12 @@ def _check_dir(path: Path, *, follow: bool) -> None:
 def cache_subdir(name: str, *, directory: str | os.PathLike[str] | None = None, create: bool) -> Path | None:
     """`<root>/<name>`, checked private, where `<root>` is `directory` or else `cache_dir()` (the root is
     followed if a symlink, since users relocate caches; `<name>` must not be one). Folders made here are
-    0700. None when a folder does not exist and `create` is False."""
+    0700. None when a folder does not exist and `create` is False, or when the default root cannot be made
+    for a read (warned once: `_readable_cache_dir`)."""
     if directory is None:
-        root = cache_dir()
+        root = cache_dir() if create else _readable_cache_dir()
+        if root is None:
+            return None
     else:
         root = Path(directory)
         if not root.exists():
@@ -175,6 +215,9 @@ def cache_subdir(name: str, *, directory: str | os.PathLike[str] | None = None, 
             sub.mkdir(mode=0o700)
         except FileExistsError:
             pass
+        except OSError as exc:
+            raise CacheError(f"cannot make the cache folder {sub} ({exc.strerror or exc}): point {CACHE_DIR_ENV} at "
+                             "a folder you can write.") from None
         else:
             os.chmod(sub, 0o700)
     _check_dir(sub, follow=False)

@@ -6,7 +6,9 @@ file):
 - aliases (`*name`): a few hundred bytes of nested aliases expand to gigabytes (a 741-byte plan took 51 s and
   1.6 GB in Plan.load before this), and autopar's files never need them;
 - duplicate keys in a mapping, where yaml.safe_load silently keeps the last;
-- text over MAX_YAML_CHARS (autopar's own files are a few KiB).
+- text over MAX_YAML_CHARS (autopar's own files are a few KiB);
+- nesting deeper than MAX_YAML_DEPTH collections (autopar's files nest four or five deep; yaml's composer
+  recurses once a level, so `[[[...]]]` 5,000 deep raised RecursionError, not a YAML error, before this).
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from yaml.events import AliasEvent
+from yaml.events import AliasEvent, MappingStartEvent, SequenceStartEvent
 from yaml.nodes import MappingNode
 
 MAX_YAML_CHARS = 1 << 20  # characters; a plan is about 1 KiB, a cache entry or a calibration 2-4 KiB
+MAX_YAML_DEPTH = 32  # nested collections (mappings, lists); a plan cache entry nests four deep
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -25,7 +28,9 @@ class DuplicateKeyError(yaml.YAMLError):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.SafeLoader without aliases and without duplicate keys."""
+    """yaml.SafeLoader without aliases, without duplicate keys and at most MAX_YAML_DEPTH collections deep."""
+
+    _depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(AliasEvent):
@@ -33,7 +38,17 @@ class _StrictLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, f"YAML aliases (*{event.anchor}) are not accepted here: write the value out in full",
                 event.start_mark)
-        return super().compose_node(parent, index)
+        if not self.check_event(MappingStartEvent, SequenceStartEvent):
+            return super().compose_node(parent, index)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"the YAML nests more than {MAX_YAML_DEPTH} lists or mappings deep: autopar's files "
+                "nest a few levels; give the file autopar wrote", self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         if isinstance(node, MappingNode):
@@ -53,7 +68,12 @@ class _StrictLoader(yaml.SafeLoader):
 
 
 def load_yaml(text: str) -> Any:
-    """`text`'s YAML as plain values (yaml.safe_load's), refusing aliases, duplicate keys and oversized text."""
+    """`text`'s YAML as plain values (yaml.safe_load's), refusing aliases, duplicate keys, oversized text and
+    nesting deeper than MAX_YAML_DEPTH, each as a yaml.YAMLError."""
     if len(text) > MAX_YAML_CHARS:
         raise yaml.YAMLError(f"the YAML text is {len(text):,} characters, more than the {MAX_YAML_CHARS:,} accepted")
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass: plain values only
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass: plain values only
+    except RecursionError:  # the depth bound stops the composer first; this is the backstop
+        raise yaml.YAMLError(f"the YAML nests too deep to read (more than {MAX_YAML_DEPTH} lists or mappings): "
+                             "give the file autopar wrote") from None

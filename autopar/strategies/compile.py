@@ -9,21 +9,28 @@ graph.
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 
+from ..errors import PlanError
+from ..plans import compile_backend_refusal, configured_compile_backend
+
 
 def default_backend() -> str:
-    """The compile backend: `AUTOPAR_COMPILE_BACKEND` if set (tests use "aot_eager"), else inductor."""
-    return os.environ.get("AUTOPAR_COMPILE_BACKEND", "inductor")
+    """The compile backend: `AUTOPAR_COMPILE_BACKEND` if set (tests use "aot_eager"), else inductor; a name torch
+    does not register is refused here, where it is read (PlanError naming it and the valid choices)."""
+    return configured_compile_backend()
 
 
 def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, per_block: bool,
                   backend: str | None = None) -> list[str]:
     """Compile the blocks (per_block) or the whole model; returns the names of what was compiled."""
+    if isinstance(backend, str) and backend:  # refused before anything is compiled, naming the choices
+        why = compile_backend_refusal(backend, source="compile_backend")
+        if why is not None:
+            raise PlanError(why)
     backend = backend or default_backend()
     if per_block and blocks:
         # The block's forward, not its call: module hooks (FSDP's, the pipeline's) stay outside the graph.
