@@ -20,8 +20,7 @@ import torch.nn as nn
 import autopar
 from autopar.errors import LossError, PeerBatchError, SampleError, TraceError
 from autopar.plans import Plan
-from tests.distributed._launch import process_env, ROOT
-from tests._ports import torchrun_argv
+from tests.distributed._launch import torchrun
 
 pytestmark = pytest.mark.usefixtures("one_plain_process")
 
@@ -123,12 +122,7 @@ def test_a_sample_that_fits_the_forward_is_not_refused():
 # ---- item 5: tensor- and pipeline-parallel peers given different batches -------------------------------------
 @pytest.mark.slow
 def test_tensor_and_pipeline_peers_given_different_batches_are_refused_on_every_rank(tmp_path):
-    import subprocess
-
-    env = dict(process_env(tmp_path / "autopar-cache"), OMP_NUM_THREADS="1")
-    cmd = [*torchrun_argv(2), str(ROOT / "tests/distributed/_peer_batch_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    torchrun("tests/distributed/_peer_batch_worker.py", 2, [str(tmp_path)], cache_dir=tmp_path / "autopar-cache")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for result in ranks:
         for name, kind in (("tp-different", "tensor-parallel"), ("pp-different", "pipeline-parallel")):
