@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from autopar import DeviceSpec, ModelProfile
 
 SIZES = ("tiny", "realistic")
-KINDS = ("encoder", "encoder-decoder", "decoder", "moe", "mla", "vision-cnn", "vision-transformer", "speech",
-         "two-tower", "lora", "mlp")
+KINDS = ("encoder", "encoder-decoder", "decoder", "moe", "mla", "state-space", "hybrid", "vision-cnn",
+         "vision-transformer", "dense-prediction", "video", "speech", "two-tower", "vision-language", "lora", "mlp")
 
 Sample = dict[str, Any]
 
@@ -235,6 +235,33 @@ def _mistral(size: str) -> nn.Module:
     return t.MistralForCausalLM(t.MistralConfig(**_MISTRAL[size]))
 
 
+# ---- state-space and hybrid LMs (on a CPU, and on a GPU without mamba-ssm, transformers' torch SSD path) ----
+_MAMBA2 = _dims(dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, num_heads=8,
+                     head_dim=8, n_groups=1, conv_kernel=4, chunk_size=8, time_step_rank=4),
+                dict(vocab_size=50288, hidden_size=768, num_hidden_layers=24, state_size=128, expand=2, num_heads=24,
+                     head_dim=64, n_groups=1, conv_kernel=4, chunk_size=256, time_step_rank=48,
+                     tie_word_embeddings=True))
+
+
+def _mamba2(size: str) -> nn.Module:
+    t = _transformers()
+    return t.Mamba2ForCausalLM(t.Mamba2Config(**_MAMBA2[size]))
+
+
+_BAMBA = _dims(dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8,
+                    mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=64),
+               dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+                    num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[4], mamba_n_heads=128,
+                    mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=256,
+                    max_position_embeddings=8192))
+
+
+def _bamba(size: str) -> nn.Module:
+    t = _transformers()
+    return t.BambaForCausalLM(t.BambaConfig(**_BAMBA[size]))
+
+
 # ---- mixture of experts and MLA ---------------------------------------------------------------------------
 _MIXTRAL = _dims(dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -339,6 +366,54 @@ def _swin(size: str) -> nn.Module:
     return t.SwinForImageClassification(t.SwinConfig(**_SWIN[size]))
 
 
+_MOBILENET_V2 = _dims(dict(image_size=32, depth_multiplier=0.25, finegrained_output=False, num_labels=10,
+                           classifier_dropout_prob=0.0),
+                      dict(image_size=224, depth_multiplier=1.0, num_labels=1000))
+
+
+def _mobilenet_v2(size: str) -> nn.Module:
+    t = _transformers()
+    return t.MobileNetV2ForImageClassification(t.MobileNetV2Config(**_MOBILENET_V2[size]))
+
+
+# ---- dense prediction and video ---------------------------------------------------------------------------
+_SEGFORMER = _dims(dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+                        patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+                        decoder_hidden_size=16, num_labels=5, classifier_dropout_prob=0.0, drop_path_rate=0.0),
+                   dict(depths=[3, 4, 6, 3], hidden_sizes=[64, 128, 320, 512], decoder_hidden_size=768,
+                        num_labels=150))
+_SEGMENT_IMAGE = _dims(32, 512)
+
+
+def _segformer(size: str) -> nn.Module:
+    t = _transformers()
+    return t.SegformerForSemanticSegmentation(t.SegformerConfig(**_SEGFORMER[size]))
+
+
+def _segformer_sample(size: str, batch: int, device: torch.device, gen: torch.Generator) -> Sample:
+    """Images and their per-pixel class masks (B, H, W): the model upsamples its logits to the mask's size."""
+    side = _SEGMENT_IMAGE[size]
+    return {"pixel_values": _floats((batch, 3, side, side), device, gen),
+            "labels": _ints(_SEGFORMER[size]["num_labels"], (batch, side, side), device, gen)}
+
+
+_VIDEOMAE = _dims(dict(image_size=32, patch_size=8, num_frames=4, tubelet_size=2, hidden_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=64, num_labels=10),
+                  dict(image_size=224, patch_size=16, num_frames=16, tubelet_size=2, hidden_size=768,
+                       num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, num_labels=400))
+
+
+def _videomae(size: str) -> nn.Module:
+    t = _transformers()
+    return t.VideoMAEForVideoClassification(t.VideoMAEConfig(**_VIDEOMAE[size]))
+
+
+def _video_sample(size: str, batch: int, device: torch.device, gen: torch.Generator) -> Sample:
+    cfg = _VIDEOMAE[size]  # pixel_values: (batch, frames, channels, height, width)
+    return {"pixel_values": _floats((batch, cfg["num_frames"], 3, cfg["image_size"], cfg["image_size"]), device, gen),
+            "labels": _ints(cfg["num_labels"], (batch,), device, gen)}
+
+
 # ---- speech -----------------------------------------------------------------------------------------------
 _WHISPER = _dims(dict(vocab_size=128, num_mel_bins=8, d_model=32, encoder_layers=2, decoder_layers=2,
                       encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
@@ -409,6 +484,49 @@ def _clip_sample(size: str, batch: int, device: torch.device, gen: torch.Generat
     return {"input_ids": _ints(text["vocab_size"], (batch, text["max_position_embeddings"]), device, gen),
             "pixel_values": _floats((batch, 3, vision["image_size"], vision["image_size"]), device, gen),
             "return_loss": True}
+
+
+# ---- vision-language --------------------------------------------------------------------------------------
+_LLAVA = _dims(
+    dict(text_config=dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=64),
+         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, image_size=32, patch_size=8, projection_dim=32),
+         image_token_index=127),
+    dict(text_config=dict(model_type="llama", vocab_size=32064, hidden_size=4096, intermediate_size=11008,
+                          num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32,
+                          max_position_embeddings=4096),
+         vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                            num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                            projection_dim=768),
+         image_token_index=32000))
+_LLAVA_SEQ = _dims(32, 2048)  # tokens, the image's among them
+
+
+def _llava(size: str) -> nn.Module:
+    """LLaVA-1.5's fine-tune: the CLIP tower frozen, the projector and the language model trained."""
+    t = _transformers()
+    model = t.LlavaForConditionalGeneration(t.LlavaConfig(**_LLAVA[size], projector_hidden_act="gelu",
+                                                          vision_feature_layer=-2,
+                                                          vision_feature_select_strategy="default"))
+    model.model.vision_tower.requires_grad_(False)
+    return model
+
+
+def _llava_sample(size: str, batch: int, device: torch.device, gen: torch.Generator) -> Sample:
+    """A prompt whose tokens 1.. are the image's placeholders (one a patch; "default" drops CLS), the image, and
+    the labels: the tokens, the image's positions ignored (-100)."""
+    cfg = _LLAVA[size]
+    vision, image_token = cfg["vision_config"], cfg["image_token_index"]
+    patches = (vision["image_size"] // vision["patch_size"]) ** 2
+    ids = _ints(image_token, (batch, _LLAVA_SEQ[size]), device, gen)
+    labels = ids.clone()
+    if device.type != "meta":
+        ids[:, 1:1 + patches] = image_token
+        labels[:, 1:1 + patches] = -100
+    side = vision["image_size"]
+    return {"input_ids": ids, "pixel_values": _floats((batch, 3, side, side), device, gen), "labels": labels}
 
 
 # ---- LoRA fine-tune and a plain MLP -----------------------------------------------------------------------
@@ -507,14 +625,27 @@ ZOO: tuple[Family, ...] = (
     Family("deepseek-v3", "mla", _deepseek_v3, _lm(_DEEPSEEK_V3, (16, 2048)), _hf_loss,
            "DeepSeek-V3 architecture (MLA, q/k head 192, v head 128) at DeepSeek-V2-Lite widths, "
            "4 of 27 layers, 2048 tokens", 4),
+    Family("mamba2", "state-space", _mamba2, _lm(_MAMBA2, (16, 2048)), _hf_loss,
+           "Mamba2-130m shape (transformers' torch SSD scan, chunks of 256), 2048 tokens", 16),
+    Family("bamba", "hybrid", _bamba, _lm(_BAMBA, (16, 2048)), _hf_loss,
+           "Bamba-9B shape with 8 of 32 layers (attention in layer 4, Mamba2 in the others), 2048 tokens", 4),
     Family("resnet", "vision-cnn", _resnet, _IMAGES, _hf_loss, "ResNet-50, 224 px", 64),
     Family("convnext", "vision-cnn", _convnext, _IMAGES, _hf_loss, "ConvNeXt-T, 224 px", 64),
+    Family("mobilenet-v2", "vision-cnn", _mobilenet_v2, _IMAGES, _hf_loss,
+           "MobileNetV2-1.0 (depthwise-separable inverted residuals), 224 px", 128),
     Family("vit", "vision-transformer", _vit, _IMAGES, _hf_loss, "ViT-B/16, 224 px", 64),
     Family("swin", "vision-transformer", _swin, _IMAGES, _hf_loss, "Swin-T, 224 px, window 7", 64),
+    Family("segformer", "dense-prediction", _segformer, _segformer_sample, _hf_loss,
+           "SegFormer-B2 (MiT-b2), 512 px, 150 classes (ADE20K), per-pixel labels", 16),
+    Family("videomae", "video", _videomae, _video_sample, _hf_loss,
+           "VideoMAE-B, 16 frames of 224 px (tubelets 2x16x16), 400 classes", 8),
     Family("whisper", "speech", _whisper, _whisper_sample, _hf_loss,
            "Whisper-small, 30 s of 80 mel bins -> 128 tokens", 16),
     Family("wav2vec2", "speech", _wav2vec2, _wav2vec2_sample, _hf_loss, "wav2vec2-base CTC, 4 s at 16 kHz", 16),
     Family("clip", "two-tower", _clip, _clip_sample, _hf_loss, "CLIP ViT-B/32, 77 tokens and 224 px", 128),
+    Family("llava", "vision-language", _llava, _llava_sample, _hf_loss,
+           "LLaVA-1.5-7B shape with 8 of 32 language layers, CLIP ViT-L/14 at 336 px frozen, "
+           "2048 tokens of which 576 the image's", 4),
     Family("llama-lora", "lora", _llama_lora, _lm(_LLAMA, (16, 2048)), _hf_loss,
            "LoRA r=16 on q/k/v/o of the Llama-3.2-1B shape (peft), 2048 tokens", 8,
            requires=("transformers", "peft")),
