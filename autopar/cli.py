@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -491,11 +492,12 @@ def _tune(argv: list[str]) -> int:
         bar.close()
         print(exc.report.table())
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (autopar.tune.interrupt.TuneInterrupted): 128 + its number
         bar.close()
-        print(f"autopar tune: interrupted. The study is kept in {args.study}: run the same command again to go on "
-              "(the trial that was running is tried again).", file=sys.stderr)
-        return 130
+        signum = int(getattr(exc, "signum", signal.SIGINT))
+        print(f"autopar tune: interrupted ({signal.Signals(signum).name}). The study is kept in {args.study}: run the "
+              "same command again to go on (the trial that was running is tried again).", file=sys.stderr)
+        return 128 + signum
     finally:
         bar.close()
     print(report.table())

@@ -9,8 +9,10 @@ steps are described in autopar.tune.study and docs/tuning.md ("How a study runs"
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -23,6 +25,7 @@ from ..errors import AutoparError, ResultNotSavedError, TuneError
 from ..plan_cache import cache_key, path_for, sample_signature, store, write_plan_out
 from ..planning import calibration_for, short_name
 from ..plans import Loop, Plan
+from .interrupt import held
 from .ledger import Ledger, Measured
 from .refit import StepModel
 from .report import TuneReport, report_from_study
@@ -38,6 +41,7 @@ MAX_SPACE = 256
 #: After this many repeats in a row, the best-predicted undecided plan is enqueued.
 MAX_REPEATS = 3
 STALE_CAUSE = "stale: the tuner stopped while it ran"
+INTERRUPTED = "interrupted"  # the status (and a user attribute, true) of a trial whose tuner got SIGTERM or SIGINT
 
 
 class RefitRejectedWarning(UserWarning):
@@ -104,8 +108,9 @@ class StudyEngine:
     from it)."""
 
     def __init__(self, probe: Any, measure: Callable[[Plan], Any], study_path: Path | None, options: StudyOptions,
-                 *, started: float | None = None) -> None:
+                 *, started: float | None = None, lock_held: bool = False) -> None:
         self.probe, self.measure, self.study_path, self.options = probe, measure, study_path, options
+        self.lock_held = lock_held  # the caller holds the study's lock (storage.study_lock) already
         self.started = time.perf_counter() if started is None else started
         self._wall_mark = self.started
         self.topology, self.profile = probe.topology, probe.profile
@@ -113,7 +118,7 @@ class StudyEngine:
         self._rejected: tuple[object, str] | None = None  # the last refit rejection warned of: (problem, factor)
 
     def run(self) -> TuneReport:
-        with study_lock(self.study_path):
+        with contextlib.nullcontext() if self.lock_held else study_lock(self.study_path):
             self._open()
             self._emit("start", message=f"{len(self.space.keys)} feasible plans in the space; "
                                         f"{len(self.ledger.ok)} measured earlier")
@@ -301,7 +306,27 @@ class StudyEngine:
             self._emit("pruned", number=trial.number, plan=short_name(plan), status="pruned", message=reason)
             return
         self._emit("trial", number=trial.number, plan=short_name(plan))
-        self._record(trial, key, plan, self.measure(plan))
+        try:
+            result = self.measure(plan)
+        except KeyboardInterrupt as exc:  # SIGINT or SIGTERM (autopar.tune.interrupt): the run was ended
+            with held():
+                self._interrupted(trial, key, exc)
+            raise
+        with held():  # a signal now comes once the trial is recorded
+            self._record(trial, key, plan, result)
+
+    def _interrupted(self, trial: Any, key: str, exc: KeyboardInterrupt) -> None:
+        """The trial in flight when the tuner was interrupted: FAIL, status and user attribute "interrupted", and its
+        plan first in the queue (it is run again when the study resumes)."""
+        from optuna.trial import TrialState  # lazy, as in _open
+
+        signum = getattr(exc, "signum", signal.SIGINT)
+        trial.set_user_attr("status", INTERRUPTED)
+        trial.set_user_attr(INTERRUPTED, True)
+        trial.set_user_attr("cause", f"interrupted: the tuner got {signal.Signals(signum).name} while it ran; its run "
+                                     "was ended")
+        self.study.tell(trial, state=TrialState.FAIL)
+        self.queue.put_first([{"key": key, "source": f"retry of interrupted trial {trial.number}"}])
 
     # ---- recording a trial ------------------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -34,15 +35,18 @@ from ..errors import LaunchError, ProbeError
 from ..plans import Loop, Plan
 from ..profile import ModelProfile
 from ..topology import Topology
+from .interrupt import held
 from .worker import (
     ENV_DIR,
     ENV_MODE,
-    ENV_NAMES,
+    ENV_PREFIX,
     ENV_STEPS,
+    ENV_TOKEN,
     ENV_WARMUP,
     PLAN_FILE,
     PROBE_FILE,
     RESULT_FILE,
+    TOKEN_FILE,
 )
 
 STATUSES = ("ok", "oom", "crash", "exit", "timeout")
@@ -337,12 +341,25 @@ def _script_of(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _run_env(run_dir: Path, mode: str, extra: Mapping[str, str], env: Mapping[str, str] | None) -> dict[str, str]:
+def _write_token(run_dir: Path) -> str:
+    """A new random token, written (0600, a new file) into the run's directory: the run obeys AUTOPAR_TRIAL_* only
+    when its AUTOPAR_TRIAL_TOKEN equals it (autopar.tune.worker.launched_by_tuner). Removed when the run ends."""
+    token = secrets.token_hex(16)
+    fd = os.open(run_dir / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return token
+
+
+def _run_env(run_dir: Path, mode: str, extra: Mapping[str, str], env: Mapping[str, str] | None,
+             token: str) -> dict[str, str]:
     full = {**os.environ, **(env or {})}
-    for name in ENV_NAMES:
+    for name in [n for n in full if n.startswith(ENV_PREFIX)]:
         full.pop(name, None)  # a stale setting from the caller's environment never leaks into the run
     full.setdefault("PYTHONUNBUFFERED", "1")  # a failing run's last lines reach the log
-    return {**full, ENV_DIR: str(run_dir), ENV_MODE: mode, **extra}
+    return {**full, ENV_DIR: str(run_dir), ENV_MODE: mode, ENV_TOKEN: token, **extra}
 
 
 class _Watch:
@@ -388,12 +405,15 @@ def _run(argv: list[str], run_dir: Path, mode: str, extra_env: Mapping[str, str]
                    stall_s=timeout_s if progress_timeout_s is None else progress_timeout_s)
     log_path = run_dir / LOG_FILE
     t0 = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=_run_env(run_dir, mode, extra_env, env), start_new_session=True)
-    tree = _ProcessTree(proc, run_dir)
+    token = _write_token(run_dir)
+    proc: subprocess.Popen | None = None
+    tree: _ProcessTree | None = None
     errors: list[dict] = []
     try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=_run_env(run_dir, mode, extra_env, env, token), start_new_session=True)
+        tree = _ProcessTree(proc, run_dir)
         while True:
             tree.scan()
             if proc.poll() is not None or watch.over():
@@ -401,9 +421,15 @@ def _run(argv: list[str], run_dir: Path, mode: str, extra_env: Mapping[str, str]
             time.sleep(_POLL_S)
         errors = _errors(run_dir)  # before anything is signalled: errors caused by ending it do not count
     finally:
-        tree.end()
+        with held():  # a second SIGTERM or Ctrl-C does not stop the ending of the run half-way
+            if tree is None and proc is not None:  # interrupted as it started
+                tree = _ProcessTree(proc, run_dir)
+            if tree is not None:
+                tree.end()
+            (run_dir / TOKEN_FILE).unlink(missing_ok=True)  # the proof is spent: the variables prove nothing now
     if not errors and watch.timeout_cause is None:
         errors = _errors(run_dir)
+    assert proc is not None
     return _Ended(returncode=proc.returncode, wall_s=time.perf_counter() - t0, timeout_cause=watch.timeout_cause,
                   errors=errors, log_tail=_log_tail(log_path))
 

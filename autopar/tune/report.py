@@ -35,8 +35,9 @@ GiB = 2**30
 
 # The statuses of a row: a trial that ran ("ok", or how it failed: FAILED, the trial runner's "oom", "crash",
 # "exit", "timeout"), one pruned on its prediction before it ran, one whose tuner was killed while it ran
-# ("stale": its plan is tried again), one still running (a report read while the tuner works). The study's
-# attribute names (STUDY_*, PARAM, FAILED) are autopar.tune.schema's, importable from here too.
+# ("stale": its plan is tried again) or stopped by SIGTERM or SIGINT ("interrupted": the same), one still running
+# (a report read while the tuner works). The study's attribute names (STUDY_*, PARAM, FAILED) are
+# autopar.tune.schema's, importable from here too.
 @dataclass(frozen=True)
 class TuneRow:
     """One trial of a study (repeats answered from earlier trials are not rows; see TuneReport.repeats)."""
@@ -44,7 +45,7 @@ class TuneRow:
     number: int  # the Optuna trial number
     key: str  # Plan.key()
     plan: Plan
-    status: str  # ok, oom, crash, exit, timeout, pruned, stale, running
+    status: str  # ok, oom, crash, exit, timeout, pruned, stale, interrupted, running
     predicted_step_s: float | None = None  # with the calibration the study started from
     predicted_throughput: float | None = None  # tokens/s (or samples/s: TuneReport.unit)
     predicted_memory_bytes: float | None = None  # peak per GPU: allocated + allocator reserve + context
@@ -165,8 +166,8 @@ class TuneReport:
         failed = self.count(*FAILED)
         lines.append(
             f"trials: {self.trials_run} measured ({self.count('ok')} ok, {failed} failed), {self.count('pruned')} "
-            f"pruned on prediction, {self.count('stale')} stale (tuner stopped; plan retried), {self.repeats} "
-            f"repeat(s) answered from the study; {self.space_size} feasible plans in the space")
+            f"pruned on prediction, {self.count('stale', 'interrupted')} stale (tuner stopped; plan retried), "
+            f"{self.repeats} repeat(s) answered from the study; {self.space_size} feasible plans in the space")
         where = f"study {self.study_path}" if self.study_path else "study in memory"
         tail = f"; stopped: {self.stopped}" if self.stopped else ""
         lines.append(f"{where}; {self.wall_s:.1f} s{tail}")

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import socket
 import sqlite3
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
 from .._util.io import cache_subdir, check_writable
 from ..calibration_cache import calibration_folder
-from ..errors import AutoparError, StorageError
+from ..errors import AutoparError, StorageError, StudyLockedError
 from ..plan_cache import check_plan_out, plans_folder
 
 _NEW_STUDY = "delete it (or move it aside) to start a new study, or use another --study file."
@@ -26,23 +29,48 @@ def _lock_path(study_path: Path) -> Path:
     return study_path.with_name(study_path.name + ".lock")
 
 
+def _holder(fd: int) -> str:
+    """Who holds a lock, as its holder wrote it into the lock file (`study_lock`): "pid 123 on host, since ..."."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = json.loads(os.read(fd, 4096).decode() or "{}")
+    except (OSError, ValueError):
+        return "another autopar tuner"
+    if not isinstance(data, dict) or not isinstance(data.get("pid"), int):
+        return "another autopar tuner"
+    return f"the autopar tuner of pid {data['pid']} on {data.get('host', '?')} (since {data.get('since', '?')})"
+
+
 @contextlib.contextmanager
 def study_lock(study_path: Path | None) -> Iterator[None]:
     """An exclusive lock on STUDY.lock while a tuner works on the study (released by the kernel if killed);
-    nothing for a study in memory."""
+    nothing for a study in memory. The holder writes its pid, host and start time into the file; a second tuner is
+    refused at once with StudyLockedError, in one line naming them and the file."""
     if study_path is None:
         yield
         return
     lock_path = _lock_path(study_path)
-    lock_path.parent.mkdir(parents=True, exist_ok=True)  # a new study's folder: the study file will go there too
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)  # a new study's folder: the study file will go there too
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise StorageError(f"cannot write the study's lock file {lock_path} ({exc.strerror}): make it and its folder "
+                           "writable, or use another --study file.", path=str(lock_path)) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise AutoparError(f"another autopar tuner is working on {study_path} (it holds {lock_path}): wait for "
-                               "it to end, or use another --study file.") from None
-        yield
+            raise StudyLockedError(f"{_holder(fd)} is working on {study_path} (it holds {lock_path}): wait for it "
+                                   "to end, or use another --study file.", path=str(lock_path)) from None
+        with contextlib.suppress(OSError):  # who holds it, for the message a second tuner prints
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
     finally:
         os.close(fd)
 

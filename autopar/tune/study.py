@@ -52,12 +52,18 @@ is checked to be sound SQLite, and (launcher.check_launchable) the launch comman
 exist: each refusal is one line naming the path and what to change.
 
 **Storage and resuming.** The study lives in a SQLite file (Optuna's RDBStorage), one study per file.
-While a tuner works on it, it holds an exclusive lock on `STUDY.lock` (a second tuner is refused), so
+While a tuner works on it, it holds an exclusive lock on `STUDY.lock` (taken before the probe; a second tuner is
+refused at once, StudyLockedError naming the holder's pid and the file), so
 when a tuner starts, any trial still RUNNING was left by a tuner that was killed: it is marked FAIL
 (status "stale") and its plan is put first in the queue, so no trial is lost; a completed trial is never run
 again (point 5), so none is duplicated. Optuna's own heartbeat (`fail_stale_trials`) only works inside
 `study.optimize`, which the ask-and-tell loop here does not use. A study written by an autopar of another
 study format (autopar.tune.schema.STUDY_FORMAT) is refused, with a sentence; `autopar report` still reads it.
+
+**SIGTERM and SIGINT** (autopar.tune.interrupt): `tune` ends the run in flight (its whole process group, SIGTERM
+then SIGKILL), records its trial as FAIL with status "interrupted" (and the user attribute `interrupted: true`),
+puts its plan first in the queue, and raises TuneInterrupted (a KeyboardInterrupt); `autopar tune` exits 128 + the
+signal's number (130 for SIGINT, 143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -77,8 +83,9 @@ from ..plans import Loop, Plan
 from . import launcher
 from .engine import MAX_SPACE, PRUNE_FACTOR, STALE_CAUSE, Progress, StudyEngine, StudyOptions, check_budget
 from .inprocess import InProcessResult, measure_in_process, single_device
+from .interrupt import handling_signals
 from .report import TuneReport
-from .storage import check_places
+from .storage import check_places, study_lock
 
 
 def tune(
@@ -128,18 +135,21 @@ def tune(
     started = time.perf_counter()
     argv = [str(a) for a in argv]
     loop = _legacy_loop(loop, allow_train_step)
-    probe = prober(argv, timeout_s=trial_timeout_s, env=env, workdir=workdir)
-    if loop is None:
-        loop = _probed_loop(probe)
+    # the lock first (a second tuner is refused at once, not after the probe), then SIGTERM and SIGINT end the run
+    # in flight and record its trial as interrupted (autopar.tune.interrupt)
+    with study_lock(Path(study_path)), handling_signals():
+        probe = prober(argv, timeout_s=trial_timeout_s, env=env, workdir=workdir)
+        if loop is None:
+            loop = _probed_loop(probe)
 
-    def measure(plan: Plan) -> Any:
-        return runner(argv, plan, steps=steps, warmup=warmup, timeout_s=trial_timeout_s, env=env, workdir=workdir)
+        def measure(plan: Plan) -> Any:
+            return runner(argv, plan, steps=steps, warmup=warmup, timeout_s=trial_timeout_s, env=env, workdir=workdir)
 
-    options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
-                           top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
-                           cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, max_space=max_space,
-                           eager=eager, argv=argv)
-    return StudyEngine(probe, measure, Path(study_path), options, started=started).run()
+        options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
+                               top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
+                               cache_directory=cache_directory, seed=seed, prune_factor=prune_factor,
+                               max_space=max_space, eager=eager, argv=argv)
+        return StudyEngine(probe, measure, Path(study_path), options, started=started, lock_held=True).run()
 
 
 def autotune(
@@ -182,23 +192,25 @@ def autotune(
     started = time.perf_counter()
     topo = single_device(topology)
     gbs = global_batch_size if global_batch_size is not None else sample_batch_size(sample)
-    model = model_fn()
-    try:
-        profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
-    finally:
-        del model
-        gc.collect()
-    probe = SimpleNamespace(profile=profile, variants=variants, topology=topo, world_size=1, global_batch_size=gbs,
-                            model_fingerprint=profile.fingerprint)
+    with study_lock(path):  # first: a second tuner on the study is refused before the profile
+        model = model_fn()
+        try:
+            profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+        finally:
+            del model
+            gc.collect()
+        probe = SimpleNamespace(profile=profile, variants=variants, topology=topo, world_size=1,
+                                global_batch_size=gbs, model_fingerprint=profile.fingerprint)
 
-    def measure(plan: Plan) -> InProcessResult:
-        return measure_in_process(model_fn, sample, plan, loss_fn=loss_fn, topology=topo, steps=steps, warmup=warmup,
-                                  optimizer_fn=optimizer_fn, tokens_per_sample=profile.tokens_per_sample)
+        def measure(plan: Plan) -> InProcessResult:
+            return measure_in_process(model_fn, sample, plan, loss_fn=loss_fn, topology=topo, steps=steps,
+                                      warmup=warmup, optimizer_fn=optimizer_fn,
+                                      tokens_per_sample=profile.tokens_per_sample)
 
-    options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
-                           top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
-                           cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, eager=eager)
-    return StudyEngine(probe, measure, path, options, started=started).run()
+        options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
+                               top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
+                               cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, eager=eager)
+        return StudyEngine(probe, measure, path, options, started=started, lock_held=True).run()
 
 
 def _legacy_loop(loop: Loop | str | None, allow_train_step: bool | None) -> Loop | None:

@@ -1,7 +1,9 @@
 """The run's side of a tuner's trial or probe: the `WrapHook` installed in the process the tuner launched.
 
 The tuner (autopar.tune.launcher) starts the user's command with `AUTOPAR_TRIAL_*` set; `install_from_env`,
-called when autopar is imported, reads them and installs, in that process only:
+called when autopar is imported, reads them and installs, in that process only (and only when the tuner's proof
+is there: `AUTOPAR_TRIAL_TOKEN` equals the token the launcher wrote, private, into the run's own directory, and
+removes when the run ends; variables left over in a shell are ignored, with one warning, and the run is normal):
 
 - **"trial"**: a hook whose `plan_override` is the trial's `plan.yaml` and whose `applied` installs the
   step recorder, a global optimizer-step hook that times `steps` steps after `warmup` (device
@@ -20,11 +22,14 @@ Nothing in this module ends a process from inside `wrap`. Outside a tuner's run 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
 import resource
+import stat
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +54,15 @@ ENV_DIR = "AUTOPAR_TRIAL_DIR"  # a directory the tuner made; the run reads plan.
 ENV_MODE = "AUTOPAR_TRIAL_MODE"  # "trial" (apply plan.yaml, time, end) or "probe" (write the profile)
 ENV_STEPS = "AUTOPAR_TRIAL_STEPS"  # timed optimizer steps (after warm-up)
 ENV_WARMUP = "AUTOPAR_TRIAL_WARMUP"  # warm-up optimizer steps (compile, allocator)
-ENV_NAMES = (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP)
+ENV_TOKEN = "AUTOPAR_TRIAL_TOKEN"  # the launcher's proof that it started this run: equals TOKEN_FILE's content
+ENV_NAMES = (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP, ENV_TOKEN)
+ENV_PREFIX = "AUTOPAR_TRIAL_"
 
 MODES = ("trial", "probe")
 PLAN_FILE = "plan.yaml"
 RESULT_FILE = "result.json"
 PROBE_FILE = "probe.json"
+TOKEN_FILE = "token"  # in the run's directory, 0600, written by the launcher before the run and removed after it
 DEFAULT_STEPS = 10
 DEFAULT_WARMUP = 3
 _SET_BY = "autopar's tuner sets it"  # as env_int's messages say who sets a variable
@@ -278,6 +286,53 @@ class ProbeHook(WrapHook):
         self.run.end()
 
 
+class TrialEnvIgnoredWarning(UserWarning):
+    """`AUTOPAR_TRIAL_*` variables are set in a process autopar's tuner did not launch: they are ignored."""
+
+
+_warned = False
+
+
+def _file_token(run_dir: str) -> str | None:
+    """The token in `run_dir`/TOKEN_FILE when it is a regular file of this user that no one else can read or
+    write (not followed through a link); None otherwise."""
+    try:
+        fd = os.open(os.path.join(run_dir, TOKEN_FILE), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size > 4096:
+            return None
+        return os.read(fd, 4096).decode("ascii", errors="replace").strip() or None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def launched_by_tuner(environ: Mapping[str, str]) -> bool:
+    """True when the tuner launched this run: the token in `AUTOPAR_TRIAL_TOKEN` is the one the launcher wrote
+    into the directory `AUTOPAR_TRIAL_DIR` names (and removes when the run ends)."""
+    token, run_dir = environ.get(ENV_TOKEN, ""), environ.get(ENV_DIR, "")
+    if not token or not run_dir or not os.path.isdir(run_dir):
+        return False
+    found = _file_token(run_dir)
+    return found is not None and hmac.compare_digest(found.encode(), token.encode())
+
+
+def _ignore(environ: Mapping[str, str]) -> None:
+    """Warn, once a process, that the AUTOPAR_TRIAL_* variables set here are ignored."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    names = sorted(n for n in environ if n.startswith(ENV_PREFIX))
+    warnings.warn(f"autopar: {', '.join(names)} {'is' if len(names) == 1 else 'are'} set but this process was not "
+                  "launched by `autopar tune`; ignoring them (the run is a normal one): unset them "
+                  f"(unset {' '.join(names)}).", TrialEnvIgnoredWarning, stacklevel=3)
+
+
 @dataclass(frozen=True)
 class RunEnv:
     """What the tuner's environment says about this process's run."""
@@ -287,17 +342,17 @@ class RunEnv:
 
     @staticmethod
     def read(environ: Mapping[str, str]) -> RunEnv | None:
-        """None outside a tuner's run; an AutoparError when the environment is not the tuner's."""
-        mode = environ.get(ENV_MODE)
-        if not mode:
+        """None outside a tuner's run, and where AUTOPAR_TRIAL_* variables are set without the tuner's proof
+        (`launched_by_tuner`; a warning, once); an AutoparError when the tuner's run has a wrong mode."""
+        if not any(value for name, value in environ.items() if name.startswith(ENV_PREFIX)):
             return None
+        if not launched_by_tuner(environ):
+            _ignore(environ)
+            return None
+        mode = environ.get(ENV_MODE)
         if mode not in MODES:
             raise AutoparError(f"{ENV_MODE}={mode!r}: expected one of {', '.join(MODES)} (set by autopar's tuner).")
-        path = environ.get(ENV_DIR)
-        if not path or not os.path.isdir(path):
-            raise AutoparError(f"{ENV_MODE}={mode} needs {ENV_DIR}, the directory the tuner made for this run "
-                               f"(got {path!r}).")
-        return RunEnv(mode=mode, path=Path(path))
+        return RunEnv(mode=mode, path=Path(environ[ENV_DIR]))
 
 
 def install_from_env() -> WrapHook | None:

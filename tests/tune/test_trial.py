@@ -166,7 +166,7 @@ def test_the_tune_command_refuses_a_missing_launcher_with_exit_2_in_one_line(tmp
 def test_install_from_env_only_in_a_tuners_run(tmp_path, monkeypatch):
     from autopar import hooks
 
-    for name in (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP):
+    for name in (ENV_DIR, ENV_MODE, ENV_STEPS, ENV_WARMUP, worker.ENV_TOKEN):
         monkeypatch.delenv(name, raising=False)
     assert worker.install_from_env() is None and type(hooks.wrap_hook()) is hooks.WrapHook  # outside: nothing
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
@@ -174,6 +174,7 @@ def test_install_from_env_only_in_a_tuners_run(tmp_path, monkeypatch):
     try:
         monkeypatch.setenv(ENV_MODE, "trial")
         monkeypatch.setenv(ENV_DIR, str(tmp_path))
+        monkeypatch.setenv(worker.ENV_TOKEN, launcher._write_token(tmp_path))  # the tuner's proof
         hook = worker.install_from_env()
         assert isinstance(hook, worker.TrialHook) and hooks.wrap_hook() is hook
         assert worker.install_from_env() is hook  # once
