@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .errors import PlanError
+from .errors import LossError, PlanError
 from .plans import Plan
-from ._util.batch import call_model, check_peer_batches, map_tensors, model_loss, sample_batch_size
+from ._util.batch import call_model, check_peer_batches, first_tensor, map_tensors, model_loss, sample_batch_size
 from .strategies.tensor_parallel import loss_parallel_scope
 from .strategies.pipeline import sync_tied_grads
 from .strategies.state import applied
@@ -158,6 +158,7 @@ def train_step(
     loss_of = _loss(loss_fn)
     n = plan.grad_accum
     unchecked = [runtime is not None]  # the pipeline's peers' batches, checked at the first step
+    unguarded = [runtime is not None and loss_fn is None]  # the model's own loss, checked on every stage at the first
 
     def _finish() -> None:
         if max_grad_norm is not None:
@@ -179,8 +180,13 @@ def train_step(
             unchecked[0] = False
         micro = split_batch(_to(batch, state.device), n)
         if runtime is not None:
+            held: list[LossError] = []
+            guarded = _held(loss_of, held) if unguarded[0] else loss_of
             with loss_parallel_scope(vocab_parallel):
-                loss = _pipeline_step(runtime, micro, _local(loss_of), state.device, state.mesh)
+                loss = _pipeline_step(runtime, micro, _local(guarded), state.device, state.mesh)
+            if unguarded[0]:  # the first step tells: the model's output has the same kind every step
+                _raise_together(held, state.mesh, state.device, optimizer)
+                unguarded[0] = False
         else:
             total = torch.zeros((), device=state.device)
             for i, mb in enumerate(micro):
@@ -222,6 +228,37 @@ def _local(loss_of: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], 
         return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
     return compute
+
+
+def _held(loss_of: Callable[[Any, Any], torch.Tensor], held: list[LossError]) -> Callable[[Any, Any], torch.Tensor]:
+    """The pipeline's loss: a LossError (no loss_fn, no loss in the output) is held, the schedule finishing on a
+    loss of zero, so that `_raise_together` raises it on every stage (raised inside the schedule on the last
+    stage, it would leave the other stages waiting for its gradients)."""
+    def compute(output: Any, batch: Any) -> torch.Tensor:
+        try:
+            return loss_of(output, batch)
+        except LossError as exc:
+            t = first_tensor(output)
+            if t is None or not t.is_floating_point():
+                raise
+            held.append(exc)
+            return t.float().sum() * 0
+
+    return compute
+
+
+def _raise_together(held: list[LossError], mesh: Any, device: torch.device, optimizer: torch.optim.Optimizer) -> None:
+    """Collective over the pipeline: where a stage held a LossError, every stage drops the step's gradients and
+    raises it (the last stage its own; the others one that points to it)."""
+    flag = torch.tensor([float(len(held))], device=device)
+    dist.all_reduce(flag, group=mesh["pp"].get_group())
+    if not flag.item():
+        return
+    optimizer.zero_grad(set_to_none=True)
+    if held:
+        raise held[0]
+    raise LossError("the model's output carries no loss (the last pipeline stage's error says what it is): pass "
+                    "loss_fn=lambda output, batch: ... (the batch's mean loss) to autopar.train_step.")
 
 
 def _to(batch: Any, device: torch.device) -> Any:

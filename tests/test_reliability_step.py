@@ -78,7 +78,8 @@ def test_train_step_without_loss_fn_takes_only_a_loss_the_model_returned():
         assert loss.item() == pytest.approx(expected)
         assert not any(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     model = _wrapped(Pair())  # a tuple of tensors: no loss in it, refused
-    with pytest.raises(LossError, match=r"^the model's output is a tuple of 2 value\(s\) with no \.loss: pass loss_fn="):
+    refusal = r"^the model's output is a tuple of 2 value\(s\) with no \.loss: pass loss_fn="
+    with pytest.raises(LossError, match=refusal):
         autopar.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))(x)
     assert all(p.grad is None for p in model.parameters())
 
@@ -120,10 +121,17 @@ def test_a_sample_that_fits_the_forward_is_not_refused():
 
 
 # ---- item 5: tensor- and pipeline-parallel peers given different batches -------------------------------------
+@pytest.fixture(scope="module")
+def peer_results(tmp_path_factory):
+    """Each rank's results of tests/distributed/_peer_batch_worker.py on 2 gloo processes (one launch)."""
+    out = tmp_path_factory.mktemp("peers")
+    torchrun("tests/distributed/_peer_batch_worker.py", 2, [str(out)], cache_dir=out / "autopar-cache")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.mark.slow
-def test_tensor_and_pipeline_peers_given_different_batches_are_refused_on_every_rank(tmp_path):
-    torchrun("tests/distributed/_peer_batch_worker.py", 2, [str(tmp_path)], cache_dir=tmp_path / "autopar-cache")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_tensor_and_pipeline_peers_given_different_batches_are_refused_on_every_rank(peer_results):
+    ranks = peer_results
     for result in ranks:
         for name, kind in (("tp-different", "tensor-parallel"), ("pp-different", "pipeline-parallel")):
             r = result[name]
@@ -133,3 +141,14 @@ def test_tensor_and_pipeline_peers_given_different_batches_are_refused_on_every_
         for name in ("tp-same", "pp-same"):
             assert result[name]["error"] is None and result[name]["moved"] and len(result[name]["losses"]) == 2
     assert ranks[0]["tp-same"]["losses"] == ranks[1]["tp-same"]["losses"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_step_without_loss_fn_on_logits_is_refused_on_every_stage(peer_results):
+    """The last stage's LossError is raised by every stage after the schedule (not left waiting), nothing stepped."""
+    last, first = peer_results[1]["pp-no-loss-fn"], peer_results[0]["pp-no-loss-fn"]
+    assert last["error"] == first["error"] == LossError.__name__
+    assert "a tensor of shape (4, 32, 128) with no .loss: pass loss_fn=" in last["message"]
+    assert "the last pipeline stage's error" in first["message"] and "pass loss_fn=" in first["message"]
+    for r in (first, last):
+        assert not r["moved"] and not r["grads"] and r["losses"] == []

@@ -2,8 +2,9 @@
 
 argv: OUT_DIR. For each scenario, wrap the built-in GPT with a tensor- or pipeline-parallel plan over both ranks
 (one group: both ranks must read the same batch) and train two steps on either the same batch on both ranks or
-a different batch a rank (as a DistributedSampler over every rank gives); record each step's loss, or the error
-and its message, and whether the parameters moved. Each rank writes OUT_DIR/rank{R}.json.
+a different batch a rank (as a DistributedSampler over every rank gives), or with train_step and no loss_fn
+(the GPT returns logits); record each step's loss, or the error and its message, and whether the parameters
+moved. Each rank writes OUT_DIR/rank{R}.json.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ SCENARIOS = {
     "tp-different": ({"tp": 2, "micro_batch_size": 8}, False, "different"),
     "pp-same": ({"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 4, "grad_accum": 2}, True, "same"),
     "pp-different": ({"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 4, "grad_accum": 2}, True, "different"),
+    # train_step without loss_fn on a model that returns logits: refused on every stage, nothing stepped
+    "pp-no-loss-fn": ({"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 4, "grad_accum": 2}, True, "same"),
 }
 
 
@@ -32,11 +35,12 @@ def params(model: torch.nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def run(plan: dict, use_train_step: bool, data: str, rank: int) -> dict:
+def run(name: str, plan: dict, use_train_step: bool, data: str, rank: int) -> dict:
     model = make_model("gpt")
     autopar.wrap(model, sample=batch(0), plan=Plan(**plan), loss_fn=lm_loss, verbose=False)
     opt = make_optimizer(model)
-    step = autopar.train_step(model, opt, lm_loss) if use_train_step else None
+    loss_fn = None if name.endswith("no-loss-fn") else lm_loss
+    step = autopar.train_step(model, opt, loss_fn) if use_train_step else None
     before = params(model)
     losses = []
     try:
@@ -52,7 +56,8 @@ def run(plan: dict, use_train_step: bool, data: str, rank: int) -> dict:
                 losses.append(float(loss))
     except Exception as exc:  # recorded: the test asserts which error, on which ranks
         return {"error": type(exc).__name__, "message": str(exc), "losses": losses,
-                "moved": not torch.equal(before, params(model))}
+                "moved": not torch.equal(before, params(model)),
+                "grads": any(p.grad is not None for p in model.parameters())}
     return {"error": None, "losses": losses, "moved": not torch.equal(before, params(model))}
 
 
@@ -60,7 +65,7 @@ def main() -> None:
     out = sys.argv[1]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    results = {name: run(*spec, rank) for name, spec in SCENARIOS.items()}
+    results = {name: run(name, *spec, rank) for name, spec in SCENARIOS.items()}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()
