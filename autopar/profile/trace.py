@@ -156,7 +156,8 @@ class StepTrace:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
                 with self.autocast, self.cuda_policy:
                     args, kwargs = split_sample(self.sample)
-                    output = functional_call(self.model, self.state, args, kwargs, tie_weights=True, strict=False)
+                    output = functional_call(self.model, _per_slot(self.model, self.state), args, kwargs,
+                                             tie_weights=False, strict=False)
                     self.watcher.in_loss = True
                     self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
                     output = _as_returned(output, self.precision)  # in the loss's scope
@@ -311,6 +312,19 @@ def _cannot_trace(model: nn.Module, exc: Exception) -> str:
             "values (data-dependent Python control flow, e.g. `if labels.max() >= vocab`) cannot be traced on fake "
             "tensors, so no plan can be chosen by the cost model: wrap then applies a safe plan from the model's "
             "structure (profile_model(..., trace=False)), or pass it a plan.")
+
+
+def _per_slot(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under one name per (module, attribute) slot: a module held under several names (one object in
+    every block) swapped by each of its names would be restored from the fake tensor its first swap put there
+    (functional_call records each name's tensor as it swaps it), and keep that fake tensor after the step."""
+    slots = {}
+    for prefix, module in model.named_modules():  # each module object once
+        for name in list(module._parameters) + list(module._buffers):
+            key = f"{prefix}.{name}" if prefix else name
+            if key in state:
+                slots[key] = state[key]
+    return slots
 
 
 def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None

@@ -9,6 +9,14 @@ A parameter FSDP2 cannot shard (a 0-d one, such as CLIP's `logit_scale`: fully_s
 left out of every unit (`ignored_params`) and kept replicated instead: moved to the mesh's device, made
 the same on every rank (broadcast from the mesh's first rank), and its gradient averaged over the mesh's
 ranks after each backward that FSDP would reduce in (`_ReplicatedParams`).
+
+A module that several units reach (one module object held by every block, an ALBERT-like shared layer, or
+held both by a block and outside the blocks) would be sharded by each unit that reaches it, which FSDP2
+cannot do (a second `fully_shard` of a sharded parameter fails on "Cannot concatenate overlapping meshes"):
+it becomes an FSDP unit of its own before the blocks are wrapped, so it is sharded once, gathered at its first
+use and kept gathered to the end of the forward, and its gradient reduced from every use (`shared_modules`).
+A Parameter object registered on several distinct modules in different units (`block.w = shared_weight` in each
+block) has no module to make a unit of: it is replicated as the 0-d ones are.
 """
 
 from __future__ import annotations
@@ -30,6 +38,40 @@ def unshardable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.dim() == 0]
 
 
+def shared_modules(model: nn.Module, units: Sequence[nn.Module]) -> tuple[list[tuple[str, nn.Module]],
+                                                                        list[tuple[str, nn.Parameter]]]:
+    """What more than one FSDP unit of `model` reaches, as (first name, object) pairs: the outermost modules
+    reached from several of `units` or from one of them and from outside them all (the root unit), and the
+    Parameters so reached outside those modules (one Parameter registered on distinct modules)."""
+    unit_of = {id(m): i for i, m in enumerate(units)}
+    reach: dict[int, set[int]] = {}  # id of a module or Parameter -> the units it is reached from (-1: the root)
+    names: dict[int, str] = {}
+    objects: dict[int, nn.Module | nn.Parameter] = {}
+
+    def walk(module: nn.Module, unit: int, prefix: str) -> None:
+        unit = unit_of.get(id(module), unit)
+        for key, obj in [(prefix.rstrip("."), module)] + [
+                (prefix + n, p) for n, p in module._parameters.items() if p is not None]:
+            reach.setdefault(id(obj), set()).add(unit)
+            names.setdefault(id(obj), key)
+            objects[id(obj)] = obj
+        for n, child in module._modules.items():
+            if child is not None:
+                walk(child, unit, f"{prefix}{n}.")
+
+    walk(model, -1, "")
+    shared = {i for i, units_ in reach.items() if len(units_) > 1}
+    modules = [i for i in shared if isinstance(objects[i], nn.Module)]
+    inner = {id(sub) for i in modules for sub in list(objects[i].modules())[1:]}
+    outer = [i for i in modules if i not in inner]
+    covered = {id(p) for i in outer for p in objects[i].parameters()}
+    params = [i for i in shared if isinstance(objects[i], nn.Parameter) and i not in covered]
+    order = {id(p): k for k, (_, p) in enumerate(model.named_parameters())}
+    order.update({id(m): k for k, (_, m) in enumerate(model.named_modules())})
+    return ([(names[i], objects[i]) for i in sorted(outer, key=order.get)],
+            [(names[i], objects[i]) for i in sorted(params, key=order.get)])
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -44,12 +86,16 @@ def apply_fsdp(
 
     With `outer_units` (a pipeline stage, whose forward stops after its last block), the modules around
     the blocks are units of their own and no unit wraps the whole model. Parameters FSDP2 cannot shard
-    stay out of every unit, replicated over `mesh` (see the module docstring).
+    stay out of every unit, replicated over `mesh`; a module several units reach is a unit of its own (see the
+    module docstring).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    blocks = list({id(block): (name, block) for name, block in blocks}.values())  # a block listed twice: one unit
+    own_units, shared_params = shared_modules(model, [b for _, b in blocks] + list(outer_units or ()))
     scalars = unshardable_params(model)
+    scalars += [(n, p) for n, p in shared_params if all(p is not q for _, q in scalars)]
     extra: dict = {}
     if scalars:
         if "ignored_params" not in inspect.signature(fully_shard).parameters:
@@ -59,6 +105,10 @@ def apply_fsdp(
                 "them out: upgrade torch, or make them 1-D tensors of one element."
             )
         extra["ignored_params"] = {p for _, p in scalars}
+    for _, module in own_units:
+        # Used by several blocks: gathered at its first use and kept so until the forward ends.
+        fully_shard(module, mesh=mesh, reshard_after_forward=False,
+                    mp_policy=fsdp_policy(precision, root=False), offload_policy=offload, **extra)
     for index, (_, block) in enumerate(blocks):
         # The last block's parameters are needed again at once when backward starts: keep them gathered.
         reshard = reshard_after_forward and index < len(blocks) - 1
