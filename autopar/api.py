@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from .plan_cache import cached_plan_for
 from .planning import bf16_variants, calibration_for, check_traced_for, profile_variants, resolve_topology
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
+from .race import race_compile
 from .search import DropKind, search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
@@ -180,6 +183,7 @@ def wrap(
     verbose: bool = True,
     loop: Loop | str | None = None,
     uses_train_step: bool | None = None,
+    measure: bool | None = None,
 ) -> nn.Module:
     """Choose (or take) a plan for `model` and apply it in place; returns the same module, ready to train.
 
@@ -207,6 +211,9 @@ def wrap(
       Passed explicitly, it also refuses a given plan that loop cannot run (a pipeline outside train_step,
       accumulation in a plain loop); left out, a given plan is applied as it is. `uses_train_step=True` is
       the deprecated spelling of loop="train_step" (False: left out); passing both is refused.
+    - `measure`: when autopar chose a plan that compiles (no `plan` given), time the model's forward and
+      backward on the sample eager and compiled on this device and keep the faster (autopar.race). The default,
+      None, measures on a GPU only; False never; True also on a CPU.
     """
     declared = Loop.resolve(loop, uses_train_step)
     chosen_loop = declared or Loop.PLAIN
@@ -217,8 +224,10 @@ def wrap(
         raise PlanError(f"{type(model).__name__} holds a model autopar already wrapped (at {inner!r}): wrap the "
                         "whole model once, before its parts are wrapped (build the container around the unwrapped "
                         "model, then wrap the container).")
+    started = time.perf_counter()
     hook = wrap_hook()  # a no-op outside a tuner's trial (autopar/hooks.py)
     override = hook.plan_override()
+    chosen_here = plan is None and override is None
     if override is not None:  # a trial applies its plan, as if it were given
         plan, force = override, False
     world = _dist.ensure_process_group()
@@ -240,6 +249,9 @@ def wrap(
                        world_size=world.size, global_batch_size=global_batch,
                        loop=chosen_loop, untraced=untraced) if world.rank == 0 else None
     chosen = _broadcast(decision)
+    if chosen_here and chosen.prediction:  # the time before the first step, in the plan's summary (issue 33)
+        chosen = chosen.replace(prediction={**chosen.prediction,
+                                            "planning_s": round(time.perf_counter() - started, 2)})
     # 3. Checks before anything is changed: processes, batch, model, hardware.
     if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
         global_batch = _global_batch(sample, None, chosen.dp_size)
@@ -261,11 +273,33 @@ def wrap(
         for note in state.notes:
             get_logger().info("%s", note)
     attach(model, state)
+    # 5. Compile only where it pays: a plan autopar chose that compiles is raced against eager on this device.
+    if chosen_here and chosen.compile and chosen.pp == 1 and (measure or (measure is None and
+                                                                          state.device.type == "cuda")):
+        state = _race(model, sample, state, loss_fn=loss_fn, say=say)
+        chosen = state.plan
     if chosen.tp > 1 and chosen.pp == 1:  # TP peers must read one batch: checked at the first forward (PP: train_step)
         check_peers_on_first_forward(model, data_rank=state.data_shard.rank, device=state.device,
                                      degrees="tensor-parallel")
     hook.applied(model, chosen, profile)
     return model
+
+
+def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None, say: bool) -> Any:
+    """Race the applied plan's compiled forward against eager (autopar.race) and keep the faster: the plan, its
+    prediction and the applied state say which, and what was measured."""
+    race = race_compile(model, sample, device=state.device, loss_fn=loss_fn)
+    kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
+    prediction = {**(state.plan.prediction or {})}
+    if kept_s is not None:
+        prediction["measured_forward_backward_s"] = kept_s
+    plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
+    state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
+                                notes=(*state.notes, race.describe()))
+    attach(model, state)
+    if say:
+        get_logger().info("%s", race.describe())
+    return state
 
 
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,

@@ -550,6 +550,11 @@ class Plan:
                 parts.append(f"MFU {p['mfu']:.1%}")
             if parts:
                 lines.append("  predicted     " + ", ".join(parts))
+            if isinstance(p.get("planning_s"), (int, float)):
+                lines.append(f"  planned in    {p['planning_s']:.1f} s")
+            if isinstance(p.get("measured_forward_backward_s"), (int, float)):
+                lines.append(f"  measured      {p['measured_forward_backward_s'] * 1e3:.1f} ms forward + backward "
+                             f"on this device ({'compiled' if self.compile else 'eager: compile did not pay'})")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -4,12 +4,13 @@ too).
 
 The module's `forward` is replaced by its compiled self, so the module keeps its type, names and `state_dict`
 keys, and its hooks (FSDP's, the pipeline's) and what wraps the forward afterwards (autocast) run outside the
-graph.
+graph. Each compiled module keeps its eager forward beside the compiled one, so that `use_compiled` can switch
+between them in place (autopar.race measures both on the device and keeps the faster).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -35,9 +36,47 @@ def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, 
     if per_block and blocks:
         # The block's forward, not its call: module hooks (FSDP's, the pipeline's) stay outside the graph.
         for _, block in blocks:
-            block.forward = torch.compile(block.forward, backend=backend)
+            _compile_forward(block, backend)
         return [name for name, _ in blocks]
     # The whole model: its forward, so that what wraps the forward from outside (apply_autocast's autocast and
     # fp32 outputs, applied after this) stays outside the graph, as in the usual `with autocast: compiled(x)`.
-    model.forward = torch.compile(model.forward, backend=backend)
+    _compile_forward(model, backend)
     return ["<model>"]
+
+
+_FORWARDS = "_autopar_forwards"  # on a compiled module: (its eager forward, its compiled forward)
+
+
+def _compile_forward(module: nn.Module, backend: Any) -> None:
+    eager = module.forward
+    compiled = torch.compile(eager, backend=backend)
+    object.__setattr__(module, _FORWARDS, (eager, compiled))
+    module.forward = compiled
+
+
+def compiled_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` whose forward apply_compile compiled."""
+    return [m for m in model.modules() if _FORWARDS in vars(m)]
+
+
+def use_compiled(model: nn.Module, on: bool) -> int:
+    """Run each module apply_compile compiled through its compiled (`on`) or its eager forward, in place; what
+    wraps the forward from outside (autocast's AutocastForward, which calls its `__wrapped__`) stays. Returns
+    how many modules were switched."""
+    modules = compiled_modules(model)
+    for module in modules:
+        eager, compiled = vars(module)[_FORWARDS]
+        current = vars(module).get("forward")
+        target = compiled if on else eager
+        if getattr(current, "__wrapped__", None) in (eager, compiled) and current not in (eager, compiled):
+            current.__wrapped__ = target  # an outer wrapper (autocast) around the compiled forward
+        else:
+            module.forward = target
+    return len(modules)
+
+
+def forget_compiled(model: nn.Module) -> None:
+    """Leave each compiled module on its eager forward for good (the compiled one is dropped)."""
+    use_compiled(model, False)
+    for module in compiled_modules(model):
+        delattr(module, _FORWARDS)

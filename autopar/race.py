@@ -1,0 +1,182 @@
+"""Compile only where it pays: the model's own step, eager and compiled, timed on the device (issue 33).
+
+The cost model prices a compiled step from fusion rules; on models it was not fitted to it has been wrong
+both ways (a depthwise CNN ran 0.56x of eager under compile). When `wrap` applies a plan that compiles, on a
+GPU, `race_compile` times the applied model's forward and backward on the sample, eager and then compiled
+(the compiled forward is the very one the plan applied, so its warm-up is the compile the first training
+step would have paid; only the few timed steps are extra), and keeps the faster. The plan, the log line and
+`autopar.applied(model)` say what was measured.
+
+What a race leaves as it was: the parameters (no optimizer step runs), their gradients (none: set back to
+None), the buffers (BatchNorm's running statistics: copied back) and the random streams (CPU and device).
+Every rank runs the same steps (a sharded step's collectives need them all) and the slowest rank's time is
+the one compared, so every rank keeps the same mode.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ._util.batch import call_model, default_loss, map_tensors
+from .strategies.compile import forget_compiled, use_compiled
+
+#: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
+#: plan was sized with) and its warm-up are already paid.
+EAGER_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class CompileRace:
+    """What a race measured (seconds of forward and backward, the slowest rank's) and what it kept."""
+
+    eager_step_s: float | None  # None: eager did not run (out of memory, or it raised)
+    compiled_step_s: float | None  # None: the compiled step did not run (compile failed, out of memory)
+    compiled_warmup_s: float  # the first compiled steps, compile included
+    kept_compiled: bool
+    why: str  # one line, for the log
+
+    def describe(self) -> str:
+        def ms(x: float | None) -> str:
+            return "did not run" if x is None else f"{x * 1e3:.1f} ms"
+
+        return (f"measured on this device, forward + backward: eager {ms(self.eager_step_s)}, compiled "
+                f"{ms(self.compiled_step_s)} (warm-up {self.compiled_warmup_s:.1f} s): {self.why}")
+
+
+def real_batch(sample: Any, device: torch.device) -> Any:
+    """The sample on `device`, with real values where it holds meta tensors (integers zero, a mask's ones,
+    floats normal): what a step can run on, of the sample's shapes and dtypes."""
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_meta:
+            return t.to(device)
+        if t.is_floating_point():
+            return torch.randn(t.shape, dtype=t.dtype, device=device)
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+    return map_tensors(one, sample)
+
+
+class _Kept:
+    """The buffers and random streams a race must leave as it found them."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in model.buffers() if not b.is_meta]
+        self.cpu_rng = torch.get_rng_state()
+        self.device = device
+        self.device_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            for buf, value in self.buffers:
+                buf.copy_(value)
+        torch.set_rng_state(self.cpu_rng)
+        if self.device_rng is not None:
+            torch.cuda.set_rng_state(self.device_rng, self.device)
+        for p in model.parameters():
+            p.grad = None
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error and its root cause, one line each joined (dynamo wraps a backend's error)."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+    root, seen = exc, {id(exc)}
+    while True:  # dynamo keeps a backend's error as `inner_exception`, or chains it
+        inner = getattr(root, "inner_exception", None) or root.__cause__ or root.__context__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        root = inner
+        seen.add(id(inner))
+    return line(exc) if root is exc else f"{line(exc)} <- {line(root)}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float | None, device: torch.device) -> float | None:
+    """The largest of every rank's seconds (None, a rank that could not run, wins: inf)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return seconds
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([float("inf") if seconds is None else seconds], dtype=torch.float64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    value = float(t.item())
+    return None if value == float("inf") else value
+
+
+def _time(step: Callable[[], None], device: torch.device, *, warmup: int, steps: int) -> tuple[float, float]:
+    """(warm-up seconds, median seconds of a step after it)."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warm = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return warm, sorted(times)[len(times) // 2]
+
+
+def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
+                 steps: int = 5) -> CompileRace:
+    """Time the applied, compiled `model`'s forward and backward on `sample`, eager then compiled, and keep the
+    faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
+    both failing keeps the plan's compiled forward and says so."""
+    batch = real_batch(sample, device)
+    kept = _Kept(model, device)
+
+    def step() -> None:
+        output = call_model(model, batch)
+        loss = loss_fn(output, batch) if loss_fn is not None else default_loss(output)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    results: dict[bool, tuple[float, float] | None] = {}
+    errors: dict[bool, str] = {}
+    try:
+        for compiled in (False, True):
+            use_compiled(model, compiled)
+            try:
+                results[compiled] = _time(step, device, warmup=warmup if compiled else 1, steps=steps)
+            except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
+                results[compiled] = None
+                errors[compiled] = _one_line(exc)
+                for p in model.parameters():
+                    p.grad = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    finally:
+        kept.restore(model)
+    eager_s = _slowest(results[False][1] if results.get(False) else None, device)
+    compiled_s = _slowest(results[True][1] if results.get(True) else None, device)
+    warm_s = results[True][0] if results.get(True) else 0.0
+    if compiled_s is None and eager_s is not None:
+        keep, why = False, f"the compiled step did not run ({errors.get(True, 'on another rank')}): kept eager"
+    elif eager_s is None or compiled_s is None:
+        keep, why = True, (f"eager did not run ({errors.get(False, 'on another rank')}): kept compile"
+                           if compiled_s is not None else "neither mode ran here: kept the plan's compile")
+    elif eager_s < compiled_s * (1 - EAGER_MARGIN):
+        keep, why = False, f"eager is {compiled_s / eager_s:.2f}x faster: kept eager"
+    else:
+        keep, why = True, f"compile is {eager_s / compiled_s:.2f}x faster: kept compile"
+    if keep:
+        use_compiled(model, True)
+    else:
+        forget_compiled(model)
+    return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
+                       kept_compiled=keep, why=why)

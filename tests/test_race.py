@@ -1,0 +1,152 @@
+"""autopar.race: the applied model's step timed eager and compiled on the device, the faster kept in place.
+
+On CPU the compile backends are test backends registered with dynamo: one that runs the captured graph
+after a sleep (compile that does not pay), one that raises (compile that fails)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+import autopar.race as race_module
+from autopar.race import CompileRace, race_compile
+from autopar.strategies.compile import apply_compile, compiled_modules
+
+SLOW, BROKEN = "autopar_test_slow_backend", "autopar_test_broken_backend"
+
+
+def _register() -> None:
+    from torch._dynamo import list_backends, register_backend
+
+    if SLOW in list_backends(exclude_tags=()):
+        return
+
+    @register_backend(name=SLOW)
+    def slow(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
+        def run(*args):
+            time.sleep(0.3)  # far beyond a tiny eager step, even on a loaded CPU
+            return gm(*args)
+        return run
+
+    @register_backend(name=BROKEN)
+    def broken(gm: torch.fx.GraphModule, example_inputs):  # noqa: ARG001
+        raise RuntimeError("this backend cannot compile anything")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.drop, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.5), nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def _compiled(backend: str) -> Net:
+    _register()
+    torch.manual_seed(0)
+    model = Net()
+    apply_compile(model, [], per_block=False, backend=backend)
+    return model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    return hasattr(vars(model).get("forward"), "_torchdynamo_orig_callable")
+
+
+def test_a_compiled_step_slower_than_eager_is_dropped_and_the_model_is_left_as_it_was():
+    model = _compiled(SLOW)
+    x = torch.randn(8, 16)
+    params = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.detach().clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    result = race_compile(model, x, device=torch.device("cpu"), loss_fn=lambda out, _: out.square().mean())
+    assert not result.kept_compiled and result.eager_step_s < result.compiled_step_s
+    assert "kept eager" in result.why and "eager" in result.describe()
+    assert not _is_compiled(model) and compiled_modules(model) == []
+    # nothing trained, no gradient left, BatchNorm's statistics and the random stream as they were
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(b, c) for b, c in zip(model.buffers(), buffers))
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_compile_that_fails_keeps_eager_and_names_the_error():
+    model = _compiled(BROKEN)
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
+    assert not result.kept_compiled and result.compiled_step_s is None and result.eager_step_s is not None
+    assert "the compiled step did not run" in result.why and "cannot compile anything" in result.why
+    assert not _is_compiled(model)
+    model(torch.randn(8, 16)).sum().backward()  # the model runs eagerly
+
+
+def test_a_compiled_step_that_is_faster_is_kept_in_place(monkeypatch):
+    """The decision on measured times: compile 2x faster keeps the compiled forward (the timer stands in for
+    a device where compile pays; the test backends cannot be faster than eager on a CPU)."""
+    model = _compiled(SLOW)
+    calls = []
+
+    def timer(step, device, *, warmup, steps):
+        calls.append(_is_compiled(model))
+        return 0.0, (0.005 if _is_compiled(model) else 0.010)
+
+    monkeypatch.setattr(race_module, "_time", timer)
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
+    assert calls == [False, True]  # eager first, then the compiled forward the plan applied
+    assert result.kept_compiled and "compile is 2.00x faster" in result.why and _is_compiled(model)
+
+
+def test_within_the_margin_compile_is_kept(monkeypatch):
+    model = _compiled(SLOW)
+    monkeypatch.setattr(race_module, "_time",
+                        lambda step, device, **kw: (0.0, 0.0099 if not _is_compiled(model) else 0.0100))
+    assert race_compile(model, torch.randn(8, 16), device=torch.device("cpu")).kept_compiled
+
+
+def test_the_race_runs_on_a_meta_sample_with_real_values_of_its_shapes():
+    model = _compiled(SLOW)
+    result = race_compile(model, torch.empty(8, 16, device="meta"), device=torch.device("cpu"))
+    assert isinstance(result, CompileRace) and result.eager_step_s is not None
+
+
+def test_wrap_races_the_compile_it_chose_and_its_plan_says_what_it_kept(monkeypatch):
+    """A plan for an H200 applied on this CPU compiles (bf16 + compile): with measure=True and a compile that
+    does not pay, wrap keeps eager, and the plan, its summary and autopar.applied say so."""
+    _register()
+    monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", "/nonexistent-for-this-test")  # no cached plan or calibration
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 8))
+    sample = torch.randn(32, 64)
+    chosen = autopar.plan(model, sample=sample, topology="1xH200")
+    if not chosen.compile:
+        pytest.skip("the cost model does not compile this model on an H200")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.wrap(model, sample=sample, topology="1xH200", measure=True)
+    state = autopar.applied(model)
+    assert not state.plan.compile and state.compiled == ()
+    assert state.plan.prediction["measured_forward_backward_s"] > 0
+    assert state.plan.prediction["planning_s"] >= 0
+    assert "eager: compile did not pay" in state.plan.describe()
+    assert any("kept eager" in note for note in state.notes)
+    loss = model(sample).float().square().mean()
+    loss.backward()  # trains eagerly
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_wrap_does_not_race_a_given_plan_nor_on_a_cpu_by_default(monkeypatch):
+    _register()
+    monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
+    called = []
+    monkeypatch.setattr("autopar.api.race_compile", lambda *a, **k: called.append(1))
+    model = nn.Sequential(nn.Linear(8, 8))
+    autopar.wrap(model, sample=torch.randn(4, 8), plan=autopar.Plan(compile=True, micro_batch_size=4))
+    model2 = nn.Sequential(nn.Linear(8, 8))
+    autopar.wrap(model2, sample=torch.randn(4, 8))
+    assert called == []
