@@ -288,11 +288,17 @@ def wrap(
 def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None, say: bool) -> Any:
     """Race the applied plan's compiled forward against eager (autopar.race) and keep the faster: the plan, its
     prediction and the applied state say which, and what was measured."""
+    start = time.perf_counter()
     race = race_compile(model, sample, device=state.device, loss_fn=loss_fn)
     kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
     prediction = {**(state.plan.prediction or {})}
     if kept_s is not None:
         prediction["measured_forward_backward_s"] = kept_s
+    for key, value in (("measured_eager_s", race.eager_step_s), ("measured_compiled_s", race.compiled_step_s)):
+        if value is not None:
+            prediction[key] = value
+    # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
+    prediction["measuring_s"] = round(time.perf_counter() - start - race.compiled_warmup_s, 2)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
                                 notes=(*state.notes, race.describe()))
