@@ -25,9 +25,24 @@ import pytest
 
 import autopar
 from autopar import ModelProfile, Topology
+from autopar.errors import TraceError
 from bench.zoo import ZOO, Family, build_model, family, make_sample, roofline_s
 
 pytestmark = pytest.mark.zoo
+
+# Families autopar cannot trace yet (issue 33, item 3): plan falls back to the structure's safe plan, predict raises.
+KNOWN_TRACE_FAILURES = {
+    "videomae": "autopar/profile/trace.py: the trace's FakeTensorMode(allow_non_fake_inputs=False) refuses a plain "
+                "tensor attribute (VideoMAEEmbeddings.position_embeddings, neither a parameter nor a buffer): "
+                "AssertionError: Please convert all Tensors to FakeTensors first ... Found in aten.detach.default("
+                "tensor([...], size=(1, 1568, 768))), raised as TraceError by predict",
+}
+
+
+def _families() -> list:
+    return [pytest.param(f, id=f.name, marks=pytest.mark.xfail(strict=True, raises=TraceError,
+                                                               reason=KNOWN_TRACE_FAILURES[f.name]))
+            if f.name in KNOWN_TRACE_FAILURES else pytest.param(f, id=f.name) for f in ZOO]
 
 TOPOLOGIES = ("1xH200", "8xH100-SXM")
 LOWEST_PEAK_RATIO = 1.0  # predicted step over the FLOPs at peak, at least
@@ -58,7 +73,7 @@ def roofline_ratio(step_s: float, profile: ModelProfile, plan: autopar.Plan, top
 
 
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("family_", ZOO, ids=[f.name for f in ZOO])
+@pytest.mark.parametrize("family_", _families())
 def test_realistic_model_plans_and_its_prediction_is_within_its_roofline(family_: Family, topology: str,
                                                                          record_property):
     why = family_.unavailable()
