@@ -5,6 +5,11 @@ repository root (bench/README.md)."""
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
+import os
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +24,37 @@ def write_dated(out_dir: str | Path, stem: str, lines: list[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def git_commit(root: str | Path = ROOT) -> str:
+    """`git rev-parse HEAD` of the checkout at `root`; "unknown" outside a checkout (or without git)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    head = done.stdout.strip()
+    return head if done.returncode == 0 and head else "unknown"
+
+
+def device_name() -> str:
+    """The device a benchmark would run on here: CUDA device 0's name, or "cpu (N cores)"."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def stamp(command: str | None = None, root: str | Path = ROOT) -> dict:
+    """What makes a result traceable: date, device, torch, transformers (None where it is not installed), the
+    command (default: this process's `python ...` line) and the commit (`git rev-parse HEAD` at `root`, "unknown"
+    outside a checkout). `python -m bench` prints it at the start of every run."""
+    try:
+        transformers = importlib.metadata.version("transformers")  # no import: it is slow and optional
+    except importlib.metadata.PackageNotFoundError:
+        transformers = None
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device_name(),
+            "torch": torch.__version__, "transformers": transformers,
+            "command": command if command is not None else shlex.join(["python", *sys.argv]),
+            "commit": git_commit(root)}
 
 
 # The plan options a result record names (bench/validate_h200.py, tune_h200.py records).
