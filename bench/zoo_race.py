@@ -84,11 +84,14 @@ def race_family(name: str, modes: list[str], opts: Options, rounds: int, profile
     for mode in modes:
         mode_rec: dict[str, Any] = {"batch": rec["batch"]}
         before = _dynamo_counts()
+        start = time.perf_counter()
         try:
             steps[mode] = _step(measurement, mode, mode_rec)
+            mode_rec["build_s"] = round(time.perf_counter() - start, 2)  # wrap: planning, applying, racing
             for _ in range(opts.warmup):
                 steps[mode]()
             sync(opts.device)
+            mode_rec["ready_s"] = round(time.perf_counter() - start, 2)  # and the warm-up steps (compile)
             mode_rec["status"] = "ok"
             mode_rec["dynamo"] = {k: v - before.get(k, 0) for k, v in _dynamo_counts().items()
                                   if v != before.get(k, 0)}
@@ -97,7 +100,8 @@ def race_family(name: str, modes: list[str], opts: Options, rounds: int, profile
             steps.pop(mode, None)
         rec["modes"][mode] = {k: v for k, v in mode_rec.items() if k in ("status", "error", "plan_short",
                                                                           "predicted_step_s", "optimizer",
-                                                                          "dynamo")}
+                                                                          "dynamo", "plan_text", "wrap_timing",
+                                                                          "build_s", "ready_s")}
     timing = dataclasses.replace(opts, warmup=0)
     times: dict[str, list[float]] = {m: [] for m in steps}
     round_medians: dict[str, list[float]] = {m: [] for m in steps}

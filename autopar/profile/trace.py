@@ -109,6 +109,9 @@ class StepTrace:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         pure = torch.bfloat16 if precision == "bf16-pure" else None  # FSDP mixed precision: bf16 weights and inputs
         self.state = _fake_state(model, self.fake_mode, device, pure)
+        # Tensors a module keeps as plain attributes (neither parameters nor buffers: VideoMAE's sinusoidal
+        # position table) are swapped for fake copies too, on the device they are on, as the real step reads them.
+        self.attributes = _fake_attributes(model, self.fake_mode, device)
         self.shadows = InputShadows()  # the sample's values, for the step's reads of them (labels.max())
         self.sample = _fake_sample(sample, self.fake_mode, device, pure, self.shadows)
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -156,7 +159,8 @@ class StepTrace:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
                 with self.autocast, self.cuda_policy:
                     args, kwargs = split_sample(self.sample)
-                    output = functional_call(self.model, _per_slot(self.model, self.state), args, kwargs,
+                    output = functional_call(self.model, {**_per_slot(self.model, self.state), **self.attributes},
+                                             args, kwargs,
                                              tie_weights=False, strict=False)
                     self.watcher.in_loss = True
                     self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
@@ -325,6 +329,23 @@ def _per_slot(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
             if key in state:
                 slots[key] = state[key]
     return slots
+
+
+def _fake_attributes(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fake copies of the tensors modules keep as plain attributes (one name per module object; a meta one on the
+    step's device, any other on its own), for functional_call to swap in: a real tensor in the fake step would
+    stop the trace (FakeTensorMode refuses real inputs)."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                    and name not in module._parameters and name not in module._buffers:
+                where = device if value.is_meta else value.device
+                with fake_mode:
+                    fake = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                                               device=where)
+                out[f"{prefix}.{name}" if prefix else name] = fake.requires_grad_(value.requires_grad)
+    return out
 
 
 def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None

@@ -92,3 +92,25 @@ def test_a_step_that_cannot_run_on_fake_tensors_raises_trace_error_with_the_caus
     with pytest.raises(TraceError) as info:
         profile_model(_mlp(), torch.randn(3, 9), warn=False)  # 9 features, the model takes 8
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+class _AttributeTable(nn.Module):
+    """A position table kept as a plain tensor attribute (neither a parameter nor a buffer), read with detach()
+    as VideoMAE reads its sinusoidal table; it was a real tensor in the fake step, and the trace failed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.table = torch.randn(1, 8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x + self.table.detach().type_as(x).to(x.device))
+
+
+def test_a_tensor_kept_as_a_plain_module_attribute_is_traced_and_left_as_it_was():
+    model = _AttributeTable()
+    table = model.table
+    before = table.clone()
+    profile = profile_model(model, torch.randn(4, 8, 16))
+    assert profile.traced and profile.flops > 0
+    assert model.table is table and torch.equal(model.table, before) and not model.table.is_meta

@@ -31,12 +31,7 @@ from bench.zoo import ZOO, Family, build_model, family, make_sample, roofline_s
 pytestmark = pytest.mark.zoo
 
 # Families autopar cannot trace yet (issue 33, item 3): plan falls back to the structure's safe plan, predict raises.
-KNOWN_TRACE_FAILURES = {
-    "videomae": "autopar/profile/trace.py: the trace's FakeTensorMode(allow_non_fake_inputs=False) refuses a plain "
-                "tensor attribute (VideoMAEEmbeddings.position_embeddings, neither a parameter nor a buffer): "
-                "AssertionError: Please convert all Tensors to FakeTensors first ... Found in aten.detach.default("
-                "tensor([...], size=(1, 1568, 768))), raised as TraceError by predict",
-}
+KNOWN_TRACE_FAILURES: dict[str, str] = {}  # none now: VideoMAE's plain tensor attribute is traced (fake copy)
 
 
 def _families() -> list:
