@@ -299,6 +299,17 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
             prediction[key] = value
     # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
     prediction["measuring_s"] = round(time.perf_counter() - start - race.compiled_warmup_s, 2)
+    modelled = prediction.get("step_s")
+    if kept_s is not None and isinstance(modelled, (int, float)) and modelled > 0 and state.plan.grad_accum == 1 \
+            and isinstance(prediction.get("optimizer_s"), (int, float)):
+        # The step as measured where it was measured (one micro-batch's forward and backward on this device, the
+        # slowest rank's) plus what the race does not run (the optimizer step, modelled): the prediction the plan
+        # carries from here on; the cost model's own figure stays beside it.
+        step = kept_s + prediction["optimizer_s"]
+        prediction.update(modelled_step_s=modelled, step_s=step)
+        for rate in ("samples_per_s", "tokens_per_s", "mfu"):
+            if isinstance(prediction.get(rate), (int, float)):
+                prediction[rate] = prediction[rate] * modelled / step
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
                                 notes=(*state.notes, race.describe()))

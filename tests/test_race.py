@@ -131,7 +131,12 @@ def test_wrap_races_the_compile_it_chose_and_its_plan_says_what_it_kept(monkeypa
         autopar.wrap(model, sample=sample, topology="1xH200", measure=True)
     state = autopar.applied(model)
     assert not state.plan.compile and state.compiled == ()
-    assert state.plan.prediction["measured_forward_backward_s"] > 0
+    p = state.plan.prediction
+    assert p["measured_forward_backward_s"] > 0
+    # the step as measured plus the modelled optimizer step; the cost model's figure kept beside it
+    assert p["step_s"] == pytest.approx(p["measured_forward_backward_s"] + p["optimizer_s"])
+    assert p["modelled_step_s"] == chosen.prediction["step_s"]
+    assert p["samples_per_s"] == pytest.approx(chosen.prediction["samples_per_s"] * p["modelled_step_s"] / p["step_s"])
     assert state.plan.prediction["planning_s"] >= 0
     assert "eager: compile did not pay" in state.plan.describe()
     assert any("kept eager" in note for note in state.notes)

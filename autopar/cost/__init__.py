@@ -44,7 +44,10 @@ class Prediction:
         """The numbers a Plan records as its prediction (plain floats)."""
         out = {"memory_bytes": float(self.memory.peak_bytes), "allocated_bytes": float(self.memory.allocated_bytes),
                "step_s": float(self.time.step_s), "samples_per_s": float(self.samples_per_s),
-               "mfu": float(self.mfu)}
+               "mfu": float(self.mfu),
+               # the optimizer step and CPU offload's copies: the part of a step a forward + backward measured on
+               # the device leaves out (autopar.api's compile race)
+               "optimizer_s": float(self.time.optimizer_s + self.time.offload_s)}
         if self.tokens_per_s is not None:
             out["tokens_per_s"] = float(self.tokens_per_s)
         return out
