@@ -211,9 +211,10 @@ def wrap(
       Passed explicitly, it also refuses a given plan that loop cannot run (a pipeline outside train_step,
       accumulation in a plain loop); left out, a given plan is applied as it is. `uses_train_step=True` is
       the deprecated spelling of loop="train_step" (False: left out); passing both is refused.
-    - `measure`: when autopar chose a plan that compiles (no `plan` given), time the model's forward and
-      backward on the sample eager and compiled on this device and keep the faster (autopar.race). The default,
-      None, measures on a GPU only; False never; True also on a CPU.
+    - `measure`: when autopar chose the plan (no `plan` given, no pipeline), time the model's forward and
+      backward on the sample on this device, eager and, where the plan compiles, compiled, keep the faster, and
+      predict the step from the measurement (autopar.race). The default, None, measures on a GPU only; False
+      never; True also on a CPU.
     """
     declared = Loop.resolve(loop, uses_train_step)
     chosen_loop = declared or Loop.PLAIN
@@ -273,9 +274,9 @@ def wrap(
         for note in state.notes:
             get_logger().info("%s", note)
     attach(model, state)
-    # 5. Compile only where it pays: a plan autopar chose that compiles is raced against eager on this device.
-    if chosen_here and chosen.compile and chosen.pp == 1 and (measure or (measure is None and
-                                                                          state.device.type == "cuda")):
+    # 5. Measure what the formulas miss, and compile only where it pays: a plan autopar chose has its step timed
+    #    on this device (one that compiles, eager and compiled, the faster kept).
+    if chosen_here and chosen.pp == 1 and (measure or (measure is None and state.device.type == "cuda")):
         state = _race(model, sample, state, loss_fn=loss_fn, say=say)
         chosen = state.plan
     if chosen.tp > 1 and chosen.pp == 1:  # TP peers must read one batch: checked at the first forward (PP: train_step)

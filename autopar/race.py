@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._util.batch import call_model, default_loss, map_tensors
-from .strategies.compile import forget_compiled, use_compiled
+from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 
 #: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
 #: plan was sized with) and its warm-up are already paid.
@@ -148,8 +148,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
 
     results: dict[bool, tuple[float, float] | None] = {}
     errors: dict[bool, str] = {}
+    has_compiled = bool(compiled_modules(model))  # a plan without compile: its eager step measured alone
     try:
-        for compiled in (False, True):
+        for compiled in (False, True) if has_compiled else (False,):
             use_compiled(model, compiled)
             try:
                 results[compiled] = _time(step, device, warmup=warmup if compiled else 1, steps=steps)
@@ -165,7 +166,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     eager_s = _slowest(results[False][1] if results.get(False) else None, device)
     compiled_s = _slowest(results[True][1] if results.get(True) else None, device)
     warm_s = results[True][0] if results.get(True) else 0.0
-    if compiled_s is None and eager_s is not None:
+    if not has_compiled:
+        keep, why = False, "the plan does not compile: its eager step measured"
+    elif compiled_s is None and eager_s is not None:
         keep, why = False, f"the compiled step did not run ({errors.get(True, 'on another rank')}): kept eager"
     elif eager_s is None or compiled_s is None:
         keep, why = True, (f"eager did not run ({errors.get(False, 'on another rank')}): kept compile"
@@ -176,7 +179,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         keep, why = True, f"compile is {eager_s / compiled_s:.2f}x faster: kept compile"
     if keep:
         use_compiled(model, True)
-    else:
+    elif has_compiled:
         forget_compiled(model)
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
                        kept_compiled=keep, why=why)

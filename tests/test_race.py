@@ -155,3 +155,11 @@ def test_wrap_does_not_race_a_given_plan_nor_on_a_cpu_by_default(monkeypatch):
     model2 = nn.Sequential(nn.Linear(8, 8))
     autopar.wrap(model2, sample=torch.randn(4, 8))
     assert called == []
+
+
+def test_a_plan_without_compile_has_its_eager_step_measured_alone():
+    torch.manual_seed(0)
+    model = Net()
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
+    assert not result.kept_compiled and result.compiled_step_s is None and result.eager_step_s > 0
+    assert result.why == "the plan does not compile: its eager step measured"
