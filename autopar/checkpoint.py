@@ -19,6 +19,10 @@ current directory, HOME, `/`) is refused in one line before anything is written.
 link saves into the folder it points to (the link stays). A save that fails (a full disk, a rank's error)
 removes its new folder and names the cause; the checkpoint there before is unchanged.
 
+Buffers that are not sharded (BatchNorm's running statistics) are one tensor per rank, and a checkpoint keeps one
+rank's copy of each: where data-parallel ranks trained them on different data they differ, and `save` says so once
+(a warning on rank 0 naming them) rather than silently keeping one.
+
 Parameter groups are matched by the parameters' names, not their positions: groups built in another order
 get their own settings back, and groups that do not match the saved ones are refused.
 
@@ -50,6 +54,7 @@ from .profile import model_fingerprint
 _META = "autopar.yaml"
 _SUMS = ".autopar-sums.{rank}.yaml"  # one rank's files and their hashes, merged into autopar.yaml by rank 0
 _SHARD = re.compile(r"__(\d+)_")  # DCP's file of rank N: __N_I.distcp
+_DRIFT_WARNED: set[tuple[str, ...]] = set()  # the sets of drifted buffers this process has warned of
 
 
 def _rank() -> int:
@@ -201,6 +206,7 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     refusal = broadcast_text(_refusal(path) if _rank() == 0 else None)  # every rank refuses rank 0's way
     if refusal:
         raise AutoparError(refusal)
+    _warn_drifted(model)
     token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     new = path.parent / f".{path.name}.new-{token}"
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -215,6 +221,57 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
         _switch(new, path, token)
     _barrier()
     return path
+
+
+def _drifted_buffers(model: nn.Module, mesh: Any) -> list[str]:
+    """Collective over the data-parallel axes of `mesh` (not the pipeline's or tensor-parallel ones): names of
+    the plain floating buffers a checkpoint saves (persistent, not DTensors) whose values differ between
+    data-parallel ranks (BatchNorm's running statistics): a checkpoint keeps one rank's copy of each."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if mesh is None:
+        return []
+    names = mesh.mesh_dim_names or ()
+    axes = [a for a in ("dp_replicate", "dp_shard") if a in names and mesh.size(names.index(a)) > 1]
+    named = []
+    seen: set[int] = set()
+    for prefix, module in model.named_modules():  # FSDP2 keeps the modules' own names
+        for key, b in module._buffers.items():
+            if (b is None or key in module._non_persistent_buffers_set or id(b) in seen or isinstance(b, DTensor)
+                    or not b.is_floating_point() or b.is_meta):
+                continue
+            seen.add(id(b))
+            named.append((f"{prefix}.{key}" if prefix else key, b))
+    if not axes or not named:
+        return []
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    stats = torch.stack([torch.stack([b.detach().double().sum(), b.detach().double().pow(2).sum()])
+                         for _, b in named]).to(device)
+    differ = torch.zeros(len(named), dtype=torch.bool, device=device)
+    for axis in axes:
+        lo, hi = stats.clone(), stats.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=mesh.get_group(axis))
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=mesh.get_group(axis))
+        differ |= ~torch.isclose(lo, hi, rtol=1e-6, atol=1e-12).all(dim=1)
+    return [n for (n, _), d in zip(named, differ.tolist()) if d]
+
+
+def _warn_drifted(model: nn.Module) -> None:
+    """On every rank of a wrapped model (a collective): find the buffers that differ between data-parallel ranks;
+    rank 0 warns once per process for each set of them."""
+    state = getattr(model, "_autopar_applied", None)
+    mesh = getattr(state, "mesh", None)
+    if mesh is None or _world() == 1:
+        return
+    drifted = tuple(_drifted_buffers(model, mesh))
+    if not drifted or _rank() != 0 or drifted in _DRIFT_WARNED:
+        return
+    _DRIFT_WARNED.add(drifted)
+    shown = ", ".join(drifted[:6]) + (f" and {len(drifted) - 6} more" if len(drifted) > 6 else "")
+    warnings.warn(f"autopar.save: {len(drifted)} buffer(s) differ between the data-parallel ranks ({shown}): the "
+                  "checkpoint keeps one rank's copy, and every rank loads that; to keep them equal, convert before "
+                  "wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)", UserWarning, stacklevel=3)
 
 
 def _write(model: nn.Module, optimizer: Any, model_sd: dict, optim_sd: dict, new: Path, dcp: Any) -> None:
