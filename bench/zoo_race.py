@@ -107,6 +107,8 @@ def race_family(name: str, modes: list[str], opts: Options, rounds: int, profile
     round_medians: dict[str, list[float]] = {m: [] for m in steps}
     host_us = []
     order = list(steps)
+    if not order:  # no mode could be built: the record says why, mode by mode
+        return rec
     for r in range(rounds):
         host_us.append(host_op_us(opts.device))
         for mode in order[r % len(order):] + order[:r % len(order)]:  # rotated: no mode always runs first
