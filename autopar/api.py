@@ -16,6 +16,7 @@ import torch.nn as nn
 from ._util import dist as _dist
 from ._util.batch import check_peers_on_first_forward, sample_batch_size
 from ._util.log import get_logger
+from ._util.progress import phase
 from ._util.stale_params import forget_replaced
 from .errors import InfeasiblePlanError, PlanError, TraceError
 from .hooks import Profiled, wrap_hook
@@ -78,20 +79,25 @@ def plan(
     The plan is the search's first (autopar.candidates ranks them all). A model that cannot be traced on
     fake tensors gets a safe plan from its structure instead, with a warning saying why (as `wrap` applies).
     """
+    started = time.perf_counter()
     chosen_loop = Loop.resolve(loop, uses_train_step) or Loop.PLAIN
     topo = resolve_topology(topology)
     if world_size is None:
         world_size = topo.world_size if topology is not None else _dist.world().size
     global_batch = _global_batch(sample, global_batch_size, world_size)
     try:
-        profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+        with phase(f"tracing a training step of {type(model).__name__} on fake tensors (fp32, bf16)"):
+            profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
     except TraceError as exc:
         structure = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
         safe = _safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)
         warnings.warn("autopar: " + _untraced_message(structure, safe, exc), stacklevel=2)
         return safe
-    return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
-                   variants=variants, loop=chosen_loop, tp_refusal=tensor_parallel_refusal(model, profile))
+    with phase(f"choosing among the plans for {world_size} process(es) (cost model)"):
+        chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
+                         variants=variants, loop=chosen_loop, tp_refusal=tensor_parallel_refusal(model, profile))
+    return chosen.replace(prediction={**(chosen.prediction or {}),
+                                      "planning_s": round(time.perf_counter() - started, 2)})
 
 
 def _safe_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
@@ -248,11 +254,12 @@ def wrap(
     #    sent as YAML text (nothing is unpickled).
     decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
                        world_size=world.size, global_batch_size=global_batch,
-                       loop=chosen_loop, untraced=untraced) if world.rank == 0 else None
+                       loop=chosen_loop, untraced=untraced, say=say) if world.rank == 0 else None
+    if decision is not None and decision.plan is not None and decision.plan.prediction and chosen_here:
+        # the time before the first step, in the plan's summary (issue 33): rank 0's, sent with the plan
+        decision = dataclasses.replace(decision, plan=decision.plan.replace(prediction={
+            **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2)}))
     chosen = _broadcast(decision)
-    if chosen_here and chosen.prediction:  # the time before the first step, in the plan's summary (issue 33)
-        chosen = chosen.replace(prediction={**chosen.prediction,
-                                            "planning_s": round(time.perf_counter() - started, 2)})
     # 3. Checks before anything is changed: processes, batch, model, hardware.
     if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
         global_batch = _global_batch(sample, None, chosen.dp_size)
@@ -289,8 +296,9 @@ def wrap(
 def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None, say: bool) -> Any:
     """Race the applied plan's compiled forward against eager (autopar.race) and keep the faster: the plan, its
     prediction and the applied state say which, and what was measured."""
-    start = time.perf_counter()
-    race = race_compile(model, sample, device=state.device, loss_fn=loss_fn)
+    what = "eager and compiled (compiling first)" if state.plan.compile else "eager"
+    with phase(f"measuring the step on {state.device} ({what})", say=say):
+        race = race_compile(model, sample, device=state.device, loss_fn=loss_fn)
     kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
     prediction = {**(state.plan.prediction or {})}
     if kept_s is not None:
@@ -299,7 +307,7 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
         if value is not None:
             prediction[key] = value
     # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
-    prediction["measuring_s"] = round(time.perf_counter() - start - race.compiled_warmup_s, 2)
+    prediction["measuring_s"] = round(race.measuring_s, 2)
     modelled = prediction.get("step_s")
     if kept_s is not None and isinstance(modelled, (int, float)) and modelled > 0 and state.plan.grad_accum == 1 \
             and isinstance(prediction.get("optimizer_s"), (int, float)):
@@ -332,7 +340,8 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         topo = resolve_topology(topology)
         untraced = None
         try:
-            profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
+            with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say):
+                profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
             check_traced_for(profile, topo)
         except TraceError as exc:
             untraced = exc
@@ -370,7 +379,7 @@ SAFE_SOURCE = "a safe plan from the model's structure, not chosen by the cost mo
 
 def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology, *, plan: Any, force: bool,
             loss_fn: Callable | None, blocks: Any, world_size: int, global_batch_size: int,
-            loop: Loop, untraced: TraceError | None = None) -> _Decision:
+            loop: Loop, untraced: TraceError | None = None, say: bool = False) -> _Decision:
     """Rank 0: the given plan (loaded and checked against the model), else a plan tuned for this model,
     hardware, batch and torch (autopar tune's cache), else the cost model's choice; for a model whose step
     could not be traced (`untraced`), a safe plan from its structure, with the warning that says why."""
@@ -385,9 +394,11 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
                                     loop=loop)
         if hit is not None:
             return _Decision(hit, "from the plan cache", note)
-        variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile)
-        chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                         variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
+        with phase("tracing the bf16 steps on fake tensors", say=say):
+            variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile)
+        with phase(f"choosing among the plans for {world_size} process(es) (cost model)", say=say):
+            chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
+                             variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
         return _Decision(chosen, "chosen by the cost model", note)
     except Exception as exc:  # sent to the other ranks so that none waits forever
         return _Decision(None, "", error=exc)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from ._util.batch import map_tensors
+from ._util.batch import default_loss, map_tensors
 from .errors import ExactCheckUnavailable, PlanError
 from .plans import Plan
 from .profile import flash_like_attention, profile_model
@@ -66,6 +66,10 @@ class ExactMemory:
         parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in self.by_category.items() if v)
         return (f"exact check (rank {self.rank} of {self.plan.world_size}): peak {self.peak_bytes / GiB:.2f} GiB "
                 f"allocated ({parts}; GiB), traced in {self.trace_s:.1f} s")
+
+
+def _stand_in_loss(output: Any, _batch: Any) -> torch.Tensor:
+    return default_loss(output)
 
 
 def _imports() -> tuple[Any, Any, Any]:
@@ -169,7 +173,8 @@ def exact_memory(
                 optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=False)
             else:  # one process's tensors: fused AdamW, as autopar's cost model and most users run it
                 optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-            step = train_step(model, optimizer, loss_fn)
+            # without loss_fn, the profile's own stand-in (output.loss, else a sum): a memory check, not training
+            step = train_step(model, optimizer, loss_fn or _stand_in_loss)
             batch = _fake_batch(sample, plan.local_batch_size, dev)
             tracker = _tracker_class(MemTracker)()
             tracker.track_external(model, optimizer)

@@ -40,6 +40,7 @@ class CompileRace:
     compiled_warmup_s: float  # the first compiled steps, compile included
     kept_compiled: bool
     why: str  # one line, for the log
+    measuring_s: float = 0.0  # the race's own time, less the compiled warm-up (the slowest rank's)
 
     def describe(self) -> str:
         def ms(x: float | None) -> str:
@@ -136,6 +137,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager then compiled, and keep the
     faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
     both failing keeps the plan's compiled forward and says so."""
+    start = time.perf_counter()
     batch = real_batch(sample, device)
     kept = _Kept(model, device)
 
@@ -166,6 +168,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     eager_s = _slowest(results[False][1] if results.get(False) else None, device)
     compiled_s = _slowest(results[True][1] if results.get(True) else None, device)
     warm_s = results[True][0] if results.get(True) else 0.0
+    measuring_s = _slowest(time.perf_counter() - start - warm_s, device) or 0.0
     if not has_compiled:
         keep, why = False, "the plan does not compile: its eager step measured"
     elif compiled_s is None and eager_s is not None:
@@ -182,4 +185,4 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     elif has_compiled:
         forget_compiled(model)
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
-                       kept_compiled=keep, why=why)
+                       kept_compiled=keep, why=why, measuring_s=measuring_s)

@@ -463,7 +463,8 @@ def test_wrap_logs_the_profile_and_the_plan(caplog):
     p = autopar.plan_of(model)
     mesh_line = p.describe().splitlines()[1]
     assert "mesh" in mesh_line and "dp_shard=1" in mesh_line
-    records = [r for r in caplog.records if r.name == "autopar"]
+    # (a phase that runs past 2 s on a loaded machine also says so: autopar._util.progress, checked apart)
+    records = [r for r in caplog.records if r.name == "autopar" and not r.pathname.endswith("progress.py")]
     assert len(records) == 1, "verbose=False must log nothing"
     text = records[0].getMessage()
     assert mesh_line in text

@@ -17,6 +17,7 @@ import types
 
 import pytest
 import torch
+import yaml
 
 import autopar
 from autopar._util.dist import World
@@ -265,8 +266,13 @@ def test_saved_checkpoints_hold_the_weights_and_the_state_autopar_loads_under_an
     folder = two["_dir"] / "fsdp_saves" / "checkpoint-5"
     weights = AutoModelForCausalLM.from_pretrained(folder)  # the Trainer's save: the full weights
     model = autopar.wrap(_hf.make_model(), sample=_hf.sample(_hf.GLOBAL), verbose=False)  # one process
-    optimizer = torch.optim.AdamW(model.parameters())
+    # the Trainer's two groups (weight decay, none), built by the names the checkpoint records: groups are
+    # matched by their parameters' names (issue 32, item 4)
+    groups = yaml.safe_load((folder / "autopar" / "autopar.yaml").read_text())["param_groups"]
+    named = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW([{"params": [named[n] for n in names]} for names in groups])
     autopar.load(model, optimizer, folder / "autopar")
+    assert len(groups) == 2 and [len(g["params"]) for g in optimizer.param_groups] == [len(n) for n in groups]
     assert all(torch.equal(p, weights.state_dict()[n]) for n, p in model.named_parameters())
     assert len(optimizer.state) == len(list(model.parameters()))  # the optimizer state came too
 
@@ -274,11 +280,11 @@ def test_saved_checkpoints_hold_the_weights_and_the_state_autopar_loads_under_an
 def test_tensor_parallel_under_the_trainer_is_refused_on_cpu_where_it_would_train_wrong(two):
     assert "tensor parallelism (tp=2) only on GPUs" in two["tp_prepare"]["error"]
     # what prepare refuses: marked as the issue's probe did (no _tp_size), the Trainer gives the two ranks of
-    # the tensor-parallel group different batches, silently
+    # the tensor-parallel group different batches; it trained on them silently, and is now refused at the
+    # first forward (issue 32, item 5: the peers' batches compared)
     hand = two["tp_marked_by_hand"]
-    assert "error" not in hand, hand.get("traceback")
-    by_rank = hand["rows_by_rank"]
-    assert all(set(by_rank[0][s]) != set(by_rank[1][s]) for s in range(_hf.STEPS))
+    assert hand["error"].startswith("PeerBatchError: the ranks of a tensor-parallel group were given different "
+                                    "batches"), hand
 
 
 def test_without_the_markers_the_trainer_wraps_the_sharded_model_in_ddp_and_fails(two):
