@@ -29,6 +29,8 @@ from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 #: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
 #: plan was sized with) and its warm-up are already paid.
 EAGER_MARGIN = 0.03
+#: Rounds of timed steps, each mode in turn, the order reversed every other round.
+ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,8 @@ def _time(step: Callable[[], None], device: torch.device, *, warmup: int, steps:
 def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
                  steps: int = 5) -> CompileRace:
-    """Time the applied, compiled `model`'s forward and backward on `sample`, eager then compiled, and keep the
-    faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
+    """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
+    rounds (`steps` steps of each mode in all, the median of the rounds' medians), and keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
     both failing keeps the plan's compiled forward and says so."""
     start = time.perf_counter()
     batch = real_batch(sample, device)
@@ -148,26 +150,42 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         for p in model.parameters():
             p.grad = None
 
-    results: dict[bool, tuple[float, float] | None] = {}
+    measured: dict[bool, list[float]] = {}
+    warm: dict[bool, float] = {}
     errors: dict[bool, str] = {}
     has_compiled = bool(compiled_modules(model))  # a plan without compile: its eager step measured alone
+    modes = [False, True] if has_compiled else [False]
+    per_round = max(1, -(-steps // ROUNDS))
     try:
-        for compiled in (False, True) if has_compiled else (False,):
-            use_compiled(model, compiled)
-            try:
-                results[compiled] = _time(step, device, warmup=warmup if compiled else 1, steps=steps)
-            except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
-                results[compiled] = None
-                errors[compiled] = _one_line(exc)
-                for p in model.parameters():
-                    p.grad = None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+        # Interleaved rounds, the order turned each round: the host's speed drifts within seconds (bench/NOTES.md),
+        # and a drift then weighs on both modes alike. The first round warms each mode up (compiled: compiles).
+        for r in range(ROUNDS):
+            for compiled in modes if r % 2 == 0 else modes[::-1]:
+                if compiled in errors:
+                    continue
+                use_compiled(model, compiled)
+                try:
+                    first = (warmup if compiled else 1) if r == 0 else 0
+                    w, median = _time(step, device, warmup=first, steps=per_round)
+                    warm[compiled] = warm.get(compiled, 0.0) + w
+                    measured.setdefault(compiled, []).append(median)
+                except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
+                    measured.pop(compiled, None)
+                    errors[compiled] = _one_line(exc)
+                    for p in model.parameters():
+                        p.grad = None
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
     finally:
         kept.restore(model)
-    eager_s = _slowest(results[False][1] if results.get(False) else None, device)
-    compiled_s = _slowest(results[True][1] if results.get(True) else None, device)
-    warm_s = results[True][0] if results.get(True) else 0.0
+
+    def median_of(compiled: bool) -> float | None:
+        times = sorted(measured.get(compiled, []))
+        return times[len(times) // 2] if times else None
+
+    eager_s = _slowest(median_of(False), device)
+    compiled_s = _slowest(median_of(True), device)
+    warm_s = warm.get(True, 0.0)
     measuring_s = _slowest(time.perf_counter() - start - warm_s, device) or 0.0
     if not has_compiled:
         keep, why = False, "the plan does not compile: its eager step measured"
