@@ -18,9 +18,12 @@ from ._util.batch import check_peers_on_first_forward, sample_batch_size
 from ._util.log import get_logger
 from ._util.progress import phase
 from ._util.stale_params import forget_replaced
-from .errors import InfeasiblePlanError, PlanError, TraceError
-from .hooks import Profiled, wrap_hook
-from .plan_cache import cached_plan_for
+from .errors import CacheError, InfeasiblePlanError, PlanError, TraceError
+from .hooks import Profiled, WrapHook, wrap_hook
+from . import wrap_cache
+from ._util.io import CacheWarning
+from .plan_cache import cache_key as plan_cache_key
+from .plan_cache import cached_plan_for, plans_folder
 from .planning import bf16_variants, calibration_for, check_traced_for, profile_variants, resolve_topology
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
@@ -239,6 +242,19 @@ def wrap(
         plan, force = override, False
     world = _dist.ensure_process_group()
     say = verbose and world.rank == 0
+    # 0. A plan wrap chose (and measured) before for this model and job: taken from wrap's cache without tracing
+    #    (autopar/wrap_cache.py); the tuner's cached plan still wins (step 2 finds it).
+    cached = _from_wrap_cache(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
+                              global_batch_size=global_batch_size, world=world, loop=chosen_loop, started=started) \
+        if chosen_here and type(hook) is WrapHook else None
+    if cached is not None:
+        topo, profile, global_batch, decision = cached
+        return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
+                             loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
+                             race=False, loss_fn=loss_fn, hook=hook, cache_key=None)
+    cache_key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
+                          global_batch_size=global_batch_size, world=world, loop=chosen_loop) \
+        if chosen_here and world.rank == 0 else None
     # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
     topo, profile, global_batch, untraced = _profile_everywhere(
         model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
@@ -259,12 +275,24 @@ def wrap(
         # the time before the first step, in the plan's summary (issue 33): rank 0's, sent with the plan
         decision = dataclasses.replace(decision, plan=decision.plan.replace(prediction={
             **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2)}))
+    return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
+                         loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
+                         race=chosen_here and (measure or (measure is None and _dist.local_device().type == "cuda")),
+                         loss_fn=loss_fn, hook=hook, given=plan is not None and global_batch_size is None,
+                         cache_key=cache_key if chosen_here else None)
+
+
+def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, profile: ModelProfile, topo: Topology, *,
+                  world: _dist.World, global_batch: int, loop: Loop | None, chosen_loop: Loop,
+                  init_fn: Callable | None, force: bool, say: bool, race: bool, loss_fn: Callable | None,
+                  hook: WrapHook, given: bool = False, cache_key: Any = None) -> nn.Module:
+    """wrap's steps 3-5 on every rank: check rank 0's plan, apply it, measure it where asked, cache wrap's choice."""
     chosen = _broadcast(decision)
     # 3. Checks before anything is changed: processes, batch, model, hardware.
-    if plan is not None and global_batch_size is None:  # the sample is one data-parallel rank's batch
+    if given:  # the sample is one data-parallel rank's batch
         global_batch = _global_batch(sample, None, chosen.dp_size)
     _check(chosen, profile, topo, model=model, world_size=world.size, global_batch_size=global_batch, force=force,
-           loop=declared)
+           loop=loop)
     if decision is not None and decision.warning:  # rank 0, also when not verbose
         get_logger().warning("%s", decision.warning)
     if say:
@@ -283,12 +311,15 @@ def wrap(
     attach(model, state)
     # 5. Measure what the formulas miss, and compile only where it pays: a plan autopar chose has its step timed
     #    on this device (one that compiles, eager and compiled, the faster kept).
-    if chosen_here and chosen.pp == 1 and (measure or (measure is None and state.device.type == "cuda")):
+    if race and chosen.pp == 1:
         state = _race(model, sample, state, loss_fn=loss_fn, say=say)
         chosen = state.plan
     if chosen.tp > 1 and chosen.pp == 1:  # TP peers must read one batch: checked at the first forward (PP: train_step)
         check_peers_on_first_forward(model, data_rank=state.data_shard.rank, device=state.device,
                                      degrees="tensor-parallel")
+    # 6. The cost model's choice, as measured, goes to wrap's cache (rank 0), for the next wrap of this model and job.
+    if cache_key is not None and decision is not None and decision.source == "chosen by the cost model":
+        _store_wrap_choice(chosen, cache_key, profile, topo, global_batch=global_batch, loop=chosen_loop)
     hook.applied(model, chosen, profile)
     return model
 
@@ -354,12 +385,100 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         error = exc
     _dist.first_failure(error)
     assert result is not None
+    _check_same_batch(sample)
+    return result
+
+
+def _check_same_batch(sample: Any) -> None:
     smallest, largest = _dist.min_max(sample_batch_size(sample))
     if smallest != largest:  # every rank raises the same error (one raising alone leaves the others hanging)
         raise PlanError(f"the ranks were given samples of different batch sizes ({smallest} to {largest} samples): "
                         "give every rank one data-parallel rank's batch, the same size on each (the last, smaller "
                         "batch of an epoch too: drop it, as autopar.dataloader does).")
-    return result
+
+
+#: Where a plan came from when wrap's own cache held it (`_Decision.source`).
+WRAP_CACHE_SOURCE = "from wrap's cache"
+
+
+def _wrap_key(model: nn.Module, sample: Any, *, topology: Topology | str | None, loss_fn: Callable | None,
+              blocks: Any, global_batch_size: int | None, world: _dist.World, loop: Loop) -> Any:
+    """Rank 0: the wrap cache's key of this model and job (no trace; before the plan changes the model), or None
+    where the cache is off or the key cannot be made (the topology is then refused by the full path)."""
+    if not wrap_cache.enabled():
+        return None
+    try:
+        topo = resolve_topology(topology)
+        return wrap_cache.wrap_key(model, sample, topology_fingerprint=topo.fingerprint(), world_size=world.size,
+                                   global_batch_size=_global_batch(sample, global_batch_size, world.size),
+                                   loop=loop, loss_fn=loss_fn, blocks=blocks)
+    except Exception:  # noqa: BLE001 - the full path reports what is wrong with the job, with its own message
+        return None
+
+
+def _from_wrap_cache(model: nn.Module, sample: Any, *, topology: Topology | str | None, loss_fn: Callable | None,
+                     blocks: Any, global_batch_size: int | None, world: _dist.World, loop: Loop,
+                     started: float) -> tuple[Topology, ModelProfile, int, _Decision | None] | None:
+    """On every rank: (topology, the model's structure, global batch, rank 0's decision) when rank 0's wrap cache
+    holds a plan for this model and job, else None (every rank then plans as usual). A refused cache file raises
+    on every rank (CacheError on rank 0, with the remedy)."""
+    if not wrap_cache.enabled():
+        return None
+    text = None
+    found: tuple[Plan, str] | None = None
+    if world.rank == 0:
+        text = ""
+        key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
+                        global_batch_size=global_batch_size, world=world, loop=loop)
+        try:
+            entry = wrap_cache.lookup(key) if key is not None else None
+        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised on rank 0 as it is
+            entry, text = None, f"error: {type(exc).__name__}: {exc}"
+            failure = exc
+        if entry is not None and entry.tuned_key and (plans_folder() / f"{entry.tuned_key}.yaml").exists():
+            entry = None  # the tuner measured a plan for this model and job since: the full path uses it
+        if entry is not None:
+            found = entry.plan, entry.stored_at
+            text = entry.plan.to_yaml()
+    text = _dist.broadcast_text(text)
+    if text.startswith("error: "):
+        if world.rank == 0:
+            raise failure
+        raise PlanError(f"rank 0 could not read wrap's cache: {text[7:]}")
+    if not text:
+        return None
+    topo = resolve_topology(topology)
+    global_batch = _global_batch(sample, global_batch_size, world.size)
+    _check_same_batch(sample)
+    profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
+    plan_text = Plan.from_yaml(text).prediction or {}
+    traced = {name: plan_text.get(f"traced_{name}") for name in ("flops", "forward_flops")}
+    if all(isinstance(v, (int, float)) and v >= 0 for v in traced.values()):  # the step's FLOPs, as traced then
+        profile = dataclasses.replace(profile, **{k: float(v) for k, v in traced.items()})
+    decision = None
+    if found is not None:
+        plan, stored_at = found
+        prediction = {**(plan.prediction or {}), "planning_s": round(time.perf_counter() - started, 2),
+                      "measuring_s": 0.0, "cached_at": stored_at}
+        decision = _Decision(plan.replace(prediction=prediction), WRAP_CACHE_SOURCE,
+                             f"using the plan wrap chose for this model and job on {stored_at[:10]} (wrap's cache; "
+                             f"{wrap_cache.DISABLE_ENV}=1 plans afresh)")
+    return topo, profile, global_batch, decision
+
+
+def _store_wrap_choice(plan: Plan, key: Any, profile: ModelProfile, topo: Topology, *, global_batch: int,
+                       loop: Loop) -> None:
+    """Rank 0: keep wrap's choice for the next wrap of this model and job; a cache that cannot be written is
+    skipped with one warning (training goes on)."""
+    try:
+        tuned = plan_cache_key(profile, topo, global_batch_size=global_batch, loop=loop).digest()
+        # the traced FLOPs go with it: a cache hit reads the model's structure only, and MFU needs them
+        plan = plan.replace(prediction={**(plan.prediction or {}), "traced_flops": float(profile.flops),
+                                        "traced_forward_flops": float(profile.forward_flops)})
+        wrap_cache.store(plan, key, tuned_key=tuned)
+    except (CacheError, OSError) as exc:
+        warnings.warn(f"autopar: wrap's choice was not cached ({exc}); the next wrap of this model plans afresh.",
+                      CacheWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -32,8 +33,16 @@ from .profile import ModelProfile, profile_model
 from .search import Candidate, Drop, DropKind, rank_key, search
 from .strategies.tensor_parallel import tensor_parallel_refusal
 from .topology import Topology, resolve_topology
+from .wrap_cache import structure_digest
 
 GiB = 2**30
+
+
+#: The traces of the models planned last in this process, by model (weakly: a model that is gone is forgotten),
+#: with the key they were made under (`structure_digest` and whether bf16 traces were made): `autopar.plan` then
+#: `autopar.predict` of one model, or its plans for two topologies, trace it once.
+_TRACES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, bool], ModelProfile, dict[str, ModelProfile]]]" = \
+    weakref.WeakKeyDictionary()
 
 
 def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
@@ -43,10 +52,23 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
 
     A model whose fp32 step cannot be traced but whose bf16 step can (an op that runs only in bf16) gets its
     bf16 trace as the profile (its `profile_precision` says which: not "fp32"); the search offers only bf16
-    plans there, and on hardware without bf16 this raises the TraceError (no plan can be predicted)."""
+    plans there, and on hardware without bf16 this raises the TraceError (no plan can be predicted).
+
+    The same model object with the same structure, sample shapes, loss and blocks (`wrap_cache.structure_digest`:
+    no trace) is traced once a process: a later call returns the traces made then."""
+    try:
+        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), _has_bf16(topology))
+        memo = _TRACES.get(model)
+    except TypeError:  # a model that cannot be weakly referenced: traced every time
+        key, memo = None, None
+    if memo is not None and memo[0] == key:
+        return memo[1], dict(memo[2])
     profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
     check_traced_for(profile, topology)
-    return profile, bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks, profile=profile)
+    variants = bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks, profile=profile)
+    if key is not None:
+        _TRACES[model] = (key, profile, dict(variants))
+    return profile, variants
 
 
 def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,

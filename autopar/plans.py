@@ -551,7 +551,8 @@ class Plan:
             if parts:
                 lines.append("  predicted     " + ", ".join(parts))
             if isinstance(p.get("planning_s"), (int, float)):
-                lines.append(f"  planned in    {p['planning_s']:.1f} s")
+                cached = f" (wrap's cache of {p['cached_at'][:10]})" if isinstance(p.get("cached_at"), str) else ""
+                lines.append(f"  planned in    {p['planning_s']:.1f} s{cached}")
             if isinstance(p.get("measured_forward_backward_s"), (int, float)):
                 lines.append(f"  measured      {p['measured_forward_backward_s'] * 1e3:.1f} ms forward + backward "
                              f"on this device ({'compiled' if self.compile else 'eager: compile did not pay'})")

@@ -41,6 +41,7 @@ SUITES: dict[str, str] = {
     "paper": "bench.paper",
     "megatron": "bench.megatron_table1",
     "plan-speed": "bench.plan_speed",
+    "zoo-plan-speed": "bench.zoo_plan_speed",
     "memory-check": "bench.memory_check",
     "step-check": "bench.step_time_check",
     "roofline": "bench.zoo_roofline",

@@ -1,0 +1,67 @@
+"""`autopar.plan` then `autopar.predict` (or plans for two topologies) of one model trace it once a process
+(autopar/planning.py, `profile_variants`): the second call takes the first one's traces while the model's structure,
+sample shapes, loss and blocks are the same, and traces afresh when any of them changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar import planning
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    count = [0]
+    real = planning.profile_model
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "profile_model", counted)
+    return count
+
+
+def test_plan_then_predict_and_a_second_topology_trace_the_model_once(traces):
+    model, x = Net(), torch.randn(8, 16)
+    plan = autopar.plan(model, sample=x, topology="1xH200")
+    after_plan = traces[0]
+    assert after_plan == 3  # fp32, bf16 (autocast), bf16-pure
+    fresh = autopar.predict(Net(), plan, sample=x, topology="1xH200")  # another model object: traced
+    assert traces[0] == 2 * after_plan
+    again = autopar.predict(model, plan, sample=x, topology="1xH200")
+    autopar.plan(model, sample=x, topology="8xH100-SXM")
+    assert traces[0] == 2 * after_plan  # the same model: its traces reused
+    assert again.step_s == pytest.approx(fresh.step_s) and again.memory_bytes == fresh.memory_bytes
+
+
+@pytest.mark.parametrize("change", ["sample shape", "frozen layer", "eval mode", "no bf16"])
+def test_a_changed_model_or_sample_is_traced_afresh(traces, change):
+    model, x, topology = Net(), torch.randn(8, 16), "1xH200"
+    autopar.plan(model, sample=x, topology=topology)
+    before = traces[0]
+    if change == "sample shape":
+        x = torch.randn(4, 16)
+    elif change == "frozen layer":
+        model.layers[0].requires_grad_(False)
+    elif change == "eval mode":
+        model.eval()
+    elif change == "no bf16":
+        topology = None  # this machine: a CPU, no bf16
+    autopar.plan(model, sample=x, topology=topology)
+    assert traces[0] > before
