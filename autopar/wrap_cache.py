@@ -36,9 +36,10 @@ import yaml
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ._util.io import atomic_write_text, cache_subdir, read_private_bytes  # noqa: F401 (cache_subdir: tests)
+from ._util.io import _readable_cache_dir, atomic_write_text, cache_subdir, read_private_bytes
 from ._util.yaml_text import load_yaml
 from .errors import CacheError, PlanError
+from .plan_cache import current_torch_version
 from .plans import Loop, Plan
 
 #: Set to 1 to make wrap neither read nor write this cache.
@@ -172,8 +173,6 @@ class WrapKey:
 
 def wrap_key(model: nn.Module, sample: Any, *, topology_fingerprint: str, world_size: int, global_batch_size: int,
              loop: Loop, loss_fn: Callable | None = None, blocks: Any = None) -> WrapKey:
-    from .plan_cache import current_torch_version
-
     return WrapKey(structure=structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks),
                    topology_fingerprint=topology_fingerprint, world_size=world_size,
                    global_batch_size=global_batch_size, loop=Loop.parse(loop).value,
@@ -224,8 +223,12 @@ def lookup(key: WrapKey, *, directory: str | os.PathLike[str] | None = None) -> 
 
 
 def store(plan: Plan, key: WrapKey, *, tuned_key: str | None = None,
-          directory: str | os.PathLike[str] | None = None) -> Path:
-    """Cache `plan` (with its prediction and measurement) under `key`; written atomically, 0600, in a 0700 folder."""
+          directory: str | os.PathLike[str] | None = None) -> Path | None:
+    """Cache `plan` (with its prediction and measurement) under `key`; written atomically, 0600, in a 0700 folder.
+    None, writing nothing, where the default cache folder cannot be made (warned once a process, as for every
+    autopar cache: `autopar._util.io._readable_cache_dir`); CacheError where AUTOPAR_CACHE_DIR cannot be used."""
+    if directory is None and _readable_cache_dir() is None:
+        return None
     folder = cache_subdir(_SUBDIR, directory=directory, create=True)
     assert folder is not None
     path = folder / f"{key.digest()}.yaml"
