@@ -255,10 +255,15 @@ def wrap(
     cache_key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
                           global_batch_size=global_batch_size, world=world, loop=chosen_loop) \
         if chosen_here and world.rank == 0 else None
+    # Step 5 measures the chosen plan's step (eager and compiled) on a GPU: then dynamo's graph count (seconds of
+    # the trace, for the cost model's compiled price) is not asked for, since the measurement decides compile.
+    # A pipeline is not measured: under autopar.train_step on several processes the count is kept.
+    races = chosen_here and (measure or (measure is None and _dist.local_device().type == "cuda"))
+    graphs = not (races and (chosen_loop is not Loop.TRAIN_STEP or world.size == 1))
     # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
     topo, profile, global_batch, untraced = _profile_everywhere(
         model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
-        global_batch_size=global_batch_size, world=world, say=say)
+        global_batch_size=global_batch_size, world=world, say=say, graphs=graphs)
     if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
         warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
                       "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
@@ -277,7 +282,7 @@ def wrap(
             **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2)}))
     return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
                          loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
-                         race=chosen_here and (measure or (measure is None and _dist.local_device().type == "cuda")),
+                         race=races,
                          loss_fn=loss_fn, hook=hook, given=plan is not None and global_batch_size is None,
                          cache_key=cache_key if chosen_here else None)
 
@@ -361,7 +366,7 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
 
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,
                         loss_fn: Callable | None, blocks: Any, global_batch_size: int | None, world: _dist.World,
-                        say: bool) -> tuple[Topology, ModelProfile, int, TraceError | None]:
+                        say: bool, graphs: bool = True) -> tuple[Topology, ModelProfile, int, TraceError | None]:
     """(topology, profile, global batch, why the step could not be traced or None) on every rank; if one rank
     fails here, every rank raises. A model that cannot be traced gets a profile of its structure alone (its
     blocks): enough to apply a given plan, or the safe plan `_decide` makes."""
@@ -372,7 +377,8 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         untraced = None
         try:
             with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say):
-                profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0)
+                profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0,
+                                        graphs=graphs)
             check_traced_for(profile, topo)
         except TraceError as exc:
             untraced = exc
@@ -513,9 +519,18 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
                                     loop=loop)
         if hit is not None:
             return _Decision(hit, "from the plan cache", note)
+        # One process runs FSDP's bf16 weights only when it offloads: that trace is made when such a plan wins.
+        precisions = ("bf16", "bf16-pure") if world_size > 1 else ("bf16",)
         with phase("tracing the bf16 steps on fake tensors", say=say):
-            variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile)
+            variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
+                                     precisions=precisions)
         with phase(f"choosing among the plans for {world_size} process(es) (cost model)", say=say):
+            chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
+                             variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
+        if chosen.uses_fsdp and chosen.precision == "bf16" and "bf16-pure" not in variants and variants:
+            with phase("tracing the bf16-weights step on fake tensors (the plan offloads)", say=say):
+                variants.update(bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
+                                              precisions=("bf16-pure",)))
             chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
                              variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
         return _Decision(chosen, "chosen by the cost model", note)

@@ -72,15 +72,17 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
 
 
 def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
-                  blocks: Any = None, profile: ModelProfile | None = None) -> dict[str, ModelProfile]:
+                  blocks: Any = None, profile: ModelProfile | None = None,
+                  precisions: Sequence[str] = ("bf16", "bf16-pure")) -> dict[str, ModelProfile]:
     """The model traced in bf16 under autocast ("bf16") and with bf16 weights ("bf16-pure"), which the cost
     model reads for bf16 plans; empty where the hardware has no bf16. A precision whose step cannot be traced
     is left out (the cost model then reads the profile: see cost.memory.activation_profile); `profile`, the
-    profile already made, is reused where it is itself one of these traces."""
+    profile already made, is reused where it is itself one of these traces. `precisions`: the traces to make
+    (one process never runs FSDP's bf16 weights, unless it offloads: wrap asks for "bf16" alone there)."""
     if not _has_bf16(topology):
         return {}
     out = {}
-    for precision in ("bf16", "bf16-pure"):
+    for precision in precisions:
         if profile is not None and profile.profile_precision == precision:
             out[precision] = profile
             continue
