@@ -21,6 +21,7 @@ from typing import Any, Callable, TextIO
 import torch.nn as nn
 import yaml
 
+from ._util.args import ArgumentParser, unknown_command, version
 from .demo import main as demo_main
 from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError, ResultNotSavedError
 from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
@@ -36,7 +37,7 @@ from .tune.study import tune
 
 
 def _topology(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="autopar topology",
+    p = ArgumentParser(prog="autopar topology",
                                 description="Print the hardware autopar plans for: detected, or a spec.")
     p.add_argument("--cluster", default=None,
                    help="a spec like 4x8xH100-SXM, or a topology YAML file (this command's --yaml output), instead of "
@@ -57,7 +58,7 @@ HEADROOM = 0.95
 
 
 def _plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="autopar plan",
         description="Rank every parallelism plan for a model on some hardware by the cost model, print the "
                     "table and write the best plan as YAML (for autopar.wrap(model, sample=..., plan=FILE)).",
@@ -379,7 +380,7 @@ TUNE_DEFAULT_TRIALS = 20
 
 
 def _tune_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="autopar tune",
         usage="autopar tune [options] -- LAUNCH COMMAND...",
         description="Measure the cost model's best plans in your own job, one short run per plan, in an Optuna "
@@ -505,7 +506,7 @@ def _tune(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="autopar report",
         description="Print the table of a tuning study (autopar tune --study FILE) from its file alone, and draw "
                     "two charts as PNG: measured vs predicted throughput per trial, and the optimisation history.")
@@ -513,6 +514,8 @@ def _report(argv: list[str]) -> int:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where to write the charts (default: the study file's folder)")
     args = p.parse_args(argv)
+    if args.out is not None and Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a file; --out takes the folder to write the charts into (made if missing).")
     report = load_report(args.study)
     print(report.table())
     hint = charts_hint()  # no matplotlib: the tables alone, and how to get the charts
@@ -527,27 +530,46 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+COMMANDS = ("demo", "topology", "plan", "tune", "report")
+USAGE = ("usage: autopar {demo,topology,plan,tune,report} [options]\n\n"
+         "  demo       train a built-in GPT under the plan autopar chooses (2 CPU processes, or the GPUs here)\n"
+         "  topology   print the hardware autopar sees (or --cluster SPEC)\n"
+         "  plan       rank the plans for a model (a spec like llama3-8b, a config.json, or module:factory)\n"
+         "             on some hardware (--cluster 4x8xH100-SXM), print the table, write the best as YAML\n"
+         "  tune       measure the best predicted plans in your own job (autopar tune -- torchrun ... train.py),\n"
+         "             in a resumable study; cache the fastest for wrap\n"
+         "  report     print a tuning study's table from its file and draw its charts (PNG)\n\n"
+         "  --version  print autopar's version\n\n"
+         "autopar COMMAND --help describes a command's options.")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns the exit status: 0, 1 when a command found nothing, 2 for a usage error or an
+    AutoparError (printed as one line), 130 when interrupted (Ctrl-C: one line, no traceback)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands: dict[str, Callable[[list[str]], int]] = {
         "demo": demo_main, "topology": _topology, "plan": _plan, "tune": _tune, "report": _report}
-    asked = not argv or argv[0] in ("-h", "--help")
-    if asked or argv[0] not in commands:
-        print("usage: autopar {demo,topology,plan,tune,report} [options]\n\n"
-              "  demo       train a built-in GPT under the plan autopar chooses (2 CPU processes, or the GPUs here)\n"
-              "  topology   print the hardware autopar sees (or --cluster SPEC)\n"
-              "  plan       rank the plans for a model (a spec like llama3-8b, a config.json, or module:factory)\n"
-              "             on some hardware (--cluster 4x8xH100-SXM), print the table, write the best as YAML\n"
-              "  tune       measure the best predicted plans in your own job (autopar tune -- torchrun ... train.py),\n"
-              "             in a resumable study; cache the fastest for wrap\n"
-              "  report     print a tuning study's table from its file and draw its charts (PNG)\n\n"
-              "autopar COMMAND --help describes a command's options.", file=sys.stdout if asked else sys.stderr)
-        return 0 if asked else 2
+    if argv and argv[0] in ("-V", "--version"):
+        try:
+            print(f"autopar {version()}")
+        except AutoparError as exc:
+            print(f"autopar: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if argv[0] not in commands:
+        print(unknown_command(argv[0], COMMANDS), file=sys.stderr)
+        return 2
     try:
         return commands[argv[0]](argv[1:])
     except AutoparError as exc:
         print(f"autopar {argv[0]}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nautopar {argv[0]}: interrupted (Ctrl-C).", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

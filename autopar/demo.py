@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar._util.args import ArgumentParser, at_least_1
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
 #: Model sizes: a tiny one for CPUs (the demo finishes in well under 2 minutes on 2 cores) and a
@@ -28,20 +29,33 @@ SIZES = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="autopar demo", description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="processes to launch (default: one per GPU, or 2 on CPU)")
+    p = ArgumentParser(prog="autopar demo", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=at_least_1(), default=20, help="optimizer steps (default 20)")
+    p.add_argument("--nproc", type=at_least_1("; leave it out for the default (every GPU here, or 2 "
+                                                        "processes on a CPU)"),  # (0 once meant the default)
+                   default=None, help="processes to launch (default: one per GPU, or 2 on CPU)")
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="model size (default: tiny on CPU, gpt2-small on GPUs)")
-    p.add_argument("--batch", type=int, default=None, help="samples per process per step (default 8)")
+    p.add_argument("--batch", type=at_least_1(" (samples per process)"), default=None,
+                   help="samples per process per step (default 8)")
     p.add_argument("--plan", default=None, help="apply this plan YAML instead of choosing one")
     return p
 
 
-def _launch(args: argparse.Namespace) -> int:
-    """Start the demo under torchrun with the right number of processes; returns its exit code."""
-    nproc = args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+def _check_plan(p: argparse.ArgumentParser, args: argparse.Namespace, nproc: int) -> None:
+    """Read --plan before any process starts: a missing, empty or garbled file, or a plan for another number of
+    processes, is refused with argparse's one line (exit 2), not by every rank's traceback."""
+    if args.plan is None:
+        return
+    try:
+        plan = autopar.Plan.load(args.plan)
+        plan.check_world(nproc)
+    except autopar.AutoparError as exc:
+        p.error(f"--plan {args.plan}: {exc}")
+
+
+def _launch(args: argparse.Namespace, nproc: int) -> int:
+    """Start the demo under torchrun with `nproc` processes; returns its exit code."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "autopar.demo", "--steps", str(args.steps)]
     for flag in ("size", "batch", "plan"):
@@ -115,21 +129,22 @@ def _rank_main(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.steps < 1:
-        raise SystemExit("autopar demo: --steps must be at least 1.")
-    if args.nproc is not None and args.nproc < 1:  # (0 once meant the default, silently)
-        raise SystemExit(f"autopar demo: --nproc must be at least 1, got {args.nproc}; leave it out for the default "
-                         "(every GPU here, or 2 processes on a CPU).")
-    if "LOCAL_RANK" in os.environ:  # one rank under torchrun
-        _rank_main(args)
-        return 0
+def _default_nproc() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
-    if (args.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)) == 1:
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if "LOCAL_RANK" in os.environ:  # one rank under torchrun (checked by the launcher already)
         _rank_main(args)
         return 0
-    return _launch(args)
+    nproc = args.nproc or _default_nproc()
+    _check_plan(parser, args, nproc)
+    if nproc == 1:
+        _rank_main(args)
+        return 0
+    return _launch(args, nproc)
 
 
 if __name__ == "__main__":

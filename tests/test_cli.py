@@ -54,7 +54,8 @@ def test_usage_lists_every_command(capsys):
     code, out, _ = _run(capsys, "--help")
     assert code == 0 and "autopar {demo,topology,plan,tune,report}" in out and "plan       rank the plans" in out
     code, _, err = _run(capsys, "frobnicate")
-    assert code == 2 and "usage: autopar {demo,topology,plan,tune,report}" in err
+    assert code == 2 and err.count("\n") == 1 and "unknown command 'frobnicate'" in err
+    assert "the commands are demo, topology, plan, tune, report" in err
 
 
 def test_spec_on_a_cluster_prints_the_table_and_writes_a_plan(capsys, tmp_path):
@@ -252,11 +253,14 @@ def test_plan_out_never_overwrites_a_file_that_is_not_a_plan_nor_writes_into_a_f
     assert Plan.load(plan_file).world_size == 1
 
 
-def test_demo_refuses_nproc_0_rather_than_reading_it_as_the_default():
+def test_demo_refuses_nproc_0_rather_than_reading_it_as_the_default(capsys):
     from autopar.demo import main as demo_main
 
-    with pytest.raises(SystemExit, match="--nproc must be at least 1, got 0; leave it out for the default"):
+    with pytest.raises(SystemExit) as exit_:
         demo_main(["--nproc", "0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "argument --nproc: must be at least 1, got 0; leave it out for the default" in err
 
 
 def test_nothing_fits_names_host_memory_when_offload_fits_the_gpus_and_a_topology_file_gives_more(capsys, tmp_path):
@@ -270,3 +274,54 @@ def test_nothing_fits_names_host_memory_when_offload_fits_the_gpus_and_a_topolog
     code, out, err = _run(capsys, "plan", "llama3-405b", "--cluster", str(cluster), "--out", str(tmp_path / "p.yaml"))
     assert code == 0 and "host memory   8,192 GiB per node" in out
     assert Plan.load(tmp_path / "p.yaml").cpu_offload
+
+
+# ---- issue 34: the first hour of a new user (one-line errors, --version, Ctrl-C) -------------------------------
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib import metadata
+
+    code, out, err = _run(capsys, "--version")
+    assert code == 0 and err == "" and out == f"autopar {metadata.version('autopar')}\n"
+    assert _run(capsys, "-V")[1] == out
+
+
+def test_a_misspelt_command_is_one_line_with_the_closest_command(capsys):
+    code, out, err = _run(capsys, "plna", "gpt2")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "unknown command 'plna' (did you mean 'plan'?)" in err
+    code, _, err = _run(capsys, "--verison")
+    assert code == 2 and err.count("\n") == 1 and "unknown option '--verison'" in err
+
+
+@pytest.mark.parametrize("argv", [["topology", "--bogus"], ["plan", "gpt2", "--top", "x"], ["plan"],
+                                  ["tune", "--trials", "many", "--", "python", "t.py"], ["tune"], ["report"],
+                                  ["demo", "--steps", "0"], ["demo", "--size", "huge"]])
+def test_every_command_refuses_bad_arguments_in_one_line_with_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"autopar {argv[0]}: error: "), err
+    assert err.rstrip().endswith(f"(autopar {argv[0]} --help lists the options)")
+
+
+def test_report_out_on_an_existing_file_is_one_line_not_a_traceback(capsys, tmp_path):
+    existing = tmp_path / "charts.png"
+    existing.write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path / "study.db"), "--out", str(existing)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "is a file; --out takes the folder" in err
+    assert existing.read_text() == "x"
+
+
+def test_ctrl_c_during_plan_verify_is_one_line_and_exit_130(capsys, monkeypatch):
+    import autopar.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "candidates", interrupted)  # Ctrl-C while the plans are ranked and verified
+    code, out, err = _run(capsys, "plan", "gpt2", "--cluster", "8xH100-SXM", "--verify", "2", "--out", "-")
+    assert code == 130 and out == ""
+    assert err.strip() == "autopar plan: interrupted (Ctrl-C)." and "Traceback" not in err
