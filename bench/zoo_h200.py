@@ -51,7 +51,10 @@ from bench._common import host_op_us, kernel_kind
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
-MODES = ("hand", "hand_compile", "wrap", "plan_eager", "plan_compile")
+MODES = ("hand", "hand_compile", "wrap", "rewrap", "plan_eager", "plan_compile")
+#: "rewrap": a fresh copy of the model wrapped again after "wrap" in the same process (same model and job):
+#: wrap's own cache (autopar/wrap_cache.py) then gives the plan, and `wrap_s` is the cached start-up (no steps are
+#: timed: they are "wrap"'s).
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
 PLAN_MODES = {"plan_eager": False, "plan_compile": True}  # mode: compiled
 # the modes that run one GPU's bf16 plan at the family's batch: mode -> compiled
@@ -378,10 +381,13 @@ class Measurement:
             sample = real_sample(self.family, self.opts)
             model = build_on_device(self.family, self.opts)
             rec["parameters"] = sum(p.numel() for p in model.parameters())
-            if mode in ("wrap", *PLAN_MODES):
+            if mode in ("wrap", "rewrap", *PLAN_MODES):
                 step = self._wrap(model, sample, rec, mode)
             else:
                 step = self._hand(model, sample, rec, mode)
+            if mode == "rewrap":  # its start-up alone: the steps (and their compile warm-up) are "wrap"'s
+                rec.update(status="ok", wall_s=round(time.perf_counter() - t0, 2))
+                return rec
             # counted from here: the graphs the steps compile (torch.compile is lazy), not the capture planning
             # asks dynamo for (autopar.profile.graphs: it counts as a graph in dynamo's counters)
             graphs_before = compile_counts()
@@ -426,7 +432,7 @@ class Measurement:
         rec.update(plan=plan.strategy(), plan_short=short_name(plan), plan_text=plan.describe())
         # wrap's own time before the first step, and its compile race (autopar.race), where it ran
         rec["wrap_timing"] = {k: (plan.prediction or {}).get(k) for k in
-                              ("planning_s", "measuring_s", "measured_eager_s", "measured_compiled_s")}
+                              ("planning_s", "measuring_s", "measured_eager_s", "measured_compiled_s", "cached_at")}
         if plan.prediction:
             rec.update(prediction_fields(dict(plan.prediction), self.predictor.context_bytes),
                        predicted_source="the plan wrap chose (Plan.prediction)")
