@@ -280,8 +280,9 @@ def test_nothing_fits_names_host_memory_when_offload_fits_the_gpus_and_a_topolog
 def test_version_comes_from_the_package_metadata(capsys):
     from importlib import metadata
 
+    (dist,) = set(metadata.packages_distributions()["autopar"])  # pyproject.toml's name, spelt nowhere else
     code, out, err = _run(capsys, "--version")
-    assert code == 0 and err == "" and out == f"autopar {metadata.version('autopar')}\n"
+    assert code == 0 and err == "" and out == f"autopar {metadata.version(dist)}\n"
     assert _run(capsys, "-V")[1] == out
 
 

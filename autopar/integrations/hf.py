@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import transformers  # this module is the Hugging Face integration: `pip install autopar[hf]`
+import transformers  # this module is the Hugging Face integration: `pip install -e ".[hf]"` in the clone
 from transformers.distributed import DistributedConfig
 
 from .._util import dist as _dist

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import transformers  # this module is the Hugging Face integration: `pip install autopar[hf]`
+import transformers  # this module is the Hugging Face integration: `pip install -e ".[hf]"` in the clone
 from accelerate.optimizer import AcceleratedOptimizer  # the Trainer's optimizer wrapper (accelerate: autopar[hf])
 
 from .._util.log import get_logger

@@ -1,4 +1,5 @@
-"""The two charts of `autopar report`, drawn with matplotlib (the optional extra: pip install "autopar[report]").
+"""The two charts of `autopar report`, drawn with matplotlib (the optional extra: pip install -e ".[report]" in
+autopar's clone).
 
 - `measured_vs_predicted`: one point per measured trial, measured against predicted throughput, for each
   series (the calibration at the start, after the fit), with the line y = x; both axes from 0.
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 #: What `autopar report` says instead of drawing when matplotlib is missing.
-CHARTS_HINT = 'no charts: they need matplotlib, an optional extra: pip install "autopar[report]"'
+CHARTS_HINT = 'no charts: they need matplotlib, an optional extra: pip install -e ".[report]" in autopar\'s clone'
 WIDTH_IN, HEIGHT_IN, DPI = 6.4, 4.8, 100  # 640 x 480 pixels
 Series = tuple[str, Sequence[tuple[float, float]], str]  # label, [(x, y)], a matplotlib colour
 

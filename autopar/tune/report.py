@@ -343,7 +343,7 @@ def write_plots(report: TuneReport, out_dir: str | Path, *, prefix: str = "autop
     the fit; the grey line is y = x), and `<prefix>-history.png`, Optuna's optimization history (each
     trial's measured throughput, in trial order, and the best so far; red crosses on the x axis: failed
     trials). Returns their paths. Without matplotlib it raises AutoparError with the line `charts_hint()`
-    returns (pip install "autopar[report]"), having written nothing."""
+    returns (pip install -e ".[report]"), having written nothing."""
     hint = charts_hint()
     if hint is not None:
         raise AutoparError(hint)

@@ -119,8 +119,8 @@ def test_without_matplotlib_there_are_no_charts_and_a_line_says_how_to_get_them(
     assert charts_hint() is None
     for name in ["matplotlib"] + [m for m in sys.modules if m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, name, None)  # as where the autopar[report] extra is not installed
-    assert charts_hint() == CHARTS_HINT and 'pip install "autopar[report]"' in CHARTS_HINT
-    with pytest.raises(AutoparError, match=r'pip install "autopar\[report\]"'):
+    assert charts_hint() == CHARTS_HINT and 'pip install -e ".[report]"' in CHARTS_HINT
+    with pytest.raises(AutoparError, match=r'pip install -e "\.\[report\]"'):
         write_plots(_report(), tmp_path / "charts")
     assert not (tmp_path / "charts").exists()
     with pytest.raises(ImportError):

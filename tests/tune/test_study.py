@@ -379,7 +379,7 @@ def test_report_without_matplotlib_prints_the_table_and_how_to_get_the_charts(pr
     main(["report", str(tmp_path / "s.db"), "--out", str(tmp_path / "charts")])
     captured = capsys.readouterr()
     assert report.table().splitlines()[:len(report.rows) + 2] == captured.out.splitlines()[:len(report.rows) + 2]
-    hints = [line for line in (captured.out + captured.err).splitlines() if 'pip install "autopar[report]"' in line]
+    hints = [line for line in (captured.out + captured.err).splitlines() if 'pip install -e ".[report]"' in line]
     assert len(hints) == 1 and "matplotlib" in hints[0]
     assert not (tmp_path / "charts").exists()  # no chart written, none half-written
 
