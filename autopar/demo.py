@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar._util.args import ArgumentParser, at_least_1
+from autopar._util.dist import close_process_group, end_rank_process
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
 
 #: Model sizes: a tiny one for CPUs (the demo finishes in well under 2 minutes on 2 cores) and a
@@ -68,6 +69,13 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
+    """One rank: train, then close torch.distributed in order (a barrier, then destroy_process_group). A rank
+    launched by torchrun then leaves through end_rank_process (see __main__ below and its docstring)."""
+    _train(args)
+    close_process_group()
+
+
+def _train(args: argparse.Namespace) -> None:
     on_gpu = torch.cuda.is_available()
     size = args.size or ("gpt2-small" if on_gpu else "tiny")
     cfg = GPTConfig(**SIZES[size])
@@ -124,9 +132,7 @@ def _rank_main(args: argparse.Namespace) -> None:
             peak = topology.device.peak_flops(plan.precision) * world
             line += f", MFU {flops_per_token * tokens_per_s / peak:.1%} of {plan.precision} peak"
         say(line)
-    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps run")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    say(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps run", flush=True)
 
 
 def _default_nproc() -> int:
@@ -148,4 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if "LOCAL_RANK" in os.environ:  # a rank under torchrun: no interpreter finalization with gloo threads alive
+        end_rank_process(status)
+    sys.exit(status)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import os
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -112,3 +117,36 @@ def first_failure(error: BaseException | None) -> None:
         raise error
     if failed < dist.get_world_size():
         raise AutoparError(f"rank {failed} failed (its error is in its own output); every rank stops.")
+
+
+
+def close_process_group() -> None:
+    """End this process's torch.distributed in order: a barrier (no rank leaves while a peer still talks to it),
+    then destroy_process_group. Gloo's worker threads outlive it (they end only when the last reference to the
+    C++ group goes, and a sharded model keeps one): a process that then lets Python finalize can abort, so a rank
+    that owns its process ends with `end_rank_process` after this."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def end_rank_process(code: int = 0) -> NoReturn:
+    """End a rank's process without Python's finalization: flush the output, the log handlers and pending
+    garbage, then os._exit(code).
+
+    Why (issue 34, item 1: the demo exited non-zero about one run in five): after destroy_process_group a gloo
+    worker thread is still alive and may still hold the tensors of the last collective it ran, which Python
+    already let go. If it drops them while the interpreter finalizes, it needs the GIL; CPython ends a thread
+    that asks for the GIL then (pthread_exit), the unwind runs through a C++ destructor that may not throw, and
+    std::terminate aborts the rank ("terminate called without an active exception", SIGABRT), so torchrun
+    fails the job after every step succeeded. Leaving through os._exit never finalizes the interpreter."""
+    gc.collect()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be written anyway
+            pass
+    os._exit(code)
