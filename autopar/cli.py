@@ -26,7 +26,7 @@ from .demo import main as demo_main
 from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError, ResultNotSavedError
 from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
                            model_sample_batch, resolve_model)
-from .plan_cache import write_plan_out
+from .plan_cache import CacheEntry, cache_key, entry_source, lookup_entry, write_plan_out
 from .planning import GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name
 from .plans import Loop, Plan
 from .profile import ModelProfile
@@ -242,6 +242,9 @@ def _plan_json(args: argparse.Namespace, run: _PlanRun) -> dict[str, Any]:
                    for i, c in enumerate(feasible[:args.top], 1)],
         "dropped": [{"count": n, "reason": why} for n, why in dropped_reasons(run.ranked)],
         "chosen": run.best.to_dict(), "out": run.out, "timings": run.timings,
+        "cached": None if (entry := _cached_entry(args, run)) is None else {
+            "path": str(entry.path), "source": entry_source(entry), "stored_at": entry.stored_at,
+            "plan": entry.plan.strategy()},
     }
 
 
@@ -256,12 +259,28 @@ def _print_plan(args: argparse.Namespace, run: _PlanRun) -> None:
     print()
     print("chosen (rank 1):")
     print(run.best.describe())
+    entry = _cached_entry(args, run)
+    if entry is not None:  # what wrap would use for this job instead of planning: said with its source
+        print(f"cached for this model and job: {short_name(entry.plan)}, from {entry_source(entry)} "
+              f"({entry.stored_at[:10] if entry.stored_at else 'undated'}): {entry.path}")
     if run.out is None:
         print()
         print(run.best.to_yaml(), end="")
     else:
         print(f"wrote {run.out}; apply it with autopar.wrap(model, sample=batch, plan={run.out!r})"
               + (" and autopar.train_step" if run.best.needs_train_step else ""))
+
+
+def _cached_entry(args: argparse.Namespace, run: _PlanRun) -> CacheEntry | None:
+    """The plan cache's entry for this model, hardware, batch and loop (None without one, or for a model that
+    was not traced at full depth, whose fingerprint is no real model's)."""
+    if run.source.extrapolated or not run.profile.fingerprint:
+        return None
+    try:
+        key = cache_key(run.profile, run.topology, global_batch_size=run.global_batch, loop=args.loop)
+        return lookup_entry(key)
+    except AutoparError:
+        return None
 
 
 def _print_model(run: _PlanRun) -> None:

@@ -398,6 +398,20 @@ def entries(directory: str | os.PathLike[str] | None = None) -> list[tuple[Cache
     return out
 
 
+#: Where a cached plan came from, kept in its measurement as "source" and said wherever the entry is shown
+#: (issue 34, item 7: a plan an ordinary Hugging Face run cached was reported as "tuned").
+SOURCE_TUNER = "a tuner study"
+SOURCE_RUN = "a measured run"
+
+
+def entry_source(entry: CacheEntry) -> str:
+    """Where `entry`'s plan came from: its recorded source; an older file's tuner study if it names one."""
+    m = entry.measurement or {}
+    if isinstance(m.get("source"), str):
+        return str(m["source"])
+    return SOURCE_TUNER if "study" in m else "an earlier autopar that did not record its source"
+
+
 def _measured(entry: CacheEntry) -> str:
     m = {k: v for k, v in (entry.measurement or {}).items() if isinstance(v, float)}
     parts = []
@@ -420,7 +434,7 @@ def cached_plan_for(
     loop: Loop | str,
     directory: str | os.PathLike[str] | None = None,
 ) -> tuple[Plan | None, str | None]:
-    """What `wrap` asks before planning: (plan, "using the tuned plan cached at PATH (measured ...)") on a
+    """What `wrap` asks before planning: (plan, "using the plan cached at PATH (from a tuner study, measured ...)") on a
     hit; (None, None) when nothing is cached for this model, topology, batch, torch and loop kind; (None,
     why) when the cached plan does not fit this job (world size, batch, loop): the caller logs `why`
     as a warning and plans afresh. A refused (tampered) file raises CacheError, with the remedy."""
@@ -434,7 +448,7 @@ def cached_plan_for(
     try:
         plan.check_world(world_size)
     except PlanError:
-        why = f"it was tuned for {plan.world_size} processes and this job has {world_size}"
+        why = f"it was made for {plan.world_size} processes and this job has {world_size}"
     if why is None:
         try:
             plan.check_batch(global_batch_size)
@@ -448,7 +462,7 @@ def cached_plan_for(
             f"ignoring the plan cached at {entry.path}: {why}. autopar plans afresh; delete the file to stop "
             "this message (tuning again replaces it)."
         )
-    return plan, f"using the tuned plan cached at {entry.path} ({_measured(entry)})"
+    return plan, f"using the plan cached at {entry.path} (from {entry_source(entry)}, {_measured(entry)})"
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -563,7 +563,7 @@ def test_wrap_uses_a_plan_cached_for_this_model_and_says_so(caplog):
         logger.removeHandler(caplog.handler)
     assert autopar.plan_of(model).checkpointing == "full"
     text = "\n".join(r.getMessage() for r in caplog.records if r.name == "autopar")
-    assert f"using the tuned plan cached at {path}" in text and "(from the plan cache)" in text
+    assert f"using the plan cached at {path}" in text and "(from the plan cache)" in text
 
 
 def test_wrap_refuses_a_tampered_plan_cache():

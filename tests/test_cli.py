@@ -326,3 +326,25 @@ def test_ctrl_c_during_plan_verify_is_one_line_and_exit_130(capsys, monkeypatch)
     code, out, err = _run(capsys, "plan", "gpt2", "--cluster", "8xH100-SXM", "--verify", "2", "--out", "-")
     assert code == 130 and out == ""
     assert err.strip() == "autopar plan: interrupted (Ctrl-C)." and "Traceback" not in err
+
+
+def test_plan_shows_the_cached_entry_for_the_job_with_its_source(capsys, factory):
+    """Issue 34, item 7: a plan an ordinary run cached is shown as a measured run's, a study's as a study's."""
+    import autopar.cli as cli
+    from autopar.plan_cache import SOURCE_RUN, SOURCE_TUNER, cache_key, store
+
+    argv = ["plan", f"{factory}:build", "--cluster", "1xH100-SXM", "--global-batch", "2", "--loop", "accumulates",
+            "--out", "-"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert "cached for this model and job" not in out
+    run = cli._run_plan(cli._plan_args(argv[1:]))
+    key = cache_key(run.profile, run.topology, global_batch_size=2, loop="accumulates")
+    for source in (f"{SOURCE_RUN} (the Hugging Face Trainer)", SOURCE_TUNER):
+        path = store(run.best, key, measurement={"tokens_per_s": 1000.0, "source": source})
+        code, out, err = _run(capsys, *argv)
+        assert code == 0, err
+        line = next(line for line in out.splitlines() if line.startswith("cached for this model and job"))
+        assert f"from {source} (" in line and line.endswith(str(path)) and "tuned" not in line
+        code, out, _ = _run(capsys, *argv, "--json")
+        assert json.loads(out)["cached"]["source"] == source

@@ -201,11 +201,11 @@ def test_cached_plan_for(root, topo):
     plan, msg = cached_plan_for(MODEL, topo, world_size=8, global_batch_size=32, loop=Loop.PLAIN,
                                 directory=root)
     assert plan is not None and plan.dp_shard == 8
-    assert msg.startswith("using the tuned plan cached at ") and "measured 123,456 tokens/s on 20" in msg
+    assert msg.startswith("using the plan cached at ") and "measured 123,456 tokens/s on 20" in msg
     # a world-size mismatch: ignored with the reason, never a crash
     plan, msg = cached_plan_for(MODEL, topo, world_size=4, global_batch_size=32, loop=Loop.PLAIN,
                                 directory=root)
-    assert plan is None and "ignoring the plan cached at" in msg and "tuned for 8 processes and this job has 4" in msg
+    assert plan is None and "ignoring the plan cached at" in msg and "made for 8 processes and this job has 4" in msg
 
 
 def test_cache_dir_env(monkeypatch, tmp_path, topo):

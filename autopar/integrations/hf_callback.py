@@ -27,7 +27,7 @@ from accelerate.optimizer import AcceleratedOptimizer  # the Trainer's optimizer
 from .._util.log import get_logger
 from ..checkpoint import save
 from ..errors import AutoparError, PlanError
-from ..plan_cache import cache_key, lookup, store
+from ..plan_cache import SOURCE_RUN, cache_key, lookup, store
 from ..plans import Loop
 from ..strategies.state import Applied, applied, is_wrapped
 from ._measure import _sync
@@ -182,8 +182,9 @@ def feed_back(state: Applied, measured: StepMeasurement, *, loop: Loop,
         best = cached.measurement.get("tokens_per_s", cached.measurement.get("samples_per_s"))
         if isinstance(best, (int, float)) and best >= measured.throughput():
             return None
-    return store(state.plan, key, measurement=measured.to_cache(),
-                 directory=directory)
+    # the source says a measured run, never a tuner study (issue 34, item 7)
+    return store(state.plan, key, measurement={**measured.to_cache(), "source": f"{SOURCE_RUN} (the Hugging Face "
+                                                                                  "Trainer)"}, directory=directory)
 
 
 class AutoparCallback(transformers.TrainerCallback):

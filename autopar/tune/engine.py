@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..calibration_cache import save_refit
 from ..cost.calibration import Calibration
 from ..errors import AutoparError, ResultNotSavedError, TuneError
-from ..plan_cache import cache_key, path_for, sample_signature, store, write_plan_out
+from ..plan_cache import SOURCE_TUNER, cache_key, path_for, sample_signature, store, write_plan_out
 from ..planning import calibration_for, short_name
 from ..plans import Loop, Plan
 from .interrupt import held
@@ -429,7 +429,7 @@ class StudyEngine:
         return path_for(self._cache_key(), directory=self.options.cache_directory)
 
     def _store(self, best: Plan) -> Path:
-        measurement = dict(best.measurement or {})
+        measurement = dict(best.measurement or {}, source=SOURCE_TUNER)
         if self.study_path is not None:
             measurement["study"] = str(self.study_path)
         return store(best.replace(measurement=None), self._cache_key(), measurement=measurement,

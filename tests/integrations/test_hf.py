@@ -24,7 +24,7 @@ from autopar._util.dist import World
 from autopar.errors import PlanError
 from autopar.integrations import hf
 from autopar.integrations.hf_callback import feed_back
-from autopar.plan_cache import cache_key, lookup, store
+from autopar.plan_cache import cache_key, cached_plan_for, lookup, store
 from autopar.plans import Loop, Plan
 from autopar.topology import Topology
 from tests.distributed._launch import torchrun
@@ -209,6 +209,11 @@ def test_callback_measures_beside_the_prediction_and_feeds_the_plan_cache(tmp_pa
     kept = lookup(key)
     assert kept is not None and kept.strategy() == state.plan.strategy()
     assert kept.measurement["tokens_per_s"] == pytest.approx(m.tokens_per_s)
+    # an ordinary run's plan is cached as a measured run's, and wrap says so, never "tuned" (issue 34, item 7)
+    assert kept.measurement["source"] == "a measured run (the Hugging Face Trainer)"
+    _, note = cached_plan_for(state.profile, state.topology, world_size=1, global_batch_size=_hf.GLOBAL,
+                              loop=Loop.ACCUMULATES)
+    assert "(from a measured run (the Hugging Face Trainer), measured " in note and "tuned" not in note
     # a plan measured faster is not replaced by a slower one
     faster = dataclasses.replace(m, step_s=m.step_s / 10, samples_per_s=m.samples_per_s * 10,
                                  tokens_per_s=m.tokens_per_s * 10)
