@@ -16,23 +16,26 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
 
 import torch.nn as nn
 import yaml
 
 from ._util.args import ArgumentParser, unknown_command, version
+from ._util.progress import phase
 from .demo import main as demo_main
 from .errors import AutoparError, InfeasiblePlanError, ModelSpecError, PlanError, ResultNotSavedError
 from .named_models import (DEEPER_DEPTH, SHALLOW_DEPTH, ModelSource, TracedVariants, known_specs, model_profiles,
                            model_sample_batch, resolve_model)
 from .plan_cache import CacheEntry, cache_key, entry_source, lookup_entry, write_plan_out
-from .planning import GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name
+from .planning import (GiB, candidates, describe_candidates, dropped_reasons, resolve_topology, short_name,
+                       verify_candidates)
 from .plans import Loop, Plan
 from .profile import ModelProfile
 from .search import Candidate, DropKind, data_parallel_degrees
 from .topology import Topology
-from .tune.report import charts_hint, load_report, rate_text, write_plots
+from .tune.progress_line import ProgressLine as _ProgressLine
+from .tune.report import charts_hint, load_report, write_plots
 from .tune.study import tune
 
 
@@ -156,7 +159,8 @@ def _run_plan(args: argparse.Namespace) -> _PlanRun:
     started = time.perf_counter()
     topo = resolve_topology(args.cluster)
     source = resolve_model(args.model)
-    profile, variants = model_profiles(source, topo, seq_len=args.seq)
+    with phase(f"tracing {source.name} on fake tensors (its profile)"):  # a line past 2 s, again every 10 s
+        profile, variants = model_profiles(source, topo, seq_len=args.seq)
     profiled = time.perf_counter()
     global_batch = _global_batch(args, source, profile.tokens_per_sample, topo.world_size)
     _check_batch_splits(global_batch, profile, topo, loop=args.loop)
@@ -208,11 +212,17 @@ def _check_batch_splits(global_batch: int, profile: ModelProfile, topo: Topology
 
 def _rank(args: argparse.Namespace, source: ModelSource, profile: ModelProfile, variants: TracedVariants,
           topo: Topology, global_batch: int) -> list[Candidate]:
-    """Every plan, ranked by autopar.candidates, the --verify best checked by the exact memory check."""
-    model_fn, sample = _exact_check_inputs(source, profile.tokens_per_sample) if args.verify else (None, None)
-    return candidates(profile, sample=sample, topology=topo, world_size=topo.world_size,
-                      global_batch_size=global_batch, loss_fn=source.loss_fn, variants=variants,
-                      loop=args.loop, headroom=HEADROOM, verify=args.verify, model_fn=model_fn)
+    """Every plan, ranked by autopar.candidates, the --verify best checked by the exact memory check; each step
+    that runs past 2 s says so on stderr (autopar._util.progress.phase), and again every 10 s."""
+    with phase(f"ranking the plans for {topo.world_size} {'GPUs' if topo.is_gpu else 'processes'} (cost model)"):
+        ranked = candidates(profile, topology=topo, world_size=topo.world_size, global_batch_size=global_batch,
+                            loss_fn=source.loss_fn, variants=variants, loop=args.loop, headroom=HEADROOM)
+    if not args.verify:
+        return ranked
+    model_fn, sample = _exact_check_inputs(source, profile.tokens_per_sample)
+    with phase(f"checking the {args.verify} best plan(s) with the exact memory check (a full-model trace each)"):
+        return verify_candidates(ranked, model_fn, sample, top=args.verify, topology=topo, loss_fn=source.loss_fn,
+                                 headroom=HEADROOM)
 
 
 def _exact_check_inputs(source: ModelSource, seq: int | None) -> tuple[Callable[[], nn.Module] | nn.Module, Any]:
@@ -432,53 +442,6 @@ def _tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=5, metavar="K",
                    help="run the K best predicted plans first, in predicted order (default 5)")
     return p
-
-
-class _ProgressLine:
-    """`autopar tune`'s progress on stderr: one line rewritten in place on a terminal (trial i/N, the plan
-    in flight, the best so far), a line per event otherwise. Ended trials are printed as lines that stay."""
-
-    def __init__(self, stream: TextIO, *, tty: bool | None = None) -> None:
-        self.stream = stream
-        self.tty = stream.isatty() if tty is None else tty
-        self.shown = False
-
-    def __call__(self, ev: Any) -> None:  # an autopar.tune.study.Progress
-        unit = "tok/s" if ev.unit == "tokens/s" else "samples/s"
-        best = f"best {rate_text(ev.best)} {unit} ({ev.best_plan})" if ev.best is not None else "best -"
-        budget = ev.budget
-        if ev.event == "trial":
-            done = ev.measured
-            if budget:
-                filled = min(20, round(20 * done / budget))
-                bar = f"[{'#' * filled}{'.' * (20 - filled)}] {done + 1}/{budget}"
-            else:
-                bar = f"trial {done + 1}"
-            self._line(f"{bar} running {ev.plan} | {best} | {ev.elapsed_s:.0f} s", keep=False)
-        elif ev.event == "result":
-            what = f"{rate_text(ev.throughput)} {unit}" if ev.status == "ok" else (ev.message or "").splitlines()[0][:100]
-            self._line(f"trial {ev.number}: {ev.status:<7} {ev.plan}: {what}", keep=True)
-        elif ev.event == "pruned":
-            self._line(f"trial {ev.number}: pruned  {ev.plan}: not run, {ev.message.split(': ', 1)[-1]}", keep=True)
-        elif ev.event in ("start", "done"):
-            self._line(f"{ev.message}", keep=True)
-
-    def _line(self, text: str, *, keep: bool) -> None:
-        text = f"[autopar tune] {text}"
-        if not self.tty:
-            self.stream.write(text + "\n")
-        elif keep:
-            self.stream.write("\r\033[K" + text + "\n")
-            self.shown = False
-        else:
-            self.stream.write("\r\033[K" + text)
-            self.shown = True
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty and self.shown:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
 
 
 def _tune(argv: list[str]) -> int:

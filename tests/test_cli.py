@@ -44,6 +44,15 @@ def factory(tmp_path, monkeypatch):
     return "tiny_factory_mod"
 
 
+@pytest.fixture(autouse=True)
+def _no_progress_lines(monkeypatch):
+    """autopar plan's progress lines (a step past 2 s) go to the autopar logger, whose stderr handler was made
+    under an earlier test's capture: these tests check stdout and errors, and the progress test turns them on."""
+    import autopar._util.progress as progress
+
+    monkeypatch.setattr(progress, "AFTER_S", 1e9)
+
+
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -265,6 +274,7 @@ def test_demo_refuses_nproc_0_rather_than_reading_it_as_the_default(capsys):
 
 def test_nothing_fits_names_host_memory_when_offload_fits_the_gpus_and_a_topology_file_gives_more(capsys, tmp_path):
     code, out, err = _run(capsys, "plan", "llama3-405b", "--cluster", "8xH100-SXM", "--out", "-")
+    err = "".join(line for line in err.splitlines(keepends=True) if not line.startswith("[autopar] "))  # progress
     assert code == 2 and out == "" and err.count("\n") == 1
     assert "CPU offload fits the GPUs, but the smallest offload plan" in err
     assert "GiB of host memory per node, and a node has 2,048 GiB" in err and "host_memory_bytes" in err
@@ -348,3 +358,40 @@ def test_plan_shows_the_cached_entry_for_the_job_with_its_source(capsys, factory
         assert f"from {source} (" in line and line.endswith(str(path)) and "tuned" not in line
         code, out, _ = _run(capsys, *argv, "--json")
         assert json.loads(out)["cached"]["source"] == source
+
+
+def test_plan_verify_says_what_it_does_for_any_step_past_the_threshold(capsys, monkeypatch, factory):
+    """Issue 34, item 4: `autopar plan --verify` was silent for 25 s and more; each step past 2 s (here 0.05 s)
+    now says what it does on stderr while it runs, and its time at the end; stdout keeps the table."""
+    import logging
+    import time
+
+    import autopar._util.progress as progress
+    import autopar.cli as cli
+    from autopar._util.log import get_logger
+
+    monkeypatch.setattr(progress, "AFTER_S", 0.05)
+    real = cli.verify_candidates
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_candidates", slow)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    handler = Keep()
+    get_logger().addHandler(handler)
+    try:
+        code, out, err = _run(capsys, "plan", f"{factory}:build", "--cluster", "2xH100-SXM", "--verify", "1",
+                              "--out", "-")
+    finally:
+        get_logger().removeHandler(handler)
+    assert code == 0, err
+    checking = [line for line in seen if line.startswith("checking the 1 best plan(s) with the exact memory check")]
+    assert checking[0].endswith(" s so far)") and "done in" in checking[-1]
+    assert "exact memory check (allocated peak" in out and "[autopar]" not in out
