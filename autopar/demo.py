@@ -32,8 +32,8 @@ SIZES = {
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="autopar demo", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=at_least_1(), default=20, help="optimizer steps (default 20)")
-    p.add_argument("--nproc", type=at_least_1("; leave it out for the default (every GPU here, or 2 "
-                                                        "processes on a CPU)"),  # (0 once meant the default)
+    p.add_argument("--nproc", type=at_least_1("; leave it out for the default (every GPU here, or 2 processes on "
+                                              "a CPU)"),  # (0 once meant the default, silently)
                    default=None, help="processes to launch (default: one per GPU, or 2 on CPU)")
     p.add_argument("--size", choices=sorted(SIZES), default=None,
                    help="model size (default: tiny on CPU, gpt2-small on GPUs)")
