@@ -20,6 +20,7 @@ import autopar
 from autopar._util.args import ArgumentParser, at_least_1
 from autopar._util.dist import close_process_group, end_rank_process
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+from autopar.profile import model_fingerprint
 
 #: Model sizes: a tiny one for CPUs (the demo finishes in well under 2 minutes on 2 cores) and a
 #: GPT-2-small shape for GPUs.
@@ -44,13 +45,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_plan(p: argparse.ArgumentParser, args: argparse.Namespace, nproc: int) -> None:
-    """Read --plan before any process starts: a missing, empty or garbled file, or a plan for another number of
-    processes, is refused with argparse's one line (exit 2), not by every rank's traceback."""
+    """Read --plan before any process starts: a missing, empty or garbled file, a plan for another number of
+    processes or another model is refused with argparse's one line (exit 2), not by every rank's traceback."""
     if args.plan is None:
         return
+    with torch.device("meta"):  # the demo's model, without memory: its fingerprint only
+        fingerprint = model_fingerprint(GPT(GPTConfig(**SIZES[_size(args)])))
     try:
-        plan = autopar.Plan.load(args.plan)
-        plan.check_world(nproc)
+        autopar.Plan.load(args.plan, model_fingerprint=fingerprint, world_size=nproc)
     except autopar.AutoparError as exc:
         p.error(f"--plan {args.plan}: {exc}")
 
@@ -68,6 +70,10 @@ def _launch(args: argparse.Namespace, nproc: int) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _size(args: argparse.Namespace) -> str:
+    return args.size or ("gpt2-small" if torch.cuda.is_available() else "tiny")
+
+
 def _rank_main(args: argparse.Namespace) -> None:
     """One rank: train, then close torch.distributed in order (a barrier, then destroy_process_group). A rank
     launched by torchrun then leaves through end_rank_process (see __main__ below and its docstring)."""
@@ -77,7 +83,7 @@ def _rank_main(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     on_gpu = torch.cuda.is_available()
-    size = args.size or ("gpt2-small" if on_gpu else "tiny")
+    size = _size(args)
     cfg = GPTConfig(**SIZES[size])
     batch = args.batch or 8
     topology = autopar.Topology.detect()

@@ -61,6 +61,16 @@ def test_a_plan_for_another_number_of_processes_is_refused_before_the_launch(cap
     assert "= 4 processes, but this job has 2" in err
 
 
+def test_a_plan_for_another_model_is_refused_before_the_launch(capsys, no_run, tmp_path):
+    from autopar.plans import Plan
+
+    path = Plan(dp_shard=2, model_fingerprint="0123456789abcdef").save(tmp_path / "other.yaml")
+    err = _refused(capsys, ["--plan", str(path)])
+    assert "this plan was made for another model (fingerprint 0123456789abcdef" in err
+    fits = Plan(dp_replicate=2, micro_batch_size=8).save(tmp_path / "replicate.yaml")  # no fingerprint: any model
+    demo._check_plan(demo._parser(), demo._parser().parse_args(["--plan", str(fits)]), 2)
+
+
 # ---- issue 34, item 1: the demo exits 0 every run ---------------------------------------------------------------
 def test_a_rank_leaves_through_os_exit_after_flushing(monkeypatch, capsys):
     """end_rank_process: the output is flushed, then os._exit: the interpreter is never finalized while gloo's
