@@ -296,6 +296,15 @@ def test_version_comes_from_the_package_metadata(capsys):
     assert _run(capsys, "-V")[1] == out
 
 
+def test_the_usage_in_docs_cli_md_is_the_usage_printed():
+    from pathlib import Path
+
+    from autopar.cli import USAGE
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert f"```\n{USAGE}\n```" in doc
+
+
 def test_a_misspelt_command_is_one_line_with_the_closest_command(capsys):
     code, out, err = _run(capsys, "plna", "gpt2")
     assert code == 2 and out == "" and err.count("\n") == 1
