@@ -122,9 +122,10 @@ def first_failure(error: BaseException | None) -> None:
 
 def close_process_group() -> None:
     """End this process's torch.distributed in order: a barrier (no rank leaves while a peer still talks to it),
-    then destroy_process_group. Gloo's worker threads outlive it (they end only when the last reference to the
-    C++ group goes, and a sharded model keeps one): a process that then lets Python finalize can abort, so a rank
-    that owns its process ends with `end_rank_process` after this."""
+    then destroy_process_group. Gloo's worker threads outlive it: they end only when the last reference to the
+    group goes, and after the model is gone torch's DTensor specs still hold its device mesh, which holds the
+    group (seen on torch 2.13: two DeviceMesh and the group alive after a collection). A process that then lets
+    Python finalize can abort, so a rank that owns its process ends with `end_rank_process` after this."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     if dist.get_world_size() > 1:
