@@ -178,6 +178,11 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                         torch.cuda.empty_cache()
     finally:
         kept.restore(model)
+        # The caching allocator keeps what both modes' steps used (two layouts of activations: 2x the reserved
+        # memory of training on gpt2, bench/NOTES.md 2026-12-05): given back, so the training loop reserves its own.
+        batch = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def median_of(compiled: bool) -> float | None:
         times = sorted(measured.get(compiled, []))

@@ -94,3 +94,16 @@ def test_search_on_one_gpu_chooses_bf16_and_compile_fits_and_trains():
     assert losses[-1] < losses[0]
     del model
     torch.cuda.empty_cache()
+
+
+def test_wrap_s_race_gives_back_the_memory_its_two_modes_reserved(tmp_path, monkeypatch):
+    """wrap's compile race runs the step eager and compiled (two layouts of activations); afterwards the caching
+    allocator holds no more than the model's own tensors and a small slack, not both modes' activations."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    model = _gpt2_355m().cuda()
+    batch = {k: v.cuda() for k, v in _batch(model.config.vocab_size).items()}
+    torch.cuda.empty_cache()
+    autopar.wrap(model, sample=batch, measure=True, verbose=False)
+    assert autopar.applied(model).plan.prediction.get("measured_forward_backward_s")
+    slack = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert slack < 1 << 30, f"{slack / 2**30:.1f} GiB reserved beyond what is allocated after wrap's race"
