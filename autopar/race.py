@@ -118,26 +118,28 @@ def _slowest(seconds: float | None, device: torch.device) -> float | None:
 
 
 def _time(step: Callable[[], None], device: torch.device, *, warmup: int, steps: int) -> tuple[float, float]:
-    """(warm-up seconds, median seconds of a step after it)."""
+    """(warm-up seconds, seconds of a step after it): `steps` steps queued back to back and synchronised once,
+    as a training loop runs them (the host issues the next step while the device runs this one). A sync after
+    each step would add the host's time to the device's on every step: +2 to +41% on the zoo's step
+    predictions, most on host-bound models (bench/NOTES.md, 2026-12-05)."""
     start = time.perf_counter()
     for _ in range(warmup):
         step()
     _sync(device)
     warm = time.perf_counter() - start
-    times = []
+    t0 = time.perf_counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
         step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return warm, sorted(times)[len(times) // 2]
+    _sync(device)
+    return warm, (time.perf_counter() - t0) / steps
 
 
 def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
-                 steps: int = 5) -> CompileRace:
+                 steps: int = 9) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
-    rounds (`steps` steps of each mode in all, the median of the rounds' medians), and keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
+    rounds (`steps` steps of each mode in all, each round's steps back to back, the median of the rounds), and
+    keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
     both failing keeps the plan's compiled forward and says so."""
     start = time.perf_counter()
     batch = real_batch(sample, device)
