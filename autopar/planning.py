@@ -67,6 +67,9 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
     check_traced_for(profile, topology)
     variants = bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks, profile=profile)
     if key is not None:
+        # keyed as the model is now: a forward may write its config (Hugging Face's classifiers set
+        # `config.problem_type` from the first labels they see), and the next call reads the model so
+        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), key[1])
         _TRACES[model] = (key, profile, dict(variants))
     return profile, variants
 

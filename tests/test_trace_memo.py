@@ -65,3 +65,19 @@ def test_a_changed_model_or_sample_is_traced_afresh(traces, change):
         topology = None  # this machine: a CPU, no bf16
     autopar.plan(model, sample=x, topology=topology)
     assert traces[0] > before
+
+
+def test_a_model_whose_forward_writes_its_config_is_traced_once(traces):
+    """Hugging Face's classifiers set `config.problem_type` at their first forward with labels: the traces are
+    kept under the model as the trace left it, so predict after plan reads them."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic",
+                                    num_labels=10)
+    model = transformers.ResNetForImageClassification(cfg)
+    sample = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.randint(0, 10, (4,))}
+    assert model.config.problem_type is None
+    plan = autopar.plan(model, sample=sample, topology="1xH200")
+    assert model.config.problem_type is not None  # the premise: the traced forward wrote it
+    after_plan = traces[0]
+    autopar.predict(model, plan, sample=sample, topology="1xH200")
+    assert traces[0] == after_plan
