@@ -524,15 +524,19 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
         with phase("tracing the bf16 steps on fake tensors", say=say):
             variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
                                      precisions=precisions)
+        tp_refusal = tensor_parallel_refusal(model, profile)
+
+        def choose() -> Plan:  # reads `variants` as it is now
+            return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
+                           variants=variants, loop=loop, tp_refusal=tp_refusal)
+
         with phase(f"choosing among the plans for {world_size} process(es) (cost model)", say=say):
-            chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                             variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
-        if chosen.uses_fsdp and chosen.precision == "bf16" and "bf16-pure" not in variants and variants:
+            chosen = choose()
+        if "bf16-pure" not in precisions and variants and chosen.uses_fsdp and chosen.precision == "bf16":
             with phase("tracing the bf16-weights step on fake tensors (the plan offloads)", say=say):
                 variants.update(bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
                                               precisions=("bf16-pure",)))
-            chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                             variants=variants, loop=loop, tp_refusal=tensor_parallel_refusal(model, profile))
+            chosen = choose()
         return _Decision(chosen, "chosen by the cost model", note)
     except Exception as exc:  # sent to the other ranks so that none waits forever
         return _Decision(None, "", error=exc)

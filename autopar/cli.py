@@ -512,7 +512,6 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = ("demo", "topology", "plan", "tune", "report")
 USAGE = ("usage: autopar {demo,topology,plan,tune,report} [options]\n\n"
          "  demo       train a built-in GPT under the plan autopar chooses (2 CPU processes, or the GPUs here)\n"
          "  topology   print the hardware autopar sees (or --cluster SPEC)\n"
@@ -542,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     if argv[0] not in commands:
-        print(unknown_command(argv[0], COMMANDS), file=sys.stderr)
+        print(unknown_command(argv[0], tuple(commands)), file=sys.stderr)
         return 2
     try:
         return commands[argv[0]](argv[1:])

@@ -408,7 +408,7 @@ def entry_source(entry: CacheEntry) -> str:
     """Where `entry`'s plan came from: its recorded source; an older file's tuner study if it names one."""
     m = entry.measurement or {}
     if isinstance(m.get("source"), str):
-        return str(m["source"])
+        return m["source"]
     return SOURCE_TUNER if "study" in m else "an earlier autopar that did not record its source"
 
 

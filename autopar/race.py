@@ -139,8 +139,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  steps: int = 9) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (`steps` steps of each mode in all, each round's steps back to back, the median of the rounds), and
-    keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps the other;
-    both failing keeps the plan's compiled forward and says so."""
+    keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps
+    the other; both failing keeps the plan's compiled forward and says so."""
     start = time.perf_counter()
     batch = real_batch(sample, device)
     kept = _Kept(model, device)

@@ -119,7 +119,6 @@ def first_failure(error: BaseException | None) -> None:
         raise AutoparError(f"rank {failed} failed (its error is in its own output); every rank stops.")
 
 
-
 def close_process_group() -> None:
     """End this process's torch.distributed in order: a barrier (no rank leaves while a peer still talks to it),
     then destroy_process_group. Gloo's worker threads outlive it: they end only when the last reference to the
