@@ -14,6 +14,7 @@ def get_logger() -> logging.Logger:
     if not _logger.handlers and not getattr(_logger, "_autopar_configured", False):
         _logger._autopar_configured = True  # type: ignore[attr-defined]
         handler = logging.StreamHandler(sys.stderr)
+        handler._autopar_own = True  # type: ignore[attr-defined]  # autopar._util.progress may draw on its stream
         handler.setFormatter(logging.Formatter("[autopar] %(message)s"))
         _logger.addHandler(handler)
         if _logger.level == logging.NOTSET:

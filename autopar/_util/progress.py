@@ -1,40 +1,75 @@
-"""What autopar is doing, said while it takes long: a phase that runs past `AFTER_S` seconds is announced on
-the autopar logger ("[autopar] tracing ... (2 s so far)"), then every `EVERY_S` seconds, and its end with its
-time. Short phases say nothing. A line each on a terminal and in a log file alike (no carriage returns, which
-a log collector would keep)."""
+"""What autopar is doing, said while it takes long: a phase that runs past `AFTER_S` seconds is announced.
+
+- On a terminal (autopar's own stderr handler, stderr a TTY): one status line redrawn in place every
+  `TICK_S` seconds ("[autopar] | tracing ...  4 s"), replaced at the end by a line that stays
+  ("[autopar] tracing ...: done in 4.2 s").
+- Otherwise (a log file, a collector, a handler the user installed): a line on the autopar logger when the
+  phase passes AFTER_S ("tracing ... (2 s so far)"), again every `EVERY_S` seconds, and its end with its time;
+  no carriage returns, which a log collector would keep.
+
+Short phases say nothing; a phase that raises ends silently (the error says enough)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, TextIO
 
 from .log import get_logger
 
 AFTER_S = 2.0  # a phase says what it does once it has run this long
-EVERY_S = 10.0  # and again this often
+EVERY_S = 10.0  # and again this often (log lines)
+TICK_S = 0.5  # the terminal line's redraw period
+_SPIN = "|/-\\"
+_CLEAR = "\r\033[K"  # carriage return, then erase to the end of the line
+
+
+def _terminal() -> TextIO | None:
+    """stderr when autopar's INFO lines go to a terminal through autopar's own handler only; else None."""
+    logger = get_logger()
+    if not logger.isEnabledFor(logging.INFO) or len(logger.handlers) != 1:
+        return None
+    handler = logger.handlers[0]
+    stream = getattr(handler, "stream", None)
+    if not getattr(handler, "_autopar_own", False) or stream is None:
+        return None
+    try:
+        return stream if stream.isatty() else None
+    except (AttributeError, ValueError, OSError):  # a closed or odd stream: log lines instead
+        return None
 
 
 @contextlib.contextmanager
 def phase(what: str, *, say: bool = True) -> Iterator[None]:
-    """Run the body; if it takes over AFTER_S seconds (and `say`), log what it is doing while it runs and how
-    long it took when it ends (an error ends it silently: the error says enough)."""
+    """Run the body; if it takes over AFTER_S seconds (and `say`), show what it is doing while it runs and how
+    long it took when it ends: a line redrawn in place on a terminal, log lines otherwise."""
     if not say:
         yield
         return
     start = time.perf_counter()
     done = threading.Event()
     announced = threading.Event()
+    tty = _terminal()
 
-    def watch() -> None:
+    def watch_log() -> None:
         wait = AFTER_S
         while not done.wait(wait):
             announced.set()
             get_logger().info("%s... (%.0f s so far)", what, time.perf_counter() - start)
             wait = EVERY_S
 
-    watcher = threading.Thread(target=watch, name="autopar-progress", daemon=True)
+    def watch_tty() -> None:
+        assert tty is not None
+        wait, tick = AFTER_S, 0
+        while not done.wait(wait):
+            announced.set()
+            tty.write(f"{_CLEAR}[autopar] {_SPIN[tick % len(_SPIN)]} {what}  {time.perf_counter() - start:.0f} s")
+            tty.flush()
+            wait, tick = TICK_S, tick + 1
+
+    watcher = threading.Thread(target=watch_log if tty is None else watch_tty, name="autopar-progress", daemon=True)
     watcher.start()
     ok = False
     try:
@@ -43,5 +78,8 @@ def phase(what: str, *, say: bool = True) -> Iterator[None]:
     finally:
         done.set()
         watcher.join()
+        if tty is not None and announced.is_set():
+            tty.write(_CLEAR)  # the status line goes; the end's line (or the error) takes its place
+            tty.flush()
         if ok and announced.is_set():
             get_logger().info("%s: done in %.1f s", what, time.perf_counter() - start)
