@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-import torch._dynamo
 import torch.nn as nn
 
 from .._util.batch import call_model, map_tensors
@@ -68,6 +67,8 @@ def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_c
     if device is None:
         return None
     inputs = map_tensors(lambda t: t.to(device), sample)
+    import torch._dynamo  # here, not at the top: importing it costs about a second, which `import autopar` skips
+
     try:
         # (dynamo's own logging of the breaks is not the user's to read: the profile's note says it once)
         quiet = torch._dynamo.config.patch(verbose=False, suppress_errors=False)
