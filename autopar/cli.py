@@ -220,9 +220,9 @@ def _rank(args: argparse.Namespace, source: ModelSource, profile: ModelProfile, 
     if not args.verify:
         return ranked
     model_fn, sample = _exact_check_inputs(source, profile.tokens_per_sample)
-    with phase(f"checking the {args.verify} best plan(s) with the exact memory check (a full-model trace each)"):
+    with phase(f"checking the {args.verify} best plan(s) with the exact memory check (a full-model trace each)") as p:
         return verify_candidates(ranked, model_fn, sample, top=args.verify, topology=topo, loss_fn=source.loss_fn,
-                                 headroom=HEADROOM)
+                                 headroom=HEADROOM, progress=p.count)
 
 
 def _exact_check_inputs(source: ModelSource, seq: int | None) -> tuple[Callable[[], nn.Module] | nn.Module, Any]:

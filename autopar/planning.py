@@ -264,21 +264,28 @@ def _candidates_loop(loop: Loop | str | None, allow_train_step: bool | None) -> 
 
 def verify_candidates(ranked: Sequence[Candidate], model_fn: Callable[[], nn.Module] | nn.Module, sample: Any, *,
                       top: int, topology: Topology, loss_fn: Callable | None = None, blocks: Any = None,
-                      headroom: float = 0.95) -> list[Candidate]:
+                      headroom: float = 0.95, progress: Callable[[int, int], None] | None = None
+                      ) -> list[Candidate]:
     """Check the `top` best feasible candidates with the exact memory check: each gets its `exact` result;
     one whose traced peak plus the predicted allocator and context overhead exceeds `headroom` of a GPU's
     memory is dropped with that reason. The check traces the eager step: for a compiled plan its peak is an
     upper bound (compile saves fewer activations), reported but never the reason to drop it. CPU-offload
-    plans are not checked (their state lives in host memory). Returns the list re-ranked."""
+    plans are not checked (their state lives in host memory). `progress(checked, total)` is called before the
+    first check and after each. Returns the list re-ranked."""
 
     if top < 0:
         raise PlanError(f"verify must be a non-negative number of candidates, got {top}.")
     budget = headroom * topology.device.memory_bytes
     out, checked = [], 0
+    total = min(top, sum(1 for c in ranked if c.feasible and not c.plan.cpu_offload))
+    if progress is not None:
+        progress(0, total)
     for c in ranked:
         if c.feasible and checked < top and not c.plan.cpu_offload:  # offloaded state lives in host memory
-            checked += 1
             exact = exact_memory(model_fn, sample, c.plan, topology=topology, loss_fn=loss_fn, blocks=blocks)
+            checked += 1
+            if progress is not None:
+                progress(checked, total)
             assert c.prediction is not None
             need = exact.peak_bytes + c.prediction.memory.overhead_bytes
             plan = c.plan.replace(prediction={**(c.plan.prediction or {}), "exact_allocated_bytes": exact.peak_bytes})

@@ -80,6 +80,7 @@ class _Terminal:
 @pytest.fixture()
 def terminal(monkeypatch):
     monkeypatch.setattr(progress, "AFTER_S", 0.05)
+    monkeypatch.setattr(progress, "TTY_AFTER_S", 0.05)
     monkeypatch.setattr(progress, "TICK_S", 0.05)
     logger = get_logger()
     (handler,) = [h for h in logger.handlers if getattr(h, "_autopar_own", False)]
@@ -115,3 +116,45 @@ def test_a_handler_the_user_added_gets_log_lines_not_the_terminal_line(terminal,
         time.sleep(0.3)
     assert lines[0].startswith("tracing a step... (")
     assert "\r" not in terminal.text
+
+
+def test_on_a_terminal_a_phase_under_two_seconds_is_drawn_from_its_first_second_and_leaves_nothing(terminal,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(progress, "AFTER_S", 5.0)
+    with progress.phase("ranking"):
+        time.sleep(0.3)
+    assert "[autopar] " in terminal.text and "ranking" in terminal.text
+    assert terminal.text.endswith("\r\033[K") and "\n" not in terminal.text
+
+
+def test_a_phase_of_counted_parts_draws_a_bar_on_a_terminal_and_counts_in_log_lines(terminal, lines):
+    logger = get_logger()
+    others = [h for h in logger.handlers if not getattr(h, "_autopar_own", False)]
+    for h in others:  # the terminal alone first
+        logger.removeHandler(h)
+    with progress.phase("checking 2 plans") as p:
+        p.count(0, 2)
+        time.sleep(0.2)
+        p.count(1, 2)
+        time.sleep(0.2)
+    assert "[" + "." * 20 + "] 0/2" in terminal.text and "[" + "#" * 10 + "." * 10 + "] 1/2" in terminal.text
+    for h in others:
+        logger.addHandler(h)
+    with progress.phase("checking 2 plans") as p:
+        p.count(1, 2)
+        time.sleep(0.3)
+    assert any(line.startswith("checking 2 plans... (1/2 done, ") for line in lines)
+
+
+def test_verify_candidates_counts_the_plans_it_checks():
+    from autopar.planning import candidates, verify_candidates
+    from autopar.profile import profile_model
+
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])
+    sample = torch.randn(8, 32)
+    topo = autopar.Topology.from_spec("2xH200")
+    ranked = candidates(profile_model(model, sample, warn=False), topology=topo, world_size=2, global_batch_size=16)
+    seen: list[tuple[int, int]] = []
+    build = lambda: nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])  # noqa: E731
+    verify_candidates(ranked, build, sample, top=2, topology=topo, progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(0, 2), (1, 2), (2, 2)]

@@ -1,13 +1,16 @@
 """What autopar is doing, said while it takes long: a phase that runs past `AFTER_S` seconds is announced.
 
-- On a terminal (autopar's own stderr handler, stderr a TTY): one status line redrawn in place every
-  `TICK_S` seconds ("[autopar] | tracing ...  4 s"), replaced at the end by a line that stays
+- On a terminal (autopar's own stderr handler, stderr a TTY): from `TTY_AFTER_S`, one status line redrawn in
+  place every `TICK_S` seconds ("[autopar] | tracing ...  4 s"; a phase of counted parts draws a bar,
+  "[######..............] 1/3"), erased at the end; a phase that ran past AFTER_S leaves a line that stays
   ("[autopar] tracing ...: done in 4.2 s").
 - Otherwise (a log file, a collector, a handler the user installed): a line on the autopar logger when the
   phase passes AFTER_S ("tracing ... (2 s so far)"), again every `EVERY_S` seconds, and its end with its time;
   no carriage returns, which a log collector would keep.
 
-Short phases say nothing; a phase that raises ends silently (the error says enough)."""
+Short phases leave nothing; a phase that raises ends silently (the error says enough). A phase of parts
+counts them through the object it yields (`with phase("checking 3 plans") as p: ... p.count(i, 3)`).
+Hand-written rather than rich or tqdm: one status line is all it draws, and autopar adds no dependency for it."""
 
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Iterator, TextIO
 
 from .log import get_logger
 
-AFTER_S = 2.0  # a phase says what it does once it has run this long
+AFTER_S = 2.0  # a phase says what it does once it has run this long (log lines; the line that stays)
+TTY_AFTER_S = 0.5  # on a terminal the status line starts this early
 EVERY_S = 10.0  # and again this often (log lines)
 TICK_S = 0.5  # the terminal line's redraw period
 _SPIN = "|/-\\"
@@ -41,31 +45,51 @@ def _terminal() -> TextIO | None:
         return None
 
 
+class Phase:
+    """What a phase yields: `count(done, total)` says how many of its parts are done (a bar on a terminal)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.total = 0
+
+    def count(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+
+    def text(self) -> str:
+        if self.total <= 0:
+            return ""
+        filled = min(20, round(20 * self.done / self.total))
+        return f" [{'#' * filled}{'.' * (20 - filled)}] {self.done}/{self.total}"
+
+
 @contextlib.contextmanager
-def phase(what: str, *, say: bool = True) -> Iterator[None]:
-    """Run the body; if it takes over AFTER_S seconds (and `say`), show what it is doing while it runs and how
-    long it took when it ends: a line redrawn in place on a terminal, log lines otherwise."""
+def phase(what: str, *, say: bool = True) -> Iterator[Phase]:
+    """Run the body; if it takes long (and `say`), show what it is doing while it runs and how long it took
+    when it ends: a line redrawn in place on a terminal, log lines otherwise."""
+    parts = Phase()
     if not say:
-        yield
+        yield parts
         return
     start = time.perf_counter()
     done = threading.Event()
-    announced = threading.Event()
+    drawn = threading.Event()
     tty = _terminal()
 
     def watch_log() -> None:
         wait = AFTER_S
         while not done.wait(wait):
-            announced.set()
-            get_logger().info("%s... (%.0f s so far)", what, time.perf_counter() - start)
+            drawn.set()
+            counted = f"{parts.done}/{parts.total} done, " if parts.total else ""
+            get_logger().info("%s... (%s%.0f s so far)", what, counted, time.perf_counter() - start)
             wait = EVERY_S
 
     def watch_tty() -> None:
         assert tty is not None
-        wait, tick = AFTER_S, 0
+        wait, tick = TTY_AFTER_S, 0
         while not done.wait(wait):
-            announced.set()
-            tty.write(f"{_CLEAR}[autopar] {_SPIN[tick % len(_SPIN)]} {what}  {time.perf_counter() - start:.0f} s")
+            drawn.set()
+            tty.write(f"{_CLEAR}[autopar] {_SPIN[tick % len(_SPIN)]} {what}{parts.text()}  "
+                      f"{time.perf_counter() - start:.0f} s")
             tty.flush()
             wait, tick = TICK_S, tick + 1
 
@@ -73,13 +97,14 @@ def phase(what: str, *, say: bool = True) -> Iterator[None]:
     watcher.start()
     ok = False
     try:
-        yield
+        yield parts
         ok = True
     finally:
         done.set()
         watcher.join()
-        if tty is not None and announced.is_set():
+        if tty is not None and drawn.is_set():
             tty.write(_CLEAR)  # the status line goes; the end's line (or the error) takes its place
             tty.flush()
-        if ok and announced.is_set():
-            get_logger().info("%s: done in %.1f s", what, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        if ok and drawn.is_set() and took >= AFTER_S:
+            get_logger().info("%s: done in %.1f s", what, took)
