@@ -36,7 +36,7 @@ import yaml
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ._util.io import _readable_cache_dir, atomic_write_text, cache_subdir, read_private_bytes
+from ._util.io import atomic_write_text, cache_subdir, read_private_bytes, readable_cache_dir
 from ._util.yaml_text import load_yaml
 from .errors import CacheError, PlanError
 from .plan_cache import current_torch_version
@@ -226,8 +226,8 @@ def store(plan: Plan, key: WrapKey, *, tuned_key: str | None = None,
           directory: str | os.PathLike[str] | None = None) -> Path | None:
     """Cache `plan` (with its prediction and measurement) under `key`; written atomically, 0600, in a 0700 folder.
     None, writing nothing, where the default cache folder cannot be made (warned once a process, as for every
-    autopar cache: `autopar._util.io._readable_cache_dir`); CacheError where AUTOPAR_CACHE_DIR cannot be used."""
-    if directory is None and _readable_cache_dir() is None:
+    autopar cache: `autopar._util.io.readable_cache_dir`); CacheError where AUTOPAR_CACHE_DIR cannot be used."""
+    if directory is None and readable_cache_dir() is None:
         return None
     folder = cache_subdir(_SUBDIR, directory=directory, create=True)
     assert folder is not None

@@ -138,7 +138,7 @@ def cache_dir() -> Path:
     return path
 
 
-def _readable_cache_dir() -> Path | None:
+def readable_cache_dir() -> Path | None:
     """`cache_dir()` for a read; None where the default folder (no AUTOPAR_CACHE_DIR) cannot be made, with one
     CacheWarning a process for that folder: nothing is cached there, and planning goes on without the caches."""
     try:
@@ -194,9 +194,9 @@ def cache_subdir(name: str, *, directory: str | os.PathLike[str] | None = None, 
     """`<root>/<name>`, checked private, where `<root>` is `directory` or else `cache_dir()` (the root is
     followed if a symlink, since users relocate caches; `<name>` must not be one). Folders made here are
     0700. None when a folder does not exist and `create` is False, or when the default root cannot be made
-    for a read (warned once: `_readable_cache_dir`)."""
+    for a read (warned once: `readable_cache_dir`)."""
     if directory is None:
-        root = cache_dir() if create else _readable_cache_dir()
+        root = cache_dir() if create else readable_cache_dir()
         if root is None:
             return None
     else:
