@@ -12,8 +12,9 @@ llm-foundry rows (MosaicML llm-foundry, scripts/train/benchmarking/README.md, "H
   across nodes);
 - the plan: FSDP over every GPU (FULL_SHARD), the row's micro-batch and accumulation, full activation
   checkpointing where the row says AC, bf16, eager.
-What the plan cannot say of the run: llm-foundry's PURE mixed precision reduces gradients in bf16, where
-autopar's FSDP2 plans reduce in fp32 (twice the reduce-scatter bytes); its attention is a Triton flash kernel.
+The table's "MP Mode" column is DEFAULT (Composer's FSDP mixed precision: parameters gathered in bf16, gradients
+reduced in fp32), as autopar's FSDP2 bf16 plans do. What the plan cannot say of the run: FSDP1's flat parameters,
+Composer's loop and MPT's own kernels of 2023 (bench/NOTES.md, 2026-12-05: why the rows are over-predicted).
 
     python -m bench.paper [--out bench/results] [--no-search]
 
