@@ -30,18 +30,16 @@ RUN = ["README.md", "docs/first_hour.md", "docs/install.md", "docs/cli.md", "doc
 NOT_YET = {  # run by hand; their blocks are fragments of a larger job, or need GPUs, a cluster or minutes
     **{f"docs/{name}.md": "fragments of a training script (names defined elsewhere), not run yet"
        for name in ("tuning", "wrap")},
-    "docs/profile.md": "runs as written, but takes 13 s on 2 cores (over this test's budget)",
     **{f"docs/strategies/{name}.md": "fragments; several need GPUs" for name in
        ("fsdp", "pipeline", "tensor_parallel")},
-    **{f"docs/strategies/{name}.md": "runs as written, but takes 20-30 s on 2 cores (over this test's budget)"
-       for name in ("README", "compile")},
     "docs/integrations/hf.md": "needs a Hugging Face model and several processes",
     "docs/integrations/lightning.md": "needs a Lightning run of several processes",
     "docs/architecture.md": "no code blocks", "docs/reliability.md": "no code blocks",
     "docs/strategies.md": "no code blocks",
 }
 # Run one test each (pytest-xdist spreads them): pages whose scripts start processes, or take seconds
-RUN_EACH = ["docs/checkpoints.md", "docs/cost_model.md", "docs/data.md", "docs/train_step.md"]
+RUN_EACH = ["docs/checkpoints.md", "docs/cost_model.md", "docs/data.md", "docs/train_step.md", "docs/profile.md",
+            "docs/strategies/README.md", "docs/strategies/compile.md"]
 RUNNABLE = {"python", "bash", "sh", "shell"}
 FENCE = re.compile(r"^```(\w*)\s*$")
 ENV_ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
