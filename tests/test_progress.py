@@ -158,3 +158,14 @@ def test_verify_candidates_counts_the_plans_it_checks():
     build = lambda: nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])  # noqa: E731
     verify_candidates(ranked, build, sample, top=2, topology=topo, progress=lambda d, t: seen.append((d, t)))
     assert seen == [(0, 2), (1, 2), (2, 2)]
+
+
+def test_the_terminal_line_fits_the_terminal_width(terminal, monkeypatch):
+    import os
+    monkeypatch.setattr(progress.shutil, "get_terminal_size", lambda: os.terminal_size((50, 24)))
+    with progress.phase("checking the 2 best plan(s) with the exact memory check (a full-model trace each)") as p:
+        p.count(1, 2)
+        time.sleep(0.2)
+    drawn = [line for line in terminal.text.split("\r\033[K") if line and "done in" not in line]
+    assert drawn and all(len(line) <= 49 and line.startswith("[autopar] ") for line in drawn), drawn
+    assert all(line.endswith(" s") and "1/2" in line for line in drawn)  # the count and the time are kept

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import threading
 import time
 from typing import Iterator, TextIO
@@ -88,8 +89,12 @@ def phase(what: str, *, say: bool = True) -> Iterator[Phase]:
         wait, tick = TTY_AFTER_S, 0
         while not done.wait(wait):
             drawn.set()
-            tty.write(f"{_CLEAR}[autopar] {_SPIN[tick % len(_SPIN)]} {what}{parts.text()}  "
-                      f"{time.perf_counter() - start:.0f} s")
+            tail = f"{parts.text()}  {time.perf_counter() - start:.0f} s"
+            head = f"[autopar] {_SPIN[tick % len(_SPIN)]} {what}"
+            room = shutil.get_terminal_size().columns - 1 - len(tail)  # one row: a wrapped line is not erased
+            if len(head) > room:
+                head = head[:max(room - 3, 0)] + "..."
+            tty.write(f"{_CLEAR}{head}{tail}")
             tty.flush()
             wait, tick = TICK_S, tick + 1
 
