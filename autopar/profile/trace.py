@@ -156,25 +156,32 @@ class StepTrace:
         """Forward (with the loss) and backward; the forward's FLOPs."""
         with self.fake_mode, self.flop_counter, self.watcher, self.shadows, self.sdpa, \
                 self.watcher.compile_masks.installed():
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
-                with self.autocast, self.cuda_policy:
-                    args, kwargs = split_sample(self.sample)
-                    output = functional_call(self.model, {**_per_slot(self.model, self.state), **self.attributes},
-                                             args, kwargs,
-                                             tie_weights=False, strict=False)
-                    self.watcher.in_loss = True
-                    self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
-                    output = _as_returned(output, self.precision)  # in the loss's scope
-                    loss = self.loss_fn(output, self.sample) if self.loss_fn is not None else default_loss(output)
-                    # The loop `loss = loss_fn(model(x), y)` drops the model's output once the loss is made: what
-                    # backward needs of it is saved; the rest (the logits) is freed before backward runs.
-                    del output
-            forward_flops = float(self.flop_counter.get_total_flops())
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ProfileError("loss_fn must return a scalar tensor.")
-            self.watcher.label_loss(loss)
-            self.watcher.forward = False
-            loss.backward()
+            # The model's tensors stay swapped for their fake copies through backward as well: a forward that
+            # checkpoints (torch.utils.checkpoint) runs its modules again there, and must find the fake ones.
+            tensors = {**_per_slot(self.model, self.state), **self.attributes}
+            return functional_call(_Swapped(self.model, self._forward_backward),
+                                   {f"model.{name}": t for name, t in tensors.items()}, (), {},
+                                   tie_weights=False, strict=False)
+
+    def _forward_backward(self) -> float:
+        """The step itself, with the model's tensors swapped (_step); the forward's FLOPs."""
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
+            with self.autocast, self.cuda_policy:
+                args, kwargs = split_sample(self.sample)
+                output = self.model(*args, **kwargs)
+                self.watcher.in_loss = True
+                self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
+                output = _as_returned(output, self.precision)  # in the loss's scope
+                loss = self.loss_fn(output, self.sample) if self.loss_fn is not None else default_loss(output)
+                # The loop `loss = loss_fn(model(x), y)` drops the model's output once the loss is made: what
+                # backward needs of it is saved; the rest (the logits) is freed before backward runs.
+                del output
+        forward_flops = float(self.flop_counter.get_total_flops())
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ProfileError("loss_fn must return a scalar tensor.")
+        self.watcher.label_loss(loss)
+        self.watcher.forward = False
+        loss.backward()
         return forward_flops
 
     @contextlib.contextmanager
@@ -200,7 +207,7 @@ class StepTrace:
 
     def _result(self, forward_flops: float) -> Trace:
         counts = self.flop_counter.get_flop_counts()
-        root = type(self.model).__name__
+        root = f"{_Swapped.__name__}.model"  # the flop counter names modules from the outermost one called (_step)
         call, w = self.first_call, self.watcher
         gradients = [t.grad for t in self.state.values() if t.grad is not None]
         return Trace(
@@ -316,6 +323,19 @@ def _cannot_trace(model: nn.Module, exc: Exception) -> str:
             "values (data-dependent Python control flow, e.g. `if labels.max() >= vocab`) cannot be traced on fake "
             "tensors, so no plan can be chosen by the cost model: wrap then applies a safe plan from the model's "
             "structure (profile_model(..., trace=False)), or pass it a plan.")
+
+
+class _Swapped(nn.Module):
+    """The module functional_call swaps the tensors of: `model` as its child, `run()` its forward, so the swap
+    lasts for all of `run` (the step's forward and its backward)."""
+
+    def __init__(self, model: nn.Module, run: Callable[[], Any]) -> None:
+        super().__init__()
+        self.model = model
+        self._run = run
+
+    def forward(self) -> Any:
+        return self._run()
 
 
 def _per_slot(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -114,3 +114,28 @@ def test_a_tensor_kept_as_a_plain_module_attribute_is_traced_and_left_as_it_was(
     profile = profile_model(model, torch.randn(4, 8, 16))
     assert profile.traced and profile.flops > 0
     assert model.table is table and torch.equal(model.table, before) and not model.table.is_meta
+
+
+def test_a_forward_that_checkpoints_its_layers_is_traced_through_the_recompute():
+    """torch.utils.checkpoint reruns a module's forward in backward: the trace keeps the fake weights swapped in
+    until backward ends (it raised "Please convert all Tensors to FakeTensors" on the real weights)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = checkpoint(layer, x, use_reentrant=False)
+            return x.sum()
+
+    model = Checkpointed()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    profile = profile_model(model, torch.randn(8, 16), warn=False)
+    plain = profile_model(nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)]), torch.randn(8, 16), warn=False)
+    assert profile.forward_flops == plain.forward_flops > 0
+    assert profile.flops >= plain.flops
+    assert all(b.flops > 0 for b in profile.blocks)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())  # untouched
