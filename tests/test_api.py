@@ -579,6 +579,14 @@ def test_wrap_refuses_a_tampered_plan_cache():
 
 
 # ---- a model that trains but cannot be traced (issue 10): a safe plan, said once -----------------------
+@pytest.fixture()
+def weights_unreadable(monkeypatch):
+    """A trace may not read the weights' values (as for a model over MAX_REAL_WEIGHT_BYTES): _ChecksItsLabels then
+    cannot be traced, and the safe plan is what is left (tests/profile/test_build.py traces it with its values)."""
+    import autopar.profile.build as build
+    monkeypatch.setattr(build, "MAX_REAL_WEIGHT_BYTES", 0)
+
+
 class _ChecksItsLabels(torch.nn.Module):
     """Reads the value of what its weights compute in forward (a check on its logits): trains, but a fake-tensor
     trace cannot run it (DataDependentOutputException; reads of the sample's own values are traced from it)."""
@@ -611,7 +619,7 @@ def _autopar_records(caplog, fn):
 
 
 @pytest.mark.parametrize("verbose", [True, False])
-def test_wrap_applies_a_safe_plan_to_a_model_it_cannot_trace_and_says_so_once(caplog, verbose):
+def test_wrap_applies_a_safe_plan_to_a_model_it_cannot_trace_and_says_so_once(caplog, verbose, weights_unreadable):
     model, reference_model = _ChecksItsLabels(), _ChecksItsLabels()
     wrapped, records = _autopar_records(caplog, lambda: autopar.wrap(model, sample=_labelled(), verbose=verbose))
     assert wrapped is model
@@ -637,7 +645,7 @@ def test_wrap_applies_a_safe_plan_to_a_model_it_cannot_trace_and_says_so_once(ca
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_plan_gives_the_safe_plan_with_a_warning_and_predict_raises_the_trace_error():
+def test_plan_gives_the_safe_plan_with_a_warning_and_predict_raises_the_trace_error(weights_unreadable):
     model = _ChecksItsLabels()
     with pytest.warns(UserWarning, match="could not be traced on fake tensors") as record:
         p = autopar.plan(model, sample=_labelled(), topology="8xH100-SXM")

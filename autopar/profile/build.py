@@ -23,6 +23,7 @@ from .trace import StepTrace, Trace, Units
 
 # Causes of a TraceError that no other precision can avoid: the step reads tensor values.
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+MAX_REAL_WEIGHT_BYTES = 4 * 2**30  # the most weight bytes a trace reads the values of (_weights_readable); bytes
 
 
 def profile_model(
@@ -143,12 +144,18 @@ def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callab
                  ) -> tuple[Trace, str, str | None, CompiledSaved | None]:
     """(the trace, the precision traced, a note when that is not the one asked for, what a compiled step saves).
     An fp32 step that cannot be traced is tried with bf16 weights, then under bf16 autocast; a data-dependent
-    step (one that reads tensor values) is not retried: no precision changes that."""
+    step (one that reads values its weights compute) is traced again with the weights' real values beside the
+    fake tensors, where they are real and at most MAX_REAL_WEIGHT_BYTES (no precision changes a value read)."""
     try:
         t, compiled = _traced(model, sample, units, loss_fn, precision)
         return t, precision, None, compiled
     except TraceError as exc:
-        if precision != "fp32" or isinstance(exc.__cause__, _DATA_DEPENDENT):
+        if isinstance(exc.__cause__, _DATA_DEPENDENT):
+            if not _weights_readable(model):
+                raise
+            t, compiled = _traced(model, sample, units, loss_fn, precision, real_weights=True)
+            return t, precision, _real_weights_note(exc), compiled
+        if precision != "fp32":
             raise
         for fallback in ("bf16-pure", "bf16"):
             try:
@@ -159,17 +166,33 @@ def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callab
         raise
 
 
-def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str
-            ) -> tuple[Trace, CompiledSaved | None]:
+def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str, *,
+            real_weights: bool = False) -> tuple[Trace, CompiledSaved | None]:
     """One traced step in `precision`, with the probe that partitions its autograd graph as torch.compile
     would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`)."""
     probe = CompiledSavedProbe(loss_fn, len(units))
-    step = StepTrace(model, sample, units, loss_fn=probe, precision=precision)
+    step = StepTrace(model, sample, units, loss_fn=probe, precision=precision, real_weights=real_weights)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
     with probe.hooked(units):
         t = step.run()
     return t, probe.result()
+
+
+def _weights_readable(model: nn.Module) -> bool:
+    """Whether a trace may read the weights' values: they are real (not on the meta device) and at most
+    MAX_REAL_WEIGHT_BYTES in all (the ops that need them run for real, on the CPU)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+    return all(not t.is_meta for t in tensors) and \
+        sum(t.numel() * t.element_size() for t in tensors) <= MAX_REAL_WEIGHT_BYTES
+
+
+def _real_weights_note(exc: TraceError) -> str:
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    first_line = str(cause).splitlines()[0][:200] if str(cause) else ""
+    return (f"the step reads values the weights compute ({type(cause).__name__}: {first_line}), which fake tensors "
+            "do not have; it was traced with the weights' own values beside them (the ops that need them run for "
+            "real on the CPU), so the plan follows the path this sample and these weights take through the model")
 
 
 def _fp32_untraceable_note(exc: TraceError, traced: str) -> str:

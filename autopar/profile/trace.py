@@ -101,7 +101,8 @@ class StepTrace:
     each block saves for backward; a StepWatcher and a FlopCounterMode watch the ops. `run()` once."""
 
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, real_weights: bool = False
+                 ) -> None:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
@@ -114,6 +115,13 @@ class StepTrace:
         self.attributes = _fake_attributes(model, self.fake_mode, device)
         self.shadows = InputShadows()  # the sample's values, for the step's reads of them (labels.max())
         self.sample = _fake_sample(sample, self.fake_mode, device, pure, self.shadows)
+        if real_weights:  # the weights' values too: a step whose control flow reads what they compute (build.py)
+            for name, real in list(model.named_parameters(remove_duplicate=False)) + list(
+                    model.named_buffers(remove_duplicate=False)):
+                self.shadows.add(self.state[name], real)
+            for key, fake in self.attributes.items():
+                prefix, _, attr = key.rpartition(".")
+                self.shadows.add(fake, getattr(model.get_submodule(prefix) if prefix else model, attr))
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         # A bf16 profile is for GPU plans: where the trace runs on another device, CUDA autocast's float32 ops
         # are cast as a GPU run casts them.
@@ -319,10 +327,11 @@ def _cannot_trace(model: nn.Module, exc: Exception) -> str:
     first_line = str(exc).splitlines()[0] if str(exc) else ""
     return (f"could not run one step of {type(model).__name__} on the sample without real memory "
             f"({type(exc).__name__}: {first_line}). Check that the sample is "
-            "what the model takes (model(x), model(*tuple) or model(**dict)); a model whose forward reads tensor "
-            "values (data-dependent Python control flow, e.g. `if labels.max() >= vocab`) cannot be traced on fake "
-            "tensors, so no plan can be chosen by the cost model: wrap then applies a safe plan from the model's "
-            "structure (profile_model(..., trace=False)), or pass it a plan.")
+            "what the model takes (model(x), model(*tuple) or model(**dict)). A forward that reads values its "
+            "weights compute (data-dependent Python control flow) is traced with the weights' own values where they "
+            "are real and at most 4 GiB; a model on the meta device or larger cannot be, so no plan can be chosen "
+            "by the cost model: wrap then applies a safe plan from the model's structure (profile_model(..., "
+            "trace=False)), or pass it a plan.")
 
 
 class _Swapped(nn.Module):

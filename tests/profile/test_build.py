@@ -248,10 +248,36 @@ def test_data_dependent_control_flow_is_reported():
             y = self.lin(x)
             return y * 2 if bool(y.sum() > 0) else y
 
+    with torch.device("meta"):  # no values to read: no trace can follow its branch
+        meta = Branchy()
+    with pytest.raises(ProfileError, match="data-dependent"):
+        profile_model(meta, torch.randn(2, 4), warn=False)
+
+
+def test_a_forward_that_reads_what_its_weights_compute_is_traced_with_their_values_and_says_so_once():
+    """Issue 33, item 3: control flow on a value the weights compute (`if y.sum() > 0`, `nonzero`) cannot run on
+    fake tensors alone; a model with real weights is traced again with their values beside the fake tensors,
+    with one warning that names the op, and plans."""
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            y = self.out(y) if bool(y.sum() > -1e9) else y  # always taken: the trace must follow it
+            return y * (y != 0).nonzero().shape[0]
+
     model = Branchy()
     before = _snapshot(model)
-    with pytest.raises(ProfileError, match="data-dependent"):
-        profile_model(model, torch.randn(2, 4), warn=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile = profile_model(model, torch.randn(2, 4))
+    said = [str(w.message) for w in caught if "weights compute" in str(w.message)]
+    assert len(said) == 1 and "aten._local_scalar_dense" in said[0], said
+    assert any("weights compute" in n for n in profile.notes) and profile.value_reads >= 1
+    assert profile.forward_flops >= 2 * (2 * 2 * 4 * 4)  # both Linears: the branch taken was traced
     _assert_untouched(model, before)
 
 
