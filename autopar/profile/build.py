@@ -187,19 +187,21 @@ def _weights_readable(model: nn.Module) -> bool:
         sum(t.numel() * t.element_size() for t in tensors) <= MAX_REAL_WEIGHT_BYTES
 
 
-def _real_weights_note(exc: TraceError) -> str:
+def _cause_line(exc: TraceError) -> str:
+    """`Type: first line` of what made the trace fail (its __cause__, else itself)."""
     cause = exc.__cause__ if exc.__cause__ is not None else exc
-    first_line = str(cause).splitlines()[0][:200] if str(cause) else ""
-    return (f"the step reads values the weights compute ({type(cause).__name__}: {first_line}), which fake tensors "
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+
+
+def _real_weights_note(exc: TraceError) -> str:
+    return (f"the step reads values the weights compute ({_cause_line(exc)[:250]}), which fake tensors "
             "do not have; it was traced with the weights' own values beside them (the ops that need them run for "
             "real on the CPU), so the plan follows the path this sample and these weights take through the model")
 
 
 def _fp32_untraceable_note(exc: TraceError, traced: str) -> str:
-    cause = exc.__cause__ if exc.__cause__ is not None else exc
-    first_line = str(cause).splitlines()[0] if str(cause) else ""
     how = "with bf16 weights (as FSDP's mixed precision runs)" if traced == "bf16-pure" else "under bf16 autocast"
-    return (f"the fp32 step could not be traced on fake tensors ({type(cause).__name__}: {first_line}), so it was "
+    return (f"the fp32 step could not be traced on fake tensors ({_cause_line(exc)}), so it was "
             f"traced {how} instead: only bf16 plans can be predicted for this model (an op that runs only in "
             "bf16 does this, e.g. torch._grouped_mm in Hugging Face MoE experts).")
 
