@@ -16,7 +16,7 @@ import torch.nn as nn
 from ._util import dist as _dist
 from ._util.batch import check_peers_on_first_forward, sample_batch_size
 from ._util.log import get_logger
-from ._util.progress import phase
+from ._util.progress import phase, recording
 from ._util.stale_params import forget_replaced
 from .errors import CacheError, InfeasiblePlanError, PlanError, TraceError
 from .hooks import Profiled, WrapHook, wrap_hook
@@ -261,9 +261,10 @@ def wrap(
     races = chosen_here and (measure or (measure is None and _dist.local_device().type == "cuda"))
     graphs = not (races and (chosen_loop is not Loop.TRAIN_STEP or world.size == 1))
     # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
-    topo, profile, global_batch, untraced = _profile_everywhere(
-        model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
-        global_batch_size=global_batch_size, world=world, say=say, graphs=graphs)
+    with recording() as phases:  # the seconds of the keyed phases of steps 1-2: in the plan's prediction
+        topo, profile, global_batch, untraced = _profile_everywhere(
+            model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
+            global_batch_size=global_batch_size, world=world, say=say, graphs=graphs)
     if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
         warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
                       "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
@@ -273,13 +274,16 @@ def wrap(
                            global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks, loop=chosen_loop))
     # 2. Rank 0 decides (the plan cache, the cost model, or the given plan); every rank applies its plan,
     #    sent as YAML text (nothing is unpickled).
-    decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
-                       world_size=world.size, global_batch_size=global_batch,
-                       loop=chosen_loop, untraced=untraced, say=say) if world.rank == 0 else None
+    with recording() as decided:
+        decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
+                           world_size=world.size, global_batch_size=global_batch,
+                           loop=chosen_loop, untraced=untraced, say=say) if world.rank == 0 else None
     if decision is not None and decision.plan is not None and decision.plan.prediction and chosen_here:
-        # the time before the first step, in the plan's summary (issue 33): rank 0's, sent with the plan
+        # the time before the first step, in the plan's summary (issue 33): rank 0's, sent with the plan; where it
+        # went by phase (tracing, bf16_tracing, choosing; the rest is the key, cache lookups and checks)
         decision = dataclasses.replace(decision, plan=decision.plan.replace(prediction={
-            **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2)}))
+            **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2),
+            "planning_phases_s": {**phases, **decided}}))
     return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
                          loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
                          race=races,
@@ -376,7 +380,7 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         topo = resolve_topology(topology)
         untraced = None
         try:
-            with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say):
+            with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say, key="tracing"):
                 profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0,
                                         graphs=graphs)
             check_traced_for(profile, topo)
@@ -464,8 +468,9 @@ def _from_wrap_cache(model: nn.Module, sample: Any, *, topology: Topology | str 
     decision = None
     if found is not None:
         plan, stored_at = found
-        prediction = {**(plan.prediction or {}), "planning_s": round(time.perf_counter() - started, 2),
-                      "measuring_s": 0.0, "cached_at": stored_at}
+        prediction = {**{k: v for k, v in (plan.prediction or {}).items() if k != "planning_phases_s"},
+                      "planning_s": round(time.perf_counter() - started, 2), "measuring_s": 0.0,
+                      "cached_at": stored_at}  # the stored plan's own planning phases were that wrap's, not this one's
         decision = _Decision(plan.replace(prediction=prediction), WRAP_CACHE_SOURCE,
                              f"using the plan wrap chose for this model and job on {stored_at[:10]} (wrap's cache; "
                              f"{wrap_cache.DISABLE_ENV}=1 plans afresh)")
@@ -521,7 +526,7 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
             return _Decision(hit, "from the plan cache", note)
         # One process runs FSDP's bf16 weights only when it offloads: that trace is made when such a plan wins.
         precisions = ("bf16", "bf16-pure") if world_size > 1 else ("bf16",)
-        with phase("tracing the bf16 steps on fake tensors", say=say):
+        with phase("tracing the bf16 steps on fake tensors", say=say, key="bf16_tracing"):
             variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
                                      precisions=precisions)
         tp_refusal = tensor_parallel_refusal(model, profile)
@@ -530,10 +535,11 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
             return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
                            variants=variants, loop=loop, tp_refusal=tp_refusal)
 
-        with phase(f"choosing among the plans for {world_size} process(es) (cost model)", say=say):
+        with phase(f"choosing among the plans for {world_size} process(es) (cost model)", say=say, key="choosing"):
             chosen = choose()
         if "bf16-pure" not in precisions and variants and chosen.uses_fsdp and chosen.precision == "bf16":
-            with phase("tracing the bf16-weights step on fake tensors (the plan offloads)", say=say):
+            with phase("tracing the bf16-weights step on fake tensors (the plan offloads)", say=say,
+                       key="bf16_tracing"):
                 variants.update(bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
                                               precisions=("bf16-pure",)))
             chosen = choose()

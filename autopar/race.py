@@ -31,6 +31,10 @@ from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 EAGER_MARGIN = 0.03
 #: Rounds of timed steps, each mode in turn, the order reversed every other round.
 ROUNDS = 3
+#: Seconds the timed steps may take in all (both modes, every round), judged from eager's warm-up step: fewer steps
+#: a round for a long step (at least one of each mode a round). wrap's own time before the first step is to stay
+#: under 15 s (issue 33); a 0.8 s step timed 9 times a mode was 17 s of measuring alone (mixtral, H100, 2026-12-05).
+TIMED_BUDGET_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,28 @@ def _time(step: Callable[[], None], device: torch.device, *, warmup: int, steps:
     return warm, (time.perf_counter() - t0) / steps
 
 
+def _warm(step: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one step run and synchronised (a warm-up step)."""
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _drop_grads(model: nn.Module, device: torch.device) -> None:
+    """After a step that raised (out of memory): its gradients and the allocator's cache go."""
+    for p in model.parameters():
+        p.grad = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
                  steps: int = 9) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
-    rounds (`steps` steps of each mode in all, each round's steps back to back, the median of the rounds), and
+    rounds (`steps` steps of each mode in all, fewer where a step is long (TIMED_BUDGET_S), each round's steps back
+    to back, the median of the rounds), and
     keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps
     the other; both failing keeps the plan's compiled forward and says so."""
     start = time.perf_counter()
@@ -159,25 +180,32 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     modes = [False, True] if has_compiled else [False]
     per_round = max(1, -(-steps // ROUNDS))
     try:
+        # Eager's warm-up step first: its time (an upper bound of a step: it also grows the allocator) sets how
+        # many steps a round can afford within TIMED_BUDGET_S.
+        use_compiled(model, False)
+        try:
+            eager_warm_s = _warm(step, device)
+            warm[False] = eager_warm_s
+            per_round = min(per_round, max(1, int(TIMED_BUDGET_S / (ROUNDS * len(modes) * eager_warm_s))))
+        except Exception as exc:  # torch.OutOfMemoryError: eager does not run here
+            errors[False] = _one_line(exc)
+            _drop_grads(model, device)
         # Interleaved rounds, the order turned each round: the host's speed drifts within seconds (bench/NOTES.md),
-        # and a drift then weighs on both modes alike. The first round warms each mode up (compiled: compiles).
+        # and a drift then weighs on both modes alike. The first round warms the compiled mode up (compiles).
         for r in range(ROUNDS):
             for compiled in modes if r % 2 == 0 else modes[::-1]:
                 if compiled in errors:
                     continue
                 use_compiled(model, compiled)
                 try:
-                    first = (warmup if compiled else 1) if r == 0 else 0
+                    first = warmup if compiled and r == 0 else 0
                     w, median = _time(step, device, warmup=first, steps=per_round)
                     warm[compiled] = warm.get(compiled, 0.0) + w
                     measured.setdefault(compiled, []).append(median)
                 except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
                     measured.pop(compiled, None)
                     errors[compiled] = _one_line(exc)
-                    for p in model.parameters():
-                        p.grad = None
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    _drop_grads(model, device)
     finally:
         kept.restore(model)
         # The caching allocator keeps what both modes' steps used (two layouts of activations: 2x the reserved

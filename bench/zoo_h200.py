@@ -432,7 +432,8 @@ class Measurement:
         rec.update(plan=plan.strategy(), plan_short=short_name(plan), plan_text=plan.describe())
         # wrap's own time before the first step, and its compile race (autopar.race), where it ran
         rec["wrap_timing"] = {k: (plan.prediction or {}).get(k) for k in
-                              ("planning_s", "measuring_s", "measured_eager_s", "measured_compiled_s", "cached_at")}
+                              ("planning_s", "planning_phases_s", "measuring_s", "measured_eager_s", "measured_compiled_s",
+                               "cached_at")}
         if plan.prediction:
             rec.update(prediction_fields(dict(plan.prediction), self.predictor.context_bytes),
                        predicted_source="the plan wrap chose (Plan.prediction)")

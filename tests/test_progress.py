@@ -169,3 +169,21 @@ def test_the_terminal_line_fits_the_terminal_width(terminal, monkeypatch):
     drawn = [line for line in terminal.text.split("\r\033[K") if line and "done in" not in line]
     assert drawn and all(len(line) <= 49 and line.startswith("[autopar] ") for line in drawn), drawn
     assert all(line.endswith(" s") and "1/2" in line for line in drawn)  # the count and the time are kept
+
+
+def test_recording_collects_the_seconds_of_keyed_phases_said_or_not_and_not_of_failed_ones():
+    from autopar._util.progress import recording
+
+    with recording() as seconds:
+        with progress.phase("a", key="tracing", say=False):
+            time.sleep(0.02)
+        with progress.phase("b", key="tracing"):  # a key met twice: summed
+            time.sleep(0.02)
+        with progress.phase("c"):  # no key: not recorded
+            pass
+        with pytest.raises(ValueError), progress.phase("d", key="failed"):
+            raise ValueError
+    assert set(seconds) == {"tracing"} and seconds["tracing"] >= 0.04
+    with progress.phase("outside", key="tracing"):  # no recording open: nothing kept anywhere
+        pass
+    assert set(seconds) == {"tracing"}

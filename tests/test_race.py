@@ -102,6 +102,19 @@ def test_a_compiled_step_that_is_faster_is_kept_in_place(monkeypatch):
     assert result.kept_compiled and "compile is 2.00x faster" in result.why and _is_compiled(model)
 
 
+@pytest.mark.parametrize("warm_s, per_round", [(0.001, 3), (0.3, 2), (5.0, 1)])
+def test_a_long_step_is_timed_fewer_times_so_the_race_stays_within_its_budget(monkeypatch, warm_s, per_round):
+    """Eager's warm-up step sets the steps a round: 9 steps a mode by default, fewer once 3 rounds x 2 modes of
+    them would pass TIMED_BUDGET_S (4 s), never fewer than one a round."""
+    model = _compiled(SLOW)
+    steps = []
+    monkeypatch.setattr(race_module, "_warm", lambda step, device: warm_s)
+    monkeypatch.setattr(race_module, "_time", lambda step, device, *, warmup, **kw:
+                        (steps.append(kw["steps"]), (0.0, 0.01))[1])
+    race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
+    assert steps == [per_round] * 6
+
+
 def test_within_the_margin_compile_is_kept(monkeypatch):
     model = _compiled(SLOW)
     monkeypatch.setattr(race_module, "_time",
@@ -120,7 +133,6 @@ def test_wrap_races_the_compile_it_chose_and_its_plan_says_what_it_kept(monkeypa
     does not pay, wrap keeps eager, and the plan, its summary and autopar.applied say so."""
     _register()
     monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
-    monkeypatch.setenv("AUTOPAR_CACHE_DIR", "/nonexistent-for-this-test")  # no cached plan or calibration
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 8))
     sample = torch.randn(32, 64)
@@ -139,6 +151,10 @@ def test_wrap_races_the_compile_it_chose_and_its_plan_says_what_it_kept(monkeypa
     assert p["modelled_step_s"] == chosen.prediction["step_s"]
     assert p["samples_per_s"] == pytest.approx(chosen.prediction["samples_per_s"] * p["modelled_step_s"] / p["step_s"])
     assert state.plan.prediction["planning_s"] >= 0
+    # where the time before the first step went, by phase (the fake traces, the ranking)
+    phases = state.plan.prediction["planning_phases_s"]
+    assert {"tracing", "bf16_tracing", "choosing"} <= set(phases) and all(s >= 0 for s in phases.values())
+    assert sum(phases.values()) <= state.plan.prediction["planning_s"] + 0.01
     assert "eager: compile did not pay" in state.plan.describe()
     assert any("kept eager" in note for note in state.notes)
     loss = model(sample).float().square().mean()

@@ -91,6 +91,8 @@ def test_the_second_wrap_of_a_model_takes_the_first_ones_plan_without_tracing_or
     assert second == first  # the same strategy
     assert second.prediction["step_s"] == first.prediction["step_s"]  # as measured the first time
     assert second.prediction["cached_at"] and second.prediction["measuring_s"] == 0.0
+    # the first wrap's planning phases are its own: the second wrap traced nothing
+    assert "tracing" in first.prediction["planning_phases_s"] and "planning_phases_s" not in second.prediction
     assert "wrap's cache of" in second.describe()
     # the profile keeps the traced FLOPs (MFU is computed from them)
     traced = api.profile_model(Net(), torch.randn(8, 16), loss_fn=_loss, warn=False)

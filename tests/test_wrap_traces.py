@@ -28,7 +28,6 @@ def _model() -> nn.Module:
 @pytest.fixture
 def traces(monkeypatch):
     """Every traced profile_model call as (precision, graphs); no cache of any kind is read."""
-    monkeypatch.setenv("AUTOPAR_CACHE_DIR", "/nonexistent-for-this-test")
     monkeypatch.setenv("AUTOPAR_NO_WRAP_CACHE", "1")
     monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(planning, "_TRACES", type(planning._TRACES)())  # no memo from another test
@@ -98,7 +97,6 @@ def test_several_processes_trace_the_bf16_weights_step_up_front(monkeypatch):
         return real(*args, precisions=precisions, **kwargs)
 
     monkeypatch.setattr(api, "bf16_variants", variants)
-    monkeypatch.setenv("AUTOPAR_CACHE_DIR", "/nonexistent-for-this-test")
     decision = api._decide(_model(), torch.randn(8, 32), autopar.profile_model(_model(), torch.randn(8, 32)),
                            planning.resolve_topology("8xH100-SXM"), **_decide_kwargs(world_size=8))
     assert decision.error is None, decision.error

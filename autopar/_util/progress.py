@@ -15,6 +15,7 @@ Hand-written rather than rich or tqdm: one status line is all it draws, and auto
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import shutil
 import threading
@@ -29,6 +30,26 @@ EVERY_S = 10.0  # and again this often (log lines)
 TICK_S = 0.5  # the terminal line's redraw period
 _SPIN = "|/-\\"
 _CLEAR = "\r\033[K"  # carriage return, then erase to the end of the line
+#: Where `recording()` collects the seconds of the phases given a `key` (None: not recording).
+_RECORD: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("autopar_phases", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, float]]:
+    """Collect the seconds of each keyed phase run in the body (`phase(..., key="tracing")`): {key: seconds},
+    a key met twice summed. wrap puts them in the plan's prediction (where its time before the first step went)."""
+    seconds: dict[str, float] = {}
+    token = _RECORD.set(seconds)
+    try:
+        yield seconds
+    finally:
+        _RECORD.reset(token)
+
+
+def _record(key: str | None, seconds: float) -> None:
+    record = _RECORD.get()
+    if key is not None and record is not None:
+        record[key] = round(record.get(key, 0.0) + seconds, 3)
 
 
 def _terminal() -> TextIO | None:
@@ -64,14 +85,16 @@ class Phase:
 
 
 @contextlib.contextmanager
-def phase(what: str, *, say: bool = True) -> Iterator[Phase]:
+def phase(what: str, *, say: bool = True, key: str | None = None) -> Iterator[Phase]:
     """Run the body; if it takes long (and `say`), show what it is doing while it runs and how long it took
-    when it ends: a line redrawn in place on a terminal, log lines otherwise."""
+    when it ends: a line redrawn in place on a terminal, log lines otherwise. A `key`ed phase that ends without
+    raising adds its seconds to `recording()`'s dict, said or not."""
     parts = Phase()
+    start = time.perf_counter()
     if not say:
         yield parts
+        _record(key, time.perf_counter() - start)
         return
-    start = time.perf_counter()
     done = threading.Event()
     drawn = threading.Event()
     tty = _terminal()
@@ -111,5 +134,7 @@ def phase(what: str, *, say: bool = True) -> Iterator[Phase]:
             tty.write(_CLEAR)  # the status line goes; the end's line (or the error) takes its place
             tty.flush()
         took = time.perf_counter() - start
+        if ok:
+            _record(key, took)
         if ok and drawn.is_set() and took >= AFTER_S:
             get_logger().info("%s: done in %.1f s", what, took)
