@@ -244,17 +244,19 @@ def wrap(
     say = verbose and world.rank == 0
     # 0. A plan wrap chose (and measured) before for this model and job: taken from wrap's cache without tracing
     #    (autopar/wrap_cache.py); the tuner's cached plan still wins (step 2 finds it).
-    cached = _from_wrap_cache(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
-                              global_batch_size=global_batch_size, world=world, loop=chosen_loop, started=started) \
+    #    Rank 0 makes the cache's key once: it looks the plan up with it, and stores its choice under it (step 6).
+    with recording() as keyed:
+        cache_key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
+                              global_batch_size=global_batch_size, world=world, loop=chosen_loop) \
+            if chosen_here and world.rank == 0 else None
+    cached = _from_wrap_cache(model, sample, cache_key, topology=topology, blocks=blocks,
+                              global_batch_size=global_batch_size, world=world, started=started) \
         if chosen_here and type(hook) is WrapHook else None
     if cached is not None:
         topo, profile, global_batch, decision = cached
         return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
                              loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
                              race=False, loss_fn=loss_fn, hook=hook, cache_key=None)
-    cache_key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
-                          global_batch_size=global_batch_size, world=world, loop=chosen_loop) \
-        if chosen_here and world.rank == 0 else None
     # Step 5 measures the chosen plan's step (eager and compiled) on a GPU: then dynamo's graph count (seconds of
     # the trace, for the cost model's compiled price) is not asked for, since the measurement decides compile.
     # A pipeline is not measured: under autopar.train_step on several processes the count is kept.
@@ -280,10 +282,10 @@ def wrap(
                            loop=chosen_loop, untraced=untraced, say=say) if world.rank == 0 else None
     if decision is not None and decision.plan is not None and decision.plan.prediction and chosen_here:
         # the time before the first step, in the plan's summary (issue 33): rank 0's, sent with the plan; where it
-        # went by phase (tracing, bf16_tracing, choosing; the rest is the key, cache lookups and checks)
+        # went by phase (cache_key, topology, tracing, bf16_tracing, choosing; the rest: cache lookups, checks)
         decision = dataclasses.replace(decision, plan=decision.plan.replace(prediction={
             **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2),
-            "planning_phases_s": {**phases, **decided}}))
+            "planning_phases_s": {**keyed, **phases, **decided}}))
     return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
                          loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
                          race=races,
@@ -377,7 +379,8 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
     error: BaseException | None = None
     result: tuple[Topology, ModelProfile, int, TraceError | None] | None = None
     try:
-        topo = resolve_topology(topology)
+        with phase("finding the hardware", say=False, key="topology"):
+            topo = resolve_topology(topology)
         untraced = None
         try:
             with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say, key="tracing"):
@@ -419,27 +422,27 @@ def _wrap_key(model: nn.Module, sample: Any, *, topology: Topology | str | None,
         return None
     try:
         topo = resolve_topology(topology)
-        return wrap_cache.wrap_key(model, sample, topology_fingerprint=topo.fingerprint(), world_size=world.size,
-                                   global_batch_size=_global_batch(sample, global_batch_size, world.size),
-                                   loop=loop, loss_fn=loss_fn, blocks=blocks)
+        with phase("the wrap cache's key of the model", say=False, key="cache_key"):
+            return wrap_cache.wrap_key(model, sample, topology_fingerprint=topo.fingerprint(),
+                                       world_size=world.size,
+                                       global_batch_size=_global_batch(sample, global_batch_size, world.size),
+                                       loop=loop, loss_fn=loss_fn, blocks=blocks)
     except Exception:  # noqa: BLE001 - the full path reports what is wrong with the job, with its own message
         return None
 
 
-def _from_wrap_cache(model: nn.Module, sample: Any, *, topology: Topology | str | None, loss_fn: Callable | None,
-                     blocks: Any, global_batch_size: int | None, world: _dist.World, loop: Loop,
+def _from_wrap_cache(model: nn.Module, sample: Any, key: Any, *, topology: Topology | str | None, blocks: Any,
+                     global_batch_size: int | None, world: _dist.World,
                      started: float) -> tuple[Topology, ModelProfile, int, _Decision | None] | None:
     """On every rank: (topology, the model's structure, global batch, rank 0's decision) when rank 0's wrap cache
-    holds a plan for this model and job, else None (every rank then plans as usual). A refused cache file raises
-    on every rank (CacheError on rank 0, with the remedy)."""
+    holds a plan for this model and job (`key`, rank 0's `_wrap_key`), else None (every rank then plans as usual).
+    A refused cache file raises on every rank (CacheError on rank 0, with the remedy)."""
     if not wrap_cache.enabled():
         return None
     text = None
     found: tuple[Plan, str] | None = None
     if world.rank == 0:
         text = ""
-        key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
-                        global_batch_size=global_batch_size, world=world, loop=loop)
         try:
             entry = wrap_cache.lookup(key) if key is not None else None
         except Exception as exc:  # noqa: BLE001 - sent to every rank, raised on rank 0 as it is
