@@ -90,8 +90,10 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
             out[precision] = profile
             continue
         try:
+            # the search reads the profile's graph count; a step that reads its weights' values is traced with them
             out[precision] = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
-                                           precision=precision, graphs=False)  # the search reads the profile's
+                                           precision=precision, graphs=False,
+                                           weight_values=profile is not None and profile.traced_with_weight_values)
         except TraceError:  # e.g. autocast keeps fp32 weights, and the model casts its input to them
             continue
     return out

@@ -36,6 +36,7 @@ def profile_model(
     warn: bool = True,
     trace: bool = True,
     graphs: bool = True,
+    weight_values: bool = False,
 ) -> ModelProfile:
     """Profile `model` on `sample` (one rank's batch as the user's loop feeds it) without real memory.
 
@@ -47,7 +48,9 @@ def profile_model(
     `precision="bf16-pure"` with bf16 weights and inputs and no autocast (as FSDP2's mixed precision runs).
     `trace=False` reads only the structure (blocks, parameters); FLOPs and bytes are then zero.
     `graphs=False` skips asking dynamo how many graphs it cuts the forward into (`graph_breaks` stays None:
-    autopar.profile.graphs).
+    autopar.profile.graphs). `weight_values=True` traces with the weights' values beside the fake tensors at once
+    (where they are readable), for a model another precision's profile found reads them
+    (`ModelProfile.traced_with_weight_values`): the fake-only trace that would fail first is skipped.
 
     An fp32 step that cannot run on fake tensors is traced in bf16 instead (bf16 weights, then autocast):
     some ops exist only in bf16 there (`torch._grouped_mm`, Hugging Face's MoE experts in transformers 5).
@@ -73,7 +76,8 @@ def profile_model(
     params = _Params.of(model, units)
     compiled = None
     if trace:
-        t, precision, fallback, compiled = _traced_step(model, sample, units, loss_fn=loss_fn, precision=precision)
+        t, precision, fallback, compiled, valued = _traced_step(model, sample, units, loss_fn=loss_fn,
+                                                                precision=precision, weight_values=weight_values)
         if fallback is not None:
             notes.append(fallback)
             if warn:
@@ -88,6 +92,7 @@ def profile_model(
             notes.append(_breaks_note(counted, in_blocks))
     else:
         counted = in_blocks = None
+        valued = False
         t = Trace.untraced(len(units))
         notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
     first = first_tensor(sample)
@@ -136,25 +141,30 @@ def profile_model(
         live_frontier=t.live_frontier,
         allocator_reserve_bytes=t.allocator_reserve_bytes,
         allocator_replay_on_cuda=t.allocator_replay_on_cuda,
+        traced_with_weight_values=valued,
         **shape_facts(model, units if repeated else []),
     )
 
 
-def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callable | None, precision: str
-                 ) -> tuple[Trace, str, str | None, CompiledSaved | None]:
-    """(the trace, the precision traced, a note when that is not the one asked for, what a compiled step saves).
-    An fp32 step that cannot be traced is tried with bf16 weights, then under bf16 autocast; a data-dependent
-    step (one that reads values its weights compute) is traced again with the weights' real values beside the
-    fake tensors, where they are real and at most MAX_REAL_WEIGHT_BYTES (no precision changes a value read)."""
+def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callable | None, precision: str,
+                 weight_values: bool = False) -> tuple[Trace, str, str | None, CompiledSaved | None, bool]:
+    """(the trace, the precision traced, a note when that is not the one asked for, what a compiled step saves,
+    whether it was traced with the weights' values). An fp32 step that cannot be traced is tried with bf16
+    weights, then under bf16 autocast; a data-dependent step (one that reads values its weights compute) is traced
+    again with the weights' real values beside the fake tensors, where they are real and at most
+    MAX_REAL_WEIGHT_BYTES (no precision changes a value read); `weight_values` goes there at once."""
+    if weight_values and _weights_readable(model):
+        t, compiled = _traced(model, sample, units, loss_fn, precision, real_weights=True)
+        return t, precision, _REAL_WEIGHTS_AGAIN, compiled, True
     try:
         t, compiled = _traced(model, sample, units, loss_fn, precision)
-        return t, precision, None, compiled
+        return t, precision, None, compiled, False
     except TraceError as exc:
         if isinstance(exc.__cause__, _DATA_DEPENDENT):
             if not _weights_readable(model):
                 raise
             t, compiled = _traced(model, sample, units, loss_fn, precision, real_weights=True)
-            return t, precision, _real_weights_note(exc), compiled
+            return t, precision, _real_weights_note(exc), compiled, True
         if precision != "fp32":
             raise
         for fallback in ("bf16-pure", "bf16"):
@@ -162,8 +172,12 @@ def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callab
                 t, compiled = _traced(model, sample, units, loss_fn, fallback)
             except TraceError:
                 continue
-            return t, fallback, _fp32_untraceable_note(exc, fallback), compiled
+            return t, fallback, _fp32_untraceable_note(exc, fallback), compiled, False
         raise
+
+
+_REAL_WEIGHTS_AGAIN = ("traced with the weights' own values beside the fake tensors, as another precision's trace of "
+                       "this step needed (it reads values the weights compute)")
 
 
 def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str, *,

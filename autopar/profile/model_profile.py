@@ -169,6 +169,8 @@ class ModelProfile:
     # loop of the traced step (autopar.profile.allocator); bytes; None: not known
     allocator_replay_on_cuda: bool = False  # whether that step was traced on a fake CUDA device (CUDA's dispatch and
     # so its allocations); a CPU trace's replay can miss CUDA's (bench/results/allocator_reserve_2026-12-02.md)
+    traced_with_weight_values: bool = False  # whether the step was traced with the weights' values beside the fake
+    # tensors (it reads values they compute): a trace of it in another precision goes there at once
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"

@@ -112,7 +112,7 @@ class StepTrace:
         self.state = _fake_state(model, self.fake_mode, device, pure)
         # Tensors a module keeps as plain attributes (neither parameters nor buffers: VideoMAE's sinusoidal
         # position table) are swapped for fake copies too, on the device they are on, as the real step reads them.
-        self.attributes = _fake_attributes(model, self.fake_mode, device)
+        self.attributes, attribute_reals = _fake_attributes(model, self.fake_mode, device)
         self.shadows = InputShadows()  # the sample's values, for the step's reads of them (labels.max())
         self.sample = _fake_sample(sample, self.fake_mode, device, pure, self.shadows)
         if real_weights:  # the weights' values too: a step whose control flow reads what they compute (build.py)
@@ -120,8 +120,7 @@ class StepTrace:
                     model.named_buffers(remove_duplicate=False)):
                 self.shadows.add(self.state[name], real)
             for key, fake in self.attributes.items():
-                prefix, _, attr = key.rpartition(".")
-                self.shadows.add(fake, getattr(model.get_submodule(prefix) if prefix else model, attr))
+                self.shadows.add(fake, attribute_reals[key])
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         # A bf16 profile is for GPU plans: where the trace runs on another device, CUDA autocast's float32 ops
         # are cast as a GPU run casts them.
@@ -360,11 +359,13 @@ def _per_slot(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
     return slots
 
 
-def _fake_attributes(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device) -> dict[str, torch.Tensor]:
+def _fake_attributes(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Fake copies of the tensors modules keep as plain attributes (one name per module object; a meta one on the
     step's device, any other on its own), for functional_call to swap in: a real tensor in the fake step would
-    stop the trace (FakeTensorMode refuses real inputs)."""
+    stop the trace (FakeTensorMode refuses real inputs); and the real tensors under the same names."""
     out: dict[str, torch.Tensor] = {}
+    reals: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
         for name, value in vars(module).items():
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
@@ -373,8 +374,9 @@ def _fake_attributes(model: nn.Module, fake_mode: FakeTensorMode, device: torch.
                 with fake_mode:
                     fake = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
                                                device=where)
-                out[f"{prefix}.{name}" if prefix else name] = fake.requires_grad_(value.requires_grad)
-    return out
+                key = f"{prefix}.{name}" if prefix else name
+                out[key], reals[key] = fake.requires_grad_(value.requires_grad), value
+    return out, reals
 
 
 def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None

@@ -281,6 +281,40 @@ def test_a_forward_that_reads_what_its_weights_compute_is_traced_with_their_valu
     _assert_untouched(model, before)
 
 
+def test_the_bf16_traces_of_a_step_that_reads_its_weights_values_go_to_them_at_once(monkeypatch):
+    """The fp32 profile found the step reads what its weights compute: the bf16 traces are made with the weights'
+    values at once, not first on fake tensors alone (a trace that would fail the same way)."""
+    import autopar.profile.build as build
+    from autopar.planning import bf16_variants, resolve_topology
+
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * 2 if bool(y.sum() > -1e9) else y
+
+    model = Branchy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        profile = profile_model(model, torch.randn(2, 4))
+    assert profile.traced_with_weight_values
+    traced, real = [], build._traced
+
+    def counting(*args, real_weights=False, **kwargs):
+        traced.append((args[4], real_weights))
+        return real(*args, real_weights=real_weights, **kwargs)
+
+    monkeypatch.setattr(build, "_traced", counting)
+    variants = bf16_variants(model, torch.randn(2, 4), resolve_topology("1xH200"), profile=profile)
+    assert set(variants) == {"bf16", "bf16-pure"}
+    assert traced == [("bf16", True), ("bf16-pure", True)]
+    assert all(v.traced_with_weight_values for v in variants.values())
+    assert not profile_model(nn.Linear(4, 4), torch.randn(2, 4)).traced_with_weight_values
+
+
 def test_output_without_a_floating_tensor_needs_a_loss_fn():
     class Argmax(nn.Module):
         def __init__(self):
