@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -38,10 +40,41 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+#: Seconds the main thread gives the GIL away at the exit of a process of a job of several (see `settle_at_exit`).
+EXIT_SETTLE_S = 0.2
+_settle_registered = False
+
+
+def _settle_collectives() -> None:
+    """atexit: let torch.distributed's worker threads let go of their last collectives while Python still runs.
+
+    Why (issue 34: a rank of a user's torchrun script, one run in 5 to 30 on gloo, aborted after its last line:
+    "terminate called without an active exception"; gdb, 2026-12-05): Python returns from a collective once its
+    work is marked done, but the gloo worker thread that ran it drops its own reference a moment later. If that is
+    the last one, the work's destructor releases its tensors' Python objects and asks for the GIL; when the main
+    thread has by then reached the interpreter's finalization, CPython ends the asking thread (pthread_exit), the
+    unwind crosses a destructor that may not throw, and std::terminate aborts the rank. atexit handlers run before
+    finalization: a collection, then a sleep with the GIL released, lets the workers finish first. (torch does not
+    do it itself: pytorch/pytorch#179291, abandoned.)"""
+    gc.collect()
+    time.sleep(EXIT_SETTLE_S)
+
+
+def settle_at_exit() -> None:
+    """Register `_settle_collectives` once per process (a process of a job of several ranks)."""
+    global _settle_registered
+    if not _settle_registered:
+        atexit.register(_settle_collectives)
+        _settle_registered = True
+
+
 def ensure_process_group() -> World:
     """Initialise torch.distributed from torchrun's environment when the job has several processes and the
-    user has not done it (NCCL on GPUs, gloo on CPU); bind this process to its GPU."""
+    user has not done it (NCCL on GPUs, gloo on CPU); bind this process to its GPU. A process of a job of several
+    lets its collectives settle at exit (`settle_at_exit`)."""
     w = world()
+    if w.size > 1:
+        settle_at_exit()
     if torch.cuda.is_available():
         torch.cuda.set_device(w.local_rank % max(torch.cuda.device_count(), 1))
     if w.size > 1 and not dist.is_initialized():
