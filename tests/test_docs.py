@@ -30,15 +30,14 @@ RUN = ["README.md", "docs/first_hour.md", "docs/install.md", "docs/cli.md", "doc
 NOT_YET = {  # run by hand; their blocks are fragments of a larger job, or need GPUs, a cluster or minutes
     **{f"docs/{name}.md": "fragments of a training script (names defined elsewhere), not run yet"
        for name in ("tuning",)},
-    "docs/integrations/hf.md": "needs a Hugging Face model and several processes",
-    "docs/integrations/lightning.md": "needs a Lightning run of several processes",
     "docs/architecture.md": "no code blocks", "docs/reliability.md": "no code blocks",
     "docs/strategies.md": "no code blocks",
 }
 # Run one test each (pytest-xdist spreads them): pages whose scripts start processes, or take seconds
 RUN_EACH = ["docs/checkpoints.md", "docs/cost_model.md", "docs/data.md", "docs/train_step.md", "docs/profile.md",
             "docs/strategies/README.md", "docs/strategies/compile.md", "docs/strategies/fsdp.md",
-            "docs/strategies/pipeline.md", "docs/strategies/tensor_parallel.md", "docs/wrap.md"]
+            "docs/strategies/pipeline.md", "docs/strategies/tensor_parallel.md", "docs/wrap.md",
+            "docs/integrations/hf.md", "docs/integrations/lightning.md"]
 RUNNABLE = {"python", "bash", "sh", "shell"}
 FENCE = re.compile(r"^```(\w*)\s*$")
 TEARDOWN_ABORT = "terminate called without an active exception"  # a gloo rank's abort at exit (_run_shell_line)
