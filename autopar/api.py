@@ -90,7 +90,7 @@ def plan(
     global_batch = _global_batch(sample, global_batch_size, world_size)
     try:
         with phase(f"tracing a training step of {type(model).__name__} on fake tensors (fp32, bf16)"):
-            profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks)
+            profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, lazy=True)
     except TraceError as exc:
         structure = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
         safe = _safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)

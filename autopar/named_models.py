@@ -40,6 +40,7 @@ from .errors import ModelSpecError, ProfileError
 from .profile import ModelProfile, extrapolate_profile, profile_model
 from ._util.batch import sample_batch_size
 from .topology import Topology
+from .planning import TracedVariants
 from .models.gpt import GPTConfig
 from .models.llama import LlamaConfig
 from .models.gpt import GPT
@@ -299,42 +300,6 @@ def precisions_for(topology: Topology) -> tuple[str, ...]:
     if topology.is_gpu and topology.device.supports("bf16"):
         return ("fp32", "bf16", "bf16-pure")
     return ("fp32",)
-
-
-class TracedVariants(Mapping[str, ModelProfile]):
-    """The bf16 profiles of a model, each traced the first time the cost model reads it.
-
-    `"bf16"` (autocast) is read only for plans without FSDP, which a large world often cannot have; a
-    variant no plan reads is never traced. Membership (`in`) and `len` never trace."""
-
-    def __init__(self, trace: Callable[[str], ModelProfile], precisions: tuple[str, ...]) -> None:
-        self._trace = trace
-        self._precisions = tuple(precisions)
-        self._done: dict[str, ModelProfile] = {}
-        self.seconds = 0.0  # spent tracing so far
-
-    def __getitem__(self, precision: str) -> ModelProfile:
-        if precision not in self._precisions:
-            raise KeyError(precision)
-        if precision not in self._done:
-            start = time.perf_counter()
-            self._done[precision] = self._trace(precision)
-            self.seconds += time.perf_counter() - start
-        return self._done[precision]
-
-    def __contains__(self, precision: object) -> bool:
-        return precision in self._precisions
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._precisions)
-
-    def __len__(self) -> int:
-        return len(self._precisions)
-
-    @property
-    def traced(self) -> tuple[str, ...]:
-        """The precisions traced so far."""
-        return tuple(self._done)
 
 
 def model_profiles(source: ModelSource, topology: Topology, *, seq_len: int | None = None

@@ -12,11 +12,13 @@ their `Drop` (autopar.search), and `short_name(plan)` a plan in one line (the ta
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -41,42 +43,104 @@ GiB = 2**30
 #: The traces of the models planned last in this process, by model (weakly: a model that is gone is forgotten),
 #: with the key they were made under (`structure_digest` and whether bf16 traces were made): `autopar.plan` then
 #: `autopar.predict` of one model, or its plans for two topologies, trace it once.
-_TRACES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, bool], ModelProfile, dict[str, ModelProfile]]]" = \
+_TRACES: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple[str, bool], ModelProfile, dict[str, ModelProfile | None]]]" = \
     weakref.WeakKeyDictionary()
 
 
+class TracedVariants(Mapping[str, ModelProfile]):
+    """The bf16 profiles of a model, each traced the first time the cost model reads it.
+
+    `"bf16"` (autocast) is read only for plans without FSDP, which a large world often cannot have, and
+    `"bf16-pure"` (bf16 weights) only for FSDP's, which one GPU runs only to offload, tried only when nothing else
+    fits (autopar.search): a variant no plan reads is never traced. Membership (`in`) and `len` never trace; a
+    precision whose step cannot be traced reads as missing (KeyError, `.get` gives None: the cost model then reads
+    the fp32 profile), and is not tried again. `done` holds the traces made (shared with a memo, when given)."""
+
+    def __init__(self, trace: Callable[[str], ModelProfile], precisions: Sequence[str],
+                 done: dict[str, ModelProfile | None] | None = None) -> None:
+        self._trace = trace
+        self._precisions = tuple(precisions)
+        self._done: dict[str, ModelProfile | None] = done if done is not None else {}
+        self.seconds = 0.0  # spent tracing so far
+
+    def __getitem__(self, precision: str) -> ModelProfile:
+        if precision not in self._precisions:
+            raise KeyError(precision)
+        if precision not in self._done:
+            start = time.perf_counter()
+            try:
+                self._done[precision] = self._trace(precision)
+            except TraceError:  # e.g. autocast keeps fp32 weights, and the model casts its input to them
+                self._done[precision] = None
+            finally:
+                self.seconds += time.perf_counter() - start
+        traced = self._done[precision]
+        if traced is None:
+            raise KeyError(precision)
+        return traced
+
+    def __contains__(self, precision: object) -> bool:
+        return precision in self._precisions
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._precisions)
+
+    def __len__(self) -> int:
+        return len(self._precisions)
+
+    @property
+    def traced(self) -> tuple[str, ...]:
+        """The precisions traced so far (a failed one included)."""
+        return tuple(self._done)
+
+
 def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
-                     blocks: Any = None, warn: bool = True) -> tuple[ModelProfile, dict[str, ModelProfile]]:
+                     blocks: Any = None, warn: bool = True, lazy: bool = False
+                     ) -> tuple[ModelProfile, Mapping[str, ModelProfile]]:
     """The fp32 profile the planner reads, and the bf16 traces its bf16 plans need (none where the
-    hardware has no bf16).
+    hardware has no bf16): a dict of both, or with `lazy=True` a TracedVariants that traces each when the cost
+    model first reads it (it holds the model and the sample until it is dropped).
 
     A model whose fp32 step cannot be traced but whose bf16 step can (an op that runs only in bf16) gets its
     bf16 trace as the profile (its `profile_precision` says which: not "fp32"); the search offers only bf16
     plans there, and on hardware without bf16 this raises the TraceError (no plan can be predicted).
 
     The same model object with the same structure, sample shapes, loss and blocks (`wrap_cache.structure_digest`:
-    no trace) is traced once a process: a later call returns the traces made then."""
+    no trace) is traced once a process: a later call returns the traces made then (and makes those not made)."""
     try:
         key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), _has_bf16(topology))
         memo = _TRACES.get(model)
     except TypeError:  # a model that cannot be weakly referenced: traced every time
         key, memo = None, None
     if memo is not None and memo[0] == key:
-        return memo[1], dict(memo[2])
-    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
-    check_traced_for(profile, topology)
-    variants = bf16_variants(model, sample, topology, loss_fn=loss_fn, blocks=blocks, profile=profile)
-    if key is not None:
-        # keyed as the model is now: a forward may write its config (Hugging Face's classifiers set
-        # `config.problem_type` from the first labels they see), and the next call reads the model so
-        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), key[1])
-        _TRACES[model] = (key, profile, dict(variants))
-    return profile, variants
+        profile, done = memo[1], memo[2]
+    else:
+        profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
+        check_traced_for(profile, topology)
+        done = {profile.profile_precision: profile} if profile.profile_precision != "fp32" else {}
+        if key is not None:
+            # keyed as the model is now: a forward may write its config (Hugging Face's classifiers set
+            # `config.problem_type` from the first labels they see), and the next call reads the model so
+            key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), key[1])
+            _TRACES[model] = (key, profile, done)
+
+    def trace(precision: str) -> ModelProfile:  # the search reads the profile's graph count; values where needed
+        return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=precision,
+                             graphs=False, weight_values=profile.traced_with_weight_values)
+
+    variants = TracedVariants(trace, BF16_PRECISIONS if _has_bf16(topology) else (), done)
+    if lazy:
+        return profile, variants
+    return profile, {p: variants[p] for p in variants if variants.get(p) is not None}
+
+
+#: The bf16 traces the cost model reads: under autocast, and with bf16 weights (FSDP's mixed precision).
+BF16_PRECISIONS = ("bf16", "bf16-pure")
 
 
 def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn: Callable | None = None,
                   blocks: Any = None, profile: ModelProfile | None = None,
-                  precisions: Sequence[str] = ("bf16", "bf16-pure")) -> dict[str, ModelProfile]:
+                  precisions: Sequence[str] = BF16_PRECISIONS) -> dict[str, ModelProfile]:
     """The model traced in bf16 under autocast ("bf16") and with bf16 weights ("bf16-pure"), which the cost
     model reads for bf16 plans; empty where the hardware has no bf16. A precision whose step cannot be traced
     is left out (the cost model then reads the profile: see cost.memory.activation_profile); `profile`, the
@@ -187,9 +251,8 @@ def _inputs(model_or_profile: nn.Module | ModelProfile, sample: Any, topology: T
                         f"{type(model_or_profile).__name__}.")
     if sample is None:
         raise PlanError("a model needs sample= (one batch as one rank's loop feeds it) to be profiled.")
-    profile, traced = profile_variants(model_or_profile, sample, topology, loss_fn=loss_fn, blocks=blocks)
-    traced.update(variants or {})
-    return profile, traced
+    profile, traced = profile_variants(model_or_profile, sample, topology, loss_fn=loss_fn, blocks=blocks, lazy=True)
+    return profile, (collections.ChainMap(dict(variants), traced) if variants else traced)  # yours first
 
 
 def candidates(

@@ -481,8 +481,9 @@ def activation_profile(profile: ModelProfile, plan: Plan, cal: "Calibration",
     variants = variants or {}
     if plan.precision == "bf16":
         key = "bf16-pure" if plan.uses_fsdp else "bf16"
-        if key in variants:
-            return variants[key], (cal.autocast_activation_factor if key == "bf16" else 1.0)
+        traced = variants.get(key)  # a mapping that traces on first read gives None where the trace failed
+        if traced is not None:
+            return traced, (cal.autocast_activation_factor if key == "bf16" else 1.0)
         return profile, 0.5 if profile.profile_precision == "fp32" else 1.0
     return profile, 1.0
 
