@@ -238,18 +238,22 @@ def test_forward_that_fails_on_the_sample_says_what_to_check():
     assert "model(x), model(*tuple) or model(**dict)" in msg
 
 
+class _Branchy(nn.Module):
+    """A forward whose control flow reads a value its weights compute (`if y.sum() > threshold`)."""
+
+    def __init__(self, threshold: float = 0.0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.threshold = threshold
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if bool(y.sum() > self.threshold) else y
+
+
 def test_data_dependent_control_flow_is_reported():
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            y = self.lin(x)
-            return y * 2 if bool(y.sum() > 0) else y
-
     with torch.device("meta"):  # no values to read: no trace can follow its branch
-        meta = Branchy()
+        meta = _Branchy()
     with pytest.raises(ProfileError, match="data-dependent"):
         profile_model(meta, torch.randn(2, 4), warn=False)
 
@@ -287,16 +291,7 @@ def test_the_bf16_traces_of_a_step_that_reads_its_weights_values_go_to_them_at_o
     import autopar.profile.build as build
     from autopar.planning import bf16_variants, resolve_topology
 
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            y = self.lin(x)
-            return y * 2 if bool(y.sum() > -1e9) else y
-
-    model = Branchy()
+    model = _Branchy(threshold=-1e9)  # the branch always taken
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         profile = profile_model(model, torch.randn(2, 4))
