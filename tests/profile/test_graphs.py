@@ -139,3 +139,42 @@ def test_a_real_forward_leaves_the_buffers_and_the_random_stream_as_it_found_the
     assert torch.equal(torch.get_rng_state(), rng)
     model(x)  # the same forward, run for real, does change them (what the check above would catch)
     assert not torch.equal(before["norm.running_mean"], model.norm.running_mean)
+
+
+class _Indexed(_Stack):
+    """Reads its layers by index up to a fixed depth: with fewer layers in place its forward fails."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for i in range(6):
+            x = self.layers[i](x)
+        return self.head(x)
+
+
+def test_a_deep_stack_is_counted_at_depths_one_and_two_and_extended(monkeypatch):
+    """dynamo unrolls the loop over the blocks (its time grows with the depth): a stack of one class is captured
+    with its first block, then its first two, and the count extended; the count is the full-depth one, and the
+    model keeps its own container. A forward that cannot run with fewer blocks is captured at full depth."""
+    import autopar.profile.graphs as graphs
+
+    x, meta = torch.randn(8, 16), torch.device("meta")
+    depths, real = [], graphs._explained
+
+    def explained(model, *args):
+        depths.append(len(model.layers))
+        return real(model, *args)
+
+    monkeypatch.setattr(graphs, "_explained", explained)
+    for kw in ({"cut_layers": True}, {"cut_before": True}, {}):
+        model = _on_meta(lambda: _Stack(**kw))
+        layers = model.layers
+        depths.clear()
+        shallow = dynamo_graphs(model, x, blocks_path="layers")
+        assert depths == [1, 2] and model.layers is layers and len(layers) == 6
+        assert shallow == real(model, x, meta, 3)  # the full-depth capture's count, reasons and sites
+    indexed = _on_meta(_Indexed)
+    depths.clear()
+    assert dynamo_graphs(indexed, x, blocks_path="layers").num_graphs == 1 and depths == [1, 6]
+    depths.clear()
+    profile_model(_on_meta(lambda: _Stack(cut_layers=True)), x, warn=False)  # the profile passes its container
+    assert depths == [1, 2]
