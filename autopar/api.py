@@ -24,7 +24,8 @@ from . import wrap_cache
 from ._util.io import CacheWarning
 from .plan_cache import cache_key as plan_cache_key
 from .plan_cache import cached_plan_for, plans_folder
-from .planning import bf16_variants, calibration_for, check_traced_for, profile_variants, resolve_topology
+from .planning import (base_profile, bf16_variants, calibration_for, check_traced_for, has_bf16, profile_variants,
+                       resolve_topology)
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .race import race_compile
@@ -266,7 +267,8 @@ def wrap(
     with recording() as phases:  # the seconds of the keyed phases of steps 1-2: in the plan's prediction
         topo, profile, global_batch, untraced = _profile_everywhere(
             model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
-            global_batch_size=global_batch_size, world=world, say=say, graphs=graphs)
+            global_batch_size=global_batch_size, world=world, say=say, graphs=graphs,
+            bf16_base=chosen_here and type(hook) is WrapHook)
     if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
         warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
                       "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
@@ -372,10 +374,13 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
 
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,
                         loss_fn: Callable | None, blocks: Any, global_batch_size: int | None, world: _dist.World,
-                        say: bool, graphs: bool = True) -> tuple[Topology, ModelProfile, int, TraceError | None]:
+                        say: bool, graphs: bool = True, bf16_base: bool = False
+                        ) -> tuple[Topology, ModelProfile, int, TraceError | None]:
     """(topology, profile, global batch, why the step could not be traced or None) on every rank; if one rank
     fails here, every rank raises. A model that cannot be traced gets a profile of its structure alone (its
-    blocks): enough to apply a given plan, or the safe plan `_decide` makes."""
+    blocks): enough to apply a given plan, or the safe plan `_decide` makes. `bf16_base`: where wrap chooses the
+    plan on GPUs with bf16, the profile is the bf16 (autocast) trace, the one its bf16 plans read (the search offers
+    no other there): one trace, not an fp32 one beside it (autopar.planning.base_profile)."""
     error: BaseException | None = None
     result: tuple[Topology, ModelProfile, int, TraceError | None] | None = None
     try:
@@ -384,8 +389,8 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         untraced = None
         try:
             with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say, key="tracing"):
-                profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0,
-                                        graphs=graphs)
+                profile = base_profile(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0,
+                                       bf16=bf16_base and has_bf16(topo), graphs=graphs)
             check_traced_for(profile, topo)
         except TraceError as exc:
             untraced = exc

@@ -108,14 +108,15 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
     The same model object with the same structure, sample shapes, loss and blocks (`wrap_cache.structure_digest`:
     no trace) is traced once a process: a later call returns the traces made then (and makes those not made)."""
     try:
-        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), _has_bf16(topology))
+        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), has_bf16(topology))
         memo = _TRACES.get(model)
     except TypeError:  # a model that cannot be weakly referenced: traced every time
         key, memo = None, None
+    bf16 = has_bf16(topology)
     if memo is not None and memo[0] == key:
         profile, done = memo[1], memo[2]
     else:
-        profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn)
+        profile = base_profile(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, bf16=bf16)
         check_traced_for(profile, topology)
         done = {profile.profile_precision: profile} if profile.profile_precision != "fp32" else {}
         if key is not None:
@@ -128,10 +129,28 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
         return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=precision,
                              graphs=False, weight_values=profile.traced_with_weight_values)
 
-    variants = TracedVariants(trace, BF16_PRECISIONS if _has_bf16(topology) else (), done)
+    # where the profile is a bf16 trace, the fp32 one is made only for an fp32 plan (which the search never offers
+    # on GPUs with bf16: a user's autopar.predict of one)
+    fp32 = ("fp32",) if profile.profile_precision != "fp32" else ()
+    variants = TracedVariants(trace, (*BF16_PRECISIONS, *fp32) if bf16 else (), done)
     if lazy:
         return profile, variants
-    return profile, {p: variants[p] for p in variants if variants.get(p) is not None}
+    return profile, {p: variants[p] for p in BF16_PRECISIONS if p in variants and variants.get(p) is not None}
+
+
+def base_profile(model: nn.Module, sample: Any, *, loss_fn: Callable | None, blocks: Any, warn: bool, bf16: bool,
+                  graphs: bool = True) -> ModelProfile:
+    """The profile the planner reads: on hardware with bf16 the autocast (bf16) trace, since the search offers only
+    bf16 plans there and an fp32 trace would be read for nothing but the model's structure (the predictions of
+    every bf16 plan are the same from either: tests/test_trace_memo.py); elsewhere, or where the bf16 step cannot
+    be traced, the fp32 trace (with its own fallbacks, autopar.profile)."""
+    if bf16:
+        try:
+            return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, precision="bf16",
+                                 graphs=graphs)
+        except TraceError:
+            pass
+    return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, graphs=graphs)
 
 
 #: The bf16 traces the cost model reads: under autocast, and with bf16 weights (FSDP's mixed precision).
@@ -146,7 +165,7 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
     is left out (the cost model then reads the profile: see cost.memory.activation_profile); `profile`, the
     profile already made, is reused where it is itself one of these traces. `precisions`: the traces to make
     (one process never runs FSDP's bf16 weights, unless it offloads: wrap asks for "bf16" alone there)."""
-    if not _has_bf16(topology):
+    if not has_bf16(topology):
         return {}
     out = {}
     for precision in precisions:
@@ -166,13 +185,13 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
 def check_traced_for(profile: ModelProfile, topology: Topology) -> None:
     """A TraceError where the profile was traced only in bf16 (its fp32 step could not be) and the hardware
     has no bf16: no plan can be predicted there."""
-    if profile.traced and profile.profile_precision != "fp32" and not _has_bf16(topology):
+    if profile.traced and profile.profile_precision != "fp32" and not has_bf16(topology):
         raise TraceError(f"only the {profile.profile_precision} step of {profile.model_class} can be traced on fake "
                          f"tensors, not its fp32 one (the profile's notes say why), and {topology.device.name} has "
                          "no bf16: no plan for it can be predicted here")
 
 
-def _has_bf16(topology: Topology) -> bool:
+def has_bf16(topology: Topology) -> bool:
     return topology.is_gpu and topology.device.supports("bf16")
 
 

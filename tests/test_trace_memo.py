@@ -41,9 +41,9 @@ def test_plan_then_predict_and_a_second_topology_trace_the_model_once(traces):
     model, x = Net(), torch.randn(8, 16)
     plan = autopar.plan(model, sample=x, topology="1xH200")
     after_plan = traces[0]
-    # fp32 and bf16 (autocast); not bf16-pure (FSDP's bf16 weights): one GPU runs FSDP only to offload, which the
-    # search tries only when nothing else fits, so no plan read that trace
-    assert after_plan == 2 and not plan.uses_fsdp
+    # bf16 (autocast) alone, the profile: the search offers only bf16 plans on GPUs with bf16; not bf16-pure
+    # (FSDP's bf16 weights): one GPU runs FSDP only to offload, which the search tries only when nothing else fits
+    assert after_plan == 1 and not plan.uses_fsdp
     fresh = autopar.predict(Net(), plan, sample=x, topology="1xH200")  # another model object: traced
     assert traces[0] == 2 * after_plan
     again = autopar.predict(model, plan, sample=x, topology="1xH200")
@@ -86,3 +86,29 @@ def test_a_model_whose_forward_writes_its_config_is_traced_once(traces):
     after_plan = traces[0]
     autopar.predict(model, plan, sample=sample, topology="1xH200")
     assert traces[0] == after_plan
+
+
+@pytest.mark.parametrize("topology", ["1xH200", "8xH100-SXM"])
+def test_bf16_plans_are_predicted_alike_from_a_bf16_profile_and_an_fp32_one(topology):
+    """The planner's profile on GPUs with bf16 is the autocast trace, not the fp32 one: every plan the search
+    ranks is predicted the same from either (its bf16 plans read the bf16 traces for their activations, and
+    nothing else the two differ in); an fp32 plan is predicted from the fp32 trace, made when first read."""
+    from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
+    torch.manual_seed(0)
+    model, x = GPT(GPTConfig()), synthetic_tokens(8, GPTConfig())
+    traced = {p: autopar.profile_model(model, x, loss_fn=lm_loss, precision=p, warn=False)
+              for p in ("fp32", "bf16", "bf16-pure")}
+    variants = {p: traced[p] for p in ("bf16", "bf16-pure")}
+    world = planning.resolve_topology(topology).world_size
+
+    def ranked(profile):
+        return [(c.plan.strategy(), c.prediction.step_s, c.prediction.memory_bytes)
+                for c in autopar.candidates(profile, topology=topology, variants=variants, global_batch_size=8 * world)
+                if c.feasible]
+
+    assert ranked(traced["bf16"]) == ranked(traced["fp32"]) and ranked(traced["fp32"])
+    fp32_plan = autopar.Plan(dp_shard=world, micro_batch_size=8, precision="fp32")
+    from_fp32 = autopar.predict(traced["fp32"], fp32_plan, topology=topology, variants=variants)
+    from_model = autopar.predict(model, fp32_plan, sample=x, loss_fn=lm_loss, topology=topology)
+    assert from_model.memory_bytes == from_fp32.memory_bytes and from_model.step_s == pytest.approx(from_fp32.step_s)

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar import api, wrap_cache
+from autopar import api, planning, wrap_cache
 from autopar.errors import CacheError
 from autopar.plan_cache import cache_key as plan_cache_key
 from autopar.plan_cache import store as store_tuned
@@ -63,6 +63,7 @@ class _Calls:
             return real_race(*args, **kwargs)
 
         monkeypatch.setattr(api, "profile_model", profile)
+        monkeypatch.setattr(planning, "profile_model", profile)  # wrap's profile (planning.base_profile)
         monkeypatch.setattr(api, "race_compile", race)
 
 

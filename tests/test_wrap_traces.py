@@ -52,10 +52,18 @@ def _wrap(**kwargs) -> nn.Module:
     return model
 
 
-def test_one_process_traces_fp32_and_autocast_only(traces):
+def test_one_process_on_a_gpu_with_bf16_traces_the_autocast_step_only(traces):
+    """The search offers only bf16 plans on GPUs with bf16, and reads their autocast trace: wrap makes that one
+    trace its profile, no fp32 one beside it."""
     model = _wrap(measure=False)
-    assert sorted(p for p, _ in traces) == ["bf16", "fp32"]
+    assert [p for p, _ in traces] == ["bf16"]
     assert not autopar.applied(model).plan.uses_fsdp
+    assert autopar.applied(model).profile.profile_precision == "bf16"
+
+
+def test_a_given_plan_is_applied_from_the_fp32_trace(traces):
+    _wrap(measure=False, plan=autopar.Plan(micro_batch_size=8))
+    assert [p for p, _ in traces] == ["fp32"]
 
 
 def test_a_measured_wrap_does_not_ask_dynamo_for_its_graph_count(traces):
@@ -65,7 +73,7 @@ def test_a_measured_wrap_does_not_ask_dynamo_for_its_graph_count(traces):
 
 def test_an_unmeasured_wrap_keeps_the_graph_count_for_the_compiled_price(traces):
     _wrap(measure=False)
-    assert ("fp32", True) in traces
+    assert ("bf16", True) in traces
 
 
 def test_a_plan_that_offloads_has_its_bf16_weights_step_traced_and_is_chosen_again(traces, monkeypatch):

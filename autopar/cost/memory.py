@@ -97,6 +97,7 @@ def predict_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", *,
     micro-batches in flight, or the last's, with the head and the loss). `variants`: the model traced in
     other precisions, for the activation bytes of bf16 plans."""
     ranks = (0,) if plan.pp == 1 else (0, plan.pp - 1)
+    profile = plan_profile(profile, plan, variants)
     return max((_rank_memory(profile, plan, cal, variants, optimizer_state_bytes_per_param, r) for r in ranks),
                key=lambda m: m.peak_bytes)
 
@@ -471,6 +472,17 @@ def replicated_hidden_bytes(profile: ModelProfile, block_saved_hidden: float) ->
     if pairs == 0:
         return block_saved_hidden
     return min(block_saved_hidden, 2 * pairs * profile.block_input_bytes)
+
+
+def plan_profile(profile: ModelProfile, plan: Plan, variants: Mapping[str, ModelProfile] | None) -> ModelProfile:
+    """The profile a plan is predicted from: for an fp32 plan of a profile traced in bf16 (the planner traces in
+    bf16 where the GPUs have it, since it offers only bf16 plans there), the fp32 trace among `variants` where
+    there is one (a mapping that traces on first read makes it then); else the profile itself."""
+    if plan.precision == "fp32" and profile.profile_precision != "fp32" and variants:
+        fp32 = variants.get("fp32")
+        if fp32 is not None:
+            return fp32
+    return profile
 
 
 def activation_profile(profile: ModelProfile, plan: Plan, cal: "Calibration",

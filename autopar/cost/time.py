@@ -29,7 +29,7 @@ from ..profile import ModelProfile
 from ..profile.model_profile import OpGroup
 from ..topology import Topology
 from .calibration import Calibration, matmul_arch
-from .memory import activation_profile, outside_trainable_params, stage_blocks, trainable_share
+from .memory import activation_profile, outside_trainable_params, plan_profile, stage_blocks, trainable_share
 from .ops import OpsTime, Rates, TPSplit, group_time
 
 @dataclass(frozen=True)
@@ -261,6 +261,7 @@ def time_terms(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     """The step time of `plan` on its slowest rank, and the terms a calibration fit scales. Of a pipeline:
     the first stage's rank (embeddings), the last's (head, loss) and the one with the most block FLOPs
     (an uneven split, e.g. 105 blocks over 70 stages, makes a middle rank the slowest)."""
+    profile = plan_profile(profile, plan, variants)
     ranks = {0, plan.pp - 1}
     if plan.pp > 2:
         split = split_stages(profile, plan.pp * plan.pp_stages_per_rank)

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
 from autopar.errors import TraceError
-from autopar.planning import bf16_variants, profile_variants
+from autopar.planning import bf16_variants, profile_variants, resolve_topology
 from autopar.profile import flash_like_attention, flash_like_sdpa, profile_model
 from autopar.profile.flops import flop_formulas
 from autopar.topology import Topology
@@ -181,9 +181,13 @@ def test_it_is_planned_in_bf16_where_the_hardware_has_bf16():
 
 
 def test_a_traceable_model_keeps_both_bf16_variants():
+    """Planned for a GPU with bf16, the profile is the autocast trace itself (the search's plans are bf16)."""
     model, x = MLA(), torch.randn(B, SQ, 32)
     profile, variants = profile_variants(model, x, Topology.from_spec("1xH200"), warn=False)
-    assert profile.profile_precision == "fp32" and set(variants) == {"bf16", "bf16-pure"}
+    assert profile.profile_precision == "bf16" and set(variants) == {"bf16", "bf16-pure"}
+    assert variants["bf16"] is profile
+    here = resolve_topology(None)  # this machine's CPU: no bf16, so the fp32 trace
+    assert profile_variants(MLA(), x, here, warn=False)[0].profile_precision == "fp32"
 
 
 def test_a_hugging_face_moe_with_grouped_mm_is_profiled_in_fp32():
