@@ -267,8 +267,7 @@ def wrap(
     with recording() as phases:  # the seconds of the keyed phases of steps 1-2: in the plan's prediction
         topo, profile, global_batch, untraced = _profile_everywhere(
             model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
-            global_batch_size=global_batch_size, world=world, say=say, graphs=graphs,
-            bf16_base=chosen_here and type(hook) is WrapHook)
+            global_batch_size=global_batch_size, world=world, say=say, graphs=graphs)
     if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
         warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
                       "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
@@ -374,13 +373,12 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
 
 def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | str | None, plan: Any,
                         loss_fn: Callable | None, blocks: Any, global_batch_size: int | None, world: _dist.World,
-                        say: bool, graphs: bool = True, bf16_base: bool = False
-                        ) -> tuple[Topology, ModelProfile, int, TraceError | None]:
+                        say: bool, graphs: bool = True) -> tuple[Topology, ModelProfile, int, TraceError | None]:
     """(topology, profile, global batch, why the step could not be traced or None) on every rank; if one rank
     fails here, every rank raises. A model that cannot be traced gets a profile of its structure alone (its
-    blocks): enough to apply a given plan, or the safe plan `_decide` makes. `bf16_base`: where wrap chooses the
-    plan on GPUs with bf16, the profile is the bf16 (autocast) trace, the one its bf16 plans read (the search offers
-    no other there): one trace, not an fp32 one beside it (autopar.planning.base_profile)."""
+    blocks): enough to apply a given plan, or the safe plan `_decide` makes. On GPUs with bf16 the profile is the
+    bf16 (autocast) trace, the one the search's plans read there (it offers no other), as every planner path makes
+    it (autopar.planning.base_profile): one trace, and the same plan-cache key as the tuner's and autopar.plan's."""
     error: BaseException | None = None
     result: tuple[Topology, ModelProfile, int, TraceError | None] | None = None
     try:
@@ -390,7 +388,7 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         try:
             with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say, key="tracing"):
                 profile = base_profile(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0,
-                                       bf16=bf16_base and has_bf16(topo), graphs=graphs)
+                                       bf16=has_bf16(topo), graphs=graphs)
             check_traced_for(profile, topo)
         except TraceError as exc:
             untraced = exc

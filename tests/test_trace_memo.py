@@ -112,3 +112,25 @@ def test_bf16_plans_are_predicted_alike_from_a_bf16_profile_and_an_fp32_one(topo
     from_fp32 = autopar.predict(traced["fp32"], fp32_plan, topology=topology, variants=variants)
     from_model = autopar.predict(model, fp32_plan, sample=x, loss_fn=lm_loss, topology=topology)
     assert from_model.memory_bytes == from_fp32.memory_bytes and from_model.step_s == pytest.approx(from_fp32.step_s)
+
+
+def test_wrap_and_the_planner_key_a_job_alike_on_gpus_with_bf16():
+    """The plan cache's key reads the profile's FLOPs, which autocast changes a little (a Llama's by ~1%): wrap
+    (what a tuner's probe sends too) and autopar.plan / autotune make the same profile there, so a plan one of them
+    caches is found by the others."""
+    import warnings
+
+    from autopar.models.llama import Llama, LlamaConfig
+    from autopar.plan_cache import sample_signature
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig()
+    x = torch.randint(0, cfg.vocab_size, (4, 32))
+    planned, _ = planning.profile_variants(Llama(cfg), x, planning.resolve_topology("1xH200"), warn=False)
+    model = Llama(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.wrap(model, sample=x, topology="1xH200", measure=False, verbose=False)
+    wrapped = autopar.applied(model).profile
+    assert planned.profile_precision == wrapped.profile_precision == "bf16"
+    assert sample_signature(planned) == sample_signature(wrapped)

@@ -268,7 +268,7 @@ class ProbeHook(WrapHook):
     def profiled(self, event: Profiled) -> None:
         if _rank() == 0:
             variants = bf16_variants(event.model, event.sample, event.topology, loss_fn=event.loss_fn,
-                                     blocks=event.blocks)  # as wrap's own choice reads them
+                                     blocks=event.blocks, profile=event.profile)  # as wrap's own choice reads them
             self.run.write_json(PROBE_FILE, {
                 "profile": event.profile.to_dict(), "variants": {k: v.to_dict() for k, v in variants.items()},
                 "topology": event.topology.to_dict(), "world_size": event.world_size,
