@@ -90,7 +90,7 @@ def plan(
         world_size = topo.world_size if topology is not None else _dist.world().size
     global_batch = _global_batch(sample, global_batch_size, world_size)
     try:
-        with phase(f"tracing a training step of {type(model).__name__} on fake tensors (fp32, bf16)"):
+        with phase(f"tracing a training step of {type(model).__name__} on fake tensors"):
             profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, lazy=True)
     except TraceError as exc:
         structure = profile_model(model, sample, blocks=blocks, warn=False, trace=False)

@@ -28,10 +28,9 @@ import importlib
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn

@@ -107,35 +107,51 @@ def profile_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_
 
     The same model object with the same structure, sample shapes, loss and blocks (`wrap_cache.structure_digest`:
     no trace) is traced once a process: a later call returns the traces made then (and makes those not made)."""
+    bf16 = has_bf16(topology)
     try:
-        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), has_bf16(topology))
+        key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), bf16)
         memo = _TRACES.get(model)
     except TypeError:  # a model that cannot be weakly referenced: traced every time
         key, memo = None, None
-    bf16 = has_bf16(topology)
     if memo is not None and memo[0] == key:
         profile, done = memo[1], memo[2]
     else:
         profile = base_profile(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, bf16=bf16)
         check_traced_for(profile, topology)
-        done = {profile.profile_precision: profile} if profile.profile_precision != "fp32" else {}
+        done = _seeded(profile)
         if key is not None:
             # keyed as the model is now: a forward may write its config (Hugging Face's classifiers set
             # `config.problem_type` from the first labels they see), and the next call reads the model so
             key = (structure_digest(model, sample, loss_fn=loss_fn, blocks=blocks), key[1])
             _TRACES[model] = (key, profile, done)
 
-    def trace(precision: str) -> ModelProfile:  # the search reads the profile's graph count; values where needed
-        return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=precision,
-                             graphs=False, weight_values=profile.traced_with_weight_values)
-
     # where the profile is a bf16 trace, the fp32 one is made only for an fp32 plan (which the search never offers
     # on GPUs with bf16: a user's autopar.predict of one)
     fp32 = ("fp32",) if profile.profile_precision != "fp32" else ()
-    variants = TracedVariants(trace, (*BF16_PRECISIONS, *fp32) if bf16 else (), done)
-    if lazy:
-        return profile, variants
-    return profile, {p: variants[p] for p in BF16_PRECISIONS if p in variants and variants.get(p) is not None}
+    variants = TracedVariants(_tracer(model, sample, loss_fn=loss_fn, blocks=blocks, profile=profile),
+                              (*BF16_PRECISIONS, *fp32) if bf16 else (), done)
+    return profile, (variants if lazy else _resolved(variants, BF16_PRECISIONS))
+
+
+def _tracer(model: nn.Module, sample: Any, *, loss_fn: Callable | None, blocks: Any,
+            profile: ModelProfile | None) -> Callable[[str], ModelProfile]:
+    """A precision's trace of the model, as the cost model reads a variant: no graph count (the search reads the
+    profile's), and with the weights' values where the profile's step needed them."""
+    def trace(precision: str) -> ModelProfile:
+        return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False, precision=precision,
+                             graphs=False, weight_values=profile is not None and profile.traced_with_weight_values)
+    return trace
+
+
+def _seeded(profile: ModelProfile | None) -> dict[str, ModelProfile | None]:
+    """The variants a profile already is: itself, where it was traced in a precision other than fp32."""
+    return {profile.profile_precision: profile} if profile is not None and profile.profile_precision != "fp32" \
+        else {}
+
+
+def _resolved(variants: Mapping[str, ModelProfile], precisions: Sequence[str]) -> dict[str, ModelProfile]:
+    """The precisions' traces made now, those that cannot be traced left out."""
+    return {p: v for p in precisions if (v := variants.get(p)) is not None}
 
 
 def base_profile(model: nn.Module, sample: Any, *, loss_fn: Callable | None, blocks: Any, warn: bool, bf16: bool,
@@ -167,19 +183,9 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
     (one process never runs FSDP's bf16 weights, unless it offloads: wrap asks for "bf16" alone there)."""
     if not has_bf16(topology):
         return {}
-    out = {}
-    for precision in precisions:
-        if profile is not None and profile.profile_precision == precision:
-            out[precision] = profile
-            continue
-        try:
-            # the search reads the profile's graph count; a step that reads its weights' values is traced with them
-            out[precision] = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False,
-                                           precision=precision, graphs=False,
-                                           weight_values=profile is not None and profile.traced_with_weight_values)
-        except TraceError:  # e.g. autocast keeps fp32 weights, and the model casts its input to them
-            continue
-    return out
+    traced = TracedVariants(_tracer(model, sample, loss_fn=loss_fn, blocks=blocks, profile=profile), precisions,
+                            _seeded(profile))
+    return _resolved(traced, precisions)
 
 
 def check_traced_for(profile: ModelProfile, topology: Topology) -> None:

@@ -159,9 +159,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  steps: int = 9) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (`steps` steps of each mode in all, fewer where a step is long (TIMED_BUDGET_S), each round's steps back
-    to back, the median of the rounds), and
-    keep the faster in place (`forget_compiled` when eager wins). Out of memory or an error in one mode keeps
-    the other; both failing keeps the plan's compiled forward and says so."""
+    to back, the median of the rounds), and keep the faster in place (`forget_compiled` when eager wins). Out of
+    memory or an error in one mode keeps the other; both failing keeps the plan's compiled forward and says so."""
     start = time.perf_counter()
     batch = real_batch(sample, device)
     kept = _Kept(model, device)
@@ -185,7 +184,6 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         use_compiled(model, False)
         try:
             eager_warm_s = _warm(step, device)
-            warm[False] = eager_warm_s
             per_round = min(per_round, max(1, int(TIMED_BUDGET_S / (ROUNDS * len(modes) * eager_warm_s))))
         except Exception as exc:  # torch.OutOfMemoryError: eager does not run here
             errors[False] = _one_line(exc)
