@@ -196,6 +196,26 @@ def test_search_raises_when_nothing_fits():
     msg = str(info.value)
     assert re.search(r"no plan for GPT with a global batch of 8192 fits in \d+ GiB per device \(.+\)", msg), msg
     assert "use more devices, a smaller batch" in msg and "loop='train_step'" in msg
+    # the logits are one tensor larger than a GPU: the refusal names the op and where the step makes it
+    assert re.search(r"One tensor of the step alone is [\d.]+ GiB at micro-batch \d+ \(aten\.\w+ in the "
+                     r"((forward|backward) of |loss's )", msg), msg
+
+
+def test_a_refusal_names_the_largest_tensor_only_where_it_takes_a_quarter_of_a_gpu():
+    from autopar.api import _largest_tensor
+    from autopar.profile import profile_model
+    from autopar.topology import Topology
+
+    topo = Topology.from_spec("1xL4")
+    profile = profile_model(make_model(), batch(0), loss_fn=lm_loss)
+    plan = autopar.Plan(micro_batch_size=profile.sample_batch_size)
+    gpu = topo.device.memory_bytes
+    small = dataclasses.replace(profile, largest_transient_bytes=gpu // 8)
+    large = dataclasses.replace(profile, largest_transient_bytes=gpu // 2)
+    assert _largest_tensor(small, plan, topo) == ""
+    said = _largest_tensor(large, plan, topo)
+    assert f"alone is {gpu / 2 / 2**30:.1f} GiB at micro-batch {plan.micro_batch_size}" in said
+    assert f"(aten.{profile.largest_transient_op} in {profile.largest_transient_where})" in said
 
 
 def test_search_offloads_to_cpu_only_when_one_gpu_cannot_hold_the_model_state():

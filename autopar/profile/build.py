@@ -118,6 +118,7 @@ def profile_model(
         saved_bytes_outside_blocks=t.saved_outside_bytes,
         largest_transient_bytes=t.largest_bytes,
         largest_transient_op=t.largest_op,
+        largest_transient_where=t.largest_where,
         sample_batch_size=batch,
         tokens_per_sample=tokens,
         profile_precision=precision,

@@ -171,6 +171,7 @@ class ModelProfile:
     # so its allocations); a CPU trace's replay can miss CUDA's (bench/results/allocator_reserve_2026-12-02.md)
     traced_with_weight_values: bool = False  # whether the step was traced with the weights' values beside the fake
     # tensors (it reads values they compute): a trace of it in another precision goes there at once
+    largest_transient_where: str = ""  # where the step made its largest tensor ("the forward of block model.layers.0")
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
@@ -314,7 +315,8 @@ class ModelProfile:
             f"  sample        {self.sample_batch_size} samples{tokens}",
             f"  per step      {n(self.flops)}FLOP (forward {n(self.forward_flops)}FLOP), "
             f"{self.saved_bytes / 2**20:.1f} MiB saved for backward ({self.profile_precision}), "
-            f"largest tensor {self.largest_transient_bytes / 2**20:.1f} MiB ({self.largest_transient_op})",
+            f"largest tensor {self.largest_transient_bytes / 2**20:.1f} MiB ({self.largest_transient_op}"
+            f"{', in ' + self.largest_transient_where if self.largest_transient_where else ''})",
         ]
         for note in self.notes:
             lines.append(f"  note          {note}")

@@ -25,7 +25,7 @@ from .hf_masks import CompileMasks
 from .live import Frontier
 from .model_profile import MatmulCall, OpGroup
 from .shadow import InputShadows
-from .watch import StepWatcher, storage_key
+from .watch import BEFORE, LOSS, StepWatcher, storage_key
 
 Units = list[tuple[str, nn.Module]]
 
@@ -60,6 +60,7 @@ class Trace:
     allocator_reserve_bytes: int | None = None  # the caching allocator's reserve over the allocated peak in a loop
     # of this step (autopar.profile.allocator.replay_steps); None: not replayed
     allocator_replay_on_cuda: bool = False  # whether that step dispatched as CUDA does (a fake CUDA device)
+    largest_where: str = ""  # where the largest tensor was made: "the forward of block NAME", "the loss's backward"
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -231,7 +232,17 @@ class StepTrace:
             value_reads=self.value_reads,
             live_frontier=w.live.frontier(gradients),
             allocator_reserve_bytes=self._allocator_replay(gradients).reserve_bytes,
-            allocator_replay_on_cuda=self.on_cuda)
+            allocator_replay_on_cuda=self.on_cuda,
+            largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "")
+
+    def _where(self, scope: int, backward: bool) -> str:
+        """Words for a scope of the watcher (a block's index, or BEFORE, AFTER, LOSS) and a pass."""
+        passed = "backward" if backward else "forward"
+        if scope >= 0:
+            return f"the {passed} of block {self.units[scope][0]}"
+        if scope == LOSS:
+            return f"the loss's {passed}"
+        return f"the {passed} of the modules {'before' if scope == BEFORE else 'after'} the blocks"
 
     def _allocator_replay(self, gradients: list[torch.Tensor]) -> ReplayedSteps:
         """A training loop of this step through the caching allocator's model: the weights and buffers (once

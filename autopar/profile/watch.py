@@ -259,6 +259,7 @@ class StepWatcher(TorchDispatchMode):
         # which masks torch.compile would build (autopar.profile.hf_masks), the trace's
         self.compile_masks = compile_masks if compile_masks is not None else CompileMasks()
         self.largest_bytes, self.largest_op = 0, "none"
+        self.largest_scope, self.largest_backward = AFTER, False  # where the largest output was made
         self.num_ops = 0
         self.traffic_bytes = 0
         self.weight_traffic_bytes = 0
@@ -281,7 +282,7 @@ class StepWatcher(TorchDispatchMode):
         scope = self._scope(tensors_in)
         inputs = [storage_key(t) for t in tensors_in]
         from_weights = bool(inputs) and all(k in self.weight_storages for k in inputs)
-        allocated = self._allocated(func, inputs, tensors_out, from_weights)
+        allocated = self._allocated(func, inputs, tensors_out, from_weights, scope)
         if self.forward:
             for t in tensors_out:
                 self._scope_of[t] = scope
@@ -361,9 +362,10 @@ class StepWatcher(TorchDispatchMode):
             return LOSS
         return AFTER if self._after_blocks else BEFORE
 
-    def _allocated(self, func: Any, inputs: list[Any], tensors_out: list[torch.Tensor], from_weights: bool) -> int:
+    def _allocated(self, func: Any, inputs: list[Any], tensors_out: list[torch.Tensor], from_weights: bool,
+                   scope: int) -> int:
         """Bytes of the op's new outputs (views of an input allocate nothing); outputs made from weights alone
-        join the weights instead. Keeps the largest output seen."""
+        join the weights instead. Keeps the largest output seen, and the scope and pass that made it."""
         allocated = 0
         for t in tensors_out:
             key = storage_key(t)
@@ -377,6 +379,7 @@ class StepWatcher(TorchDispatchMode):
                 allocated += nbytes
                 if nbytes > self.largest_bytes:
                     self.largest_bytes, self.largest_op = nbytes, str(func.overloadpacket.__name__)
+                    self.largest_scope, self.largest_backward = scope, not self.forward
         return allocated
 
     def _op_label(self, func: Any) -> str:

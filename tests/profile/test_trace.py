@@ -139,3 +139,39 @@ def test_a_forward_that_checkpoints_its_layers_is_traced_through_the_recompute()
     assert profile.flops >= plain.flops
     assert all(b.flops > 0 for b in profile.blocks)
     assert all(torch.equal(p, before[n]) and p.grad is None for n, p in model.named_parameters())  # untouched
+
+
+class _PairBlock(nn.Module):
+    """A block whose forward makes a broadcast product (tokens x tokens x features) before summing it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        pairs = (h[:, :, None, :] * h[:, None, :, :]).sum(dim=2)  # (batch, tokens, tokens, 16), then summed
+        return x + pairs
+
+
+class _PairStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(_PairBlock() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_the_profile_says_which_op_and_where_made_the_largest_tensor():
+    profile = profile_model(_PairStack(), torch.randn(2, 64, 16))
+    # the first block's broadcast product, 2 x 64 x 64 x 16 float32 values; later blocks' equal ones do not replace it
+    assert profile.largest_transient_bytes == 2 * 64 * 64 * 16 * 4
+    assert profile.largest_transient_op == "mul"
+    assert profile.largest_transient_where == "the forward of block layers.0"
+    assert "(mul, in the forward of block layers.0)" in profile.describe()
