@@ -129,7 +129,8 @@ def kernel_kind(name: str) -> str:
 def host_op_us(device: str, num_ops: int = 20000) -> float:
     """Microseconds the host takes to issue one tiny in-place op from Python (`x.add_(1)` on `device`, the GPU
     work negligible): the machine's host speed, which host-bound steps follow. Two leases of the same H200 kind
-    ran one compiled plan 1.5x apart (bench/results/zoo_h200_wrap_2026-12-01f.md), so records carry it."""
+    ran one compiled plan 1.5x apart (measured 2026-12-01, result file since superseded; git show
+    cc44334:bench/results/zoo_h200_wrap_2026-12-01f.md), so records carry it."""
     x = torch.zeros(8, device=device)
     for _ in range(100):  # warm: the first calls load kernels
         x.add_(1)
