@@ -171,10 +171,9 @@ class Calibration:
     # Compiled host time: the two below are fitted together (grid: 20-28 us x 30-60 us; objective: mean squared
     # log error) to the compiled steps the host bounds on the H200, each the geometric mean of its runs, which
     # vary by up to 1.5x between runs and machine leases (bench/results/zoo_h200_2026-12-01.jsonl,
-    # zoo_h200_profile_2026-12-01c.jsonl, zoo_h200_hand_compile_2026-12-01d.jsonl; and zoo_h200_wrap_2026-12-01c/d/e:
-    # measured 2026-12-01, result files since superseded; git show
-    # 3650d5f:bench/results/zoo_h200_wrap_2026-12-01c.jsonl, 911d999:bench/results/zoo_h200_wrap_2026-12-01d.jsonl,
-    # 969688f:bench/results/zoo_h200_wrap_2026-12-01e.jsonl):
+    # zoo_h200_profile_2026-12-01c.jsonl, zoo_h200_hand_compile_2026-12-01d.jsonl, zoo_h200_wrap_2026-12-01d.jsonl;
+    # and zoo_h200_wrap_2026-12-01c/e: measured 2026-12-01, result files since superseded; git show
+    # 3650d5f:bench/results/zoo_h200_wrap_2026-12-01c.jsonl, 969688f:bench/results/zoo_h200_wrap_2026-12-01e.jsonl):
     # Swin-T 24.1 ms (19.3, 29.9; GPU busy 14.0), CLIP ViT-B/32 37.5 ms (31.6, 44.6; busy 22.6), ResNet-50 24.3 ms
     # (Hugging Face's and torchvision's, six runs 20.3-27.7; busy 11.3) and ConvNeXt-T 21.8 ms (19.7-25.5): at
     # 24 / 40 us -8%, +7%, -3%, -10% (34.5 / 0 us before: +25%, +51%, +0%, +6%); the compiled steps the GPU
@@ -197,9 +196,8 @@ class Calibration:
     fsdp_overlap: float = 0.85  # share of FSDP communication hidden behind compute; ratio; FSDP2 prefetching
     optimizer_memory_efficiency: float = 0.73  # achieved / datasheet HBM bandwidth of fused AdamW's multi-tensor
     # kernels over optimizer_bytes_per_param; ratio; H200 kernel profiles of 16 zoo families of 86M-6.9B
-    # parameters (bench/results/zoo_h200_profile_2026-12-01c.jsonl, zoo_h200_wrap_2026-12-02b/c/d.jsonl; and
-    # zoo_h200_wrap_2026-12-01d.jsonl, measured 2026-12-01, result file since superseded; git show
-    # 911d999:bench/results/zoo_h200_wrap_2026-12-01d.jsonl): 0.70-0.77, median 0.73; below 30M parameters
+    # parameters (bench/results/zoo_h200_profile_2026-12-01c.jsonl, zoo_h200_wrap_2026-12-01d.jsonl,
+    # zoo_h200_wrap_2026-12-02b/c/d.jsonl): 0.70-0.77, median 0.73; below 30M parameters
     # (ResNet-50, Swin-T: many small tensors) 0.48-0.56, under 0.4 ms a step
     optimizer_bytes_per_param: float = 28.0  # fused AdamW reads/writes per parameter (fp32 w, g, m, v); bytes
     pcie_bytes_per_s: float = 25e9  # host-device copies for CPU offload; bytes/s; PCIe gen5 x16 achieved
