@@ -3,7 +3,9 @@
 Measures, on one GPU: bf16 GEMMs over a grid of (M, N, K) (and a few fp32 and misaligned ones), convolutions
 (ResNet-50 and ConvNeXt-T shapes at batch 64, channels-last and contiguous, forward and backward), SDPA (head
 dims 64 and 128, sequences 256-8192, causal or not, and with a float mask; and with Hugging Face's boolean mask,
-eager and compiled), torch._grouped_mm where it exists, and elementwise ops' bandwidth. Writes one JSON file of records (a header, then one record per measurement).
+eager and compiled), torch._grouped_mm where it exists, and elementwise ops' bandwidth; and, reported against the
+model but not fitted, grouped (not depthwise) convolutions in 1-d and 2-d and bilinear resampling forward and
+backward (sections conv_grouped and resample: the op classes of the zoo's worst CPU-planned steps, 2026-12-06). Writes one JSON file of records (a header, then one record per measurement).
 `--fit FILE` fits the calibration factors the time model uses to those records, through the model's own
 formulas (autopar.cost.ops.op_seconds), and prints them with what each was fitted from.
 
@@ -72,11 +74,22 @@ BMM_ATTENTION = ((768, 197, 64), (1536, 77, 64), (1536, 50, 64), (6144, 49, 32),
                  (768, 256, 64), (384, 197, 128))
 MIN_SECONDS = 20e-6  # shorter kernels are left out of the fit
 
+# (C_in, C_out, length or side, kernel, groups, dims) at batch 16: grouped convolutions that are not depthwise (more
+# than 8 channels a group), 1-d over a sequence and 2-d over an image, with the zoo's wav2vec2 positional
+# convolution (768 channels, 16 groups, kernel 128 over 499 frames: cuDNN ran it in per-group CUDA-core kernels,
+# bench/NOTES.md 2026-12-06) among them. Measured against the model's dense-convolution price, not fitted.
+GROUPED_CONVS = ((768, 768, 499, 128, 16, 1), (768, 768, 499, 31, 16, 1), (768, 768, 499, 3, 16, 1),
+                 (512, 512, 2048, 3, 32, 1), (256, 256, 56, 3, 32, 2), (512, 512, 28, 3, 32, 2),
+                 (128, 128, 56, 3, 4, 2), (1024, 1024, 14, 3, 64, 2))
+# (channels, side in, side out) at batch 16: bilinear resampling of a feature map, forward and backward (the
+# backward accumulates with atomics): SegFormer's decode head and the upsampling of its logits before the loss.
+RESAMPLES = ((256, 128, 512), (150, 128, 512), (256, 16, 128), (256, 64, 128))
 QUICK = dict(GEMM_M=(64, 256), GEMM_N=(128,), GEMM_K=(64, 256), GEMM_EXTRA=((256, 250, 128),),
              FP32_GEMMS=((128, 128, 128),), CONVS=((3, 16, 32, 3, 1, 1), (16, 16, 16, 3, 1, 16)),
              ATTENTION_DIMS=(64,), ATTENTION_SEQS=(128, 256), ATTENTION_TOKENS=512, HF_ATTENTION=((2, 2, 64, 16),),
              GROUPED=((4, 64, 128, 64),), ELEMENTWISE_NUMEL=(2**16,), FP32_GRID_M=(64,), FP32_GRID_NK=((128, 64),),
-             FP32_GROUPED=((4, 32, 64, 48),), BMM_ATTENTION=((8, 33, 16), (8, 32, 16)))
+             FP32_GROUPED=((4, 32, 64, 48),), BMM_ATTENTION=((8, 33, 16), (8, 32, 16)),
+             GROUPED_CONVS=((32, 32, 64, 9, 2, 1), (32, 32, 8, 3, 2, 2)), RESAMPLES=((4, 8, 16),))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -234,6 +247,55 @@ def bench_convs(timer: Timer, dev: torch.device, s: dict, batch: int) -> list[di
                                         channels_last],
                                        [c_out // groups, kd, m_out, groups, channels_last]]))
             del x, w, y, g
+    return out
+
+
+def bench_grouped_convs(timer: Timer, dev: torch.device, s: dict, batch: int) -> list[dict]:
+    """Grouped (not depthwise) convolutions in bf16 on contiguous tensors, forward and backward, recorded as
+    kind "conv_grouped" with the conv records' fields (the fit reports them against the conv price)."""
+    out = []
+    for c_in, c_out, size, k, groups, dims in s["GROUPED_CONVS"]:
+        shape = (batch, c_in, size) if dims == 1 else (batch, c_in, size, size)
+        x = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(c_out, c_in // groups, *([k] * dims), device=dev, dtype=torch.bfloat16)
+        pad = [k // 2] * dims
+        conv = F.conv1d if dims == 1 else F.conv2d
+        y = conv(x, w, padding=k // 2, groups=groups)
+        g = torch.randn_like(y)
+        forward = timer(lambda: conv(x, w, padding=k // 2, groups=groups))
+        backward = timer(lambda: torch.ops.aten.convolution_backward(
+            g, x, w, None, [1] * dims, pad, [1] * dims, False, [0] * dims, groups, [True, True, False]))
+        m_out, m_in = y.numel() // c_out, x.numel() // c_in
+        kd = c_in // groups * k ** dims
+        flops = 2.0 * m_out * (c_out // groups) * kd * groups
+        base = dict(kind="conv_grouped", dtype="bfloat16", channels_last=0, layer=[c_in, c_out, size, k, groups, dims])
+        if forward is not None:
+            out.append(dict(base, phase="forward", shape=[m_out, c_out // groups, kd, groups, 0], flops=flops,
+                            bytes=_nbytes(x, w, y), seconds=forward))
+        if backward is not None:
+            out.append(dict(base, phase="backward", flops=2 * flops, seconds=backward, bytes=2 * _nbytes(x, w, y),
+                            parts=[[m_in, c_in // groups, max(1, round(flops / (2.0 * m_in * (c_in // groups) * groups))),
+                                    groups, 0], [c_out // groups, kd, m_out, groups, 0]]))
+        del x, w, y, g
+    return out
+
+
+def bench_resample(timer: Timer, dev: torch.device, s: dict, batch: int) -> list[dict]:
+    """Bilinear resampling (F.interpolate, align_corners=False) in bf16, forward and backward: bytes moved per
+    second, kind "resample" (the model prices it as a memory-bound copy; the fit reports the bandwidth)."""
+    out = []
+    for c, side_in, side_out in s["RESAMPLES"]:
+        x = torch.randn(batch, c, side_in, side_in, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        y = F.interpolate(x, size=(side_out, side_out), mode="bilinear", align_corners=False)
+        g = torch.randn_like(y)
+        moved = _nbytes(x, y)
+        forward = timer(lambda: F.interpolate(x, size=(side_out, side_out), mode="bilinear", align_corners=False))
+        backward = timer(lambda: torch.autograd.grad(y, x, g, retain_graph=True))
+        for phase, sec in (("forward", forward), ("backward", backward)):
+            if sec is not None:
+                out.append(dict(kind="resample", phase=phase, shape=[], dtype="bfloat16", flops=0.0, bytes=moved,
+                                seconds=sec, layer=[c, side_in, side_out]))
+        del x, y, g
     return out
 
 
@@ -469,6 +531,17 @@ def fit(paths: str | list[str], as_device: str | None = None, *,
                      f"bandwidth (median of {len(bandwidth)}; min {min(bandwidth):.3f}, max {max(bandwidth):.3f}). "
                      "For information: memory_efficiency is what a training step's memory-bound kernels reach, "
                      "small ones and launch gaps included; fit it from measured steps, not from this.")
+    for r in kinds("conv_grouped"):  # reported against the dense-convolution price, not fitted
+        r = dict(r, kind="conv")
+        c_in, c_out, size, k, groups, dims = r["layer"]
+        notes.append(f"grouped conv{dims}d {c_in}->{c_out}, {groups} groups, kernel {k}, side {size}, {r['phase']}: "
+                     f"{r['seconds'] * 1e3:.3f} ms, {r['flops'] / r['seconds'] / 1e12:.1f} TFLOP/s, model "
+                     f"{_predicted(r, device, Calibration()) * 1e3:.3f} ms at the default calibration")
+    for r in kinds("resample"):
+        c, side_in, side_out = r["layer"]
+        notes.append(f"bilinear {side_in}->{side_out}, {c} channels, {r['phase']}: {r['seconds'] * 1e3:.3f} ms, "
+                     f"{r['bytes'] / r['seconds'] / device.hbm_bytes_per_s:.3f} of the datasheet HBM bandwidth "
+                     "on its input and output")
     if tiny:
         notes.append(f"left out of the fit: {len(tiny)} kernels shorter than {MIN_SECONDS * 1e6:.0f} us (a kernel's "
                      "fixed cost, which the model does not price per kernel, dominates them)")
@@ -511,6 +584,8 @@ def measure(args: argparse.Namespace) -> int:
                     ("bmm_attention", lambda: bench_bmm(timer, dev, shapes)),
                     ("grouped_gemm_fp32", lambda: bench_fp32_grouped(timer, dev, shapes)),
                     ("conv", lambda: bench_convs(timer, dev, shapes, 2 if args.quick else 64)),
+                    ("conv_grouped", lambda: bench_grouped_convs(timer, dev, shapes, 2 if args.quick else 16)),
+                    ("resample", lambda: bench_resample(timer, dev, shapes, 2 if args.quick else 16)),
                     ("attention", lambda: bench_attention(timer, dev, shapes)),
                     ("grouped_gemm", lambda: bench_grouped(timer, dev, shapes)),
                     ("elementwise", lambda: bench_elementwise(timer, dev, shapes)),
