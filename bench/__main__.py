@@ -42,6 +42,7 @@ SUITES: dict[str, str] = {
     "megatron": "bench.megatron_table1",
     "plan-speed": "bench.plan_speed",
     "zoo-plan-speed": "bench.zoo_plan_speed",
+    "hf-sweep": "bench.hf_sweep",
     "memory-check": "bench.memory_check",
     "step-check": "bench.step_time_check",
     "roofline": "bench.zoo_roofline",

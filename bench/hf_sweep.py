@@ -1,0 +1,270 @@
+"""Every architecture the installed transformers registers for a task, at small size on this CPU: the model's own
+training step, `autopar.plan` for one H200 and for 8 H100s, and `wrap` + 2 steps here, the first loss against
+the model's own under the same dropout masks (issue 33: "plan any model, never raise"; no architecture is
+chosen by hand, so none is fitted to).
+
+Each architecture runs in its own process (`--child`), with a time limit; the record says how far it got. A
+model that cannot be built from its default config made small, or whose own step fails without autopar, is
+recorded as such and is not autopar's failure. One JSON line per architecture; `--report FILE` prints the
+Markdown table.
+
+    python -m bench hf-sweep --tasks causal-lm,vision,audio,seq2seq,segmentation --out DIR   # DIR/hf_sweep.jsonl
+    python -m bench hf-sweep --report bench/results/hf_sweep_DATE.jsonl > bench/results/hf_sweep_DATE.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+from bench._common import stamp
+
+TOPOLOGIES = ("1xH200", "8xH100-SXM")
+TASKS = {  # task: (transformers' auto-model mapping, its auto class)
+    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    "vision": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+    "audio": ("MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "AutoModelForAudioClassification"),
+    "seq2seq": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
+    "segmentation": ("MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES", "AutoModelForSemanticSegmentation"),
+}
+# Integer config fields set where a config has them (and they are ints): two layers, narrow widths, a small
+# vocabulary, few experts, 64-pixel images. Lists (a CNN's stage widths) keep their defaults.
+SMALL = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=256, max_position_embeddings=256, head_dim=16, n_layer=2, n_embd=64, n_head=4, d_model=64,
+    num_layers=2, ffn_dim=128, moe_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_positions=256, hidden_dim=64, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+    qk_nope_head_dim=8, v_head_dim=16, shared_expert_intermediate_size=64, n_shared_experts=1,
+    first_k_dense_replace=1, d_ff=128, num_heads=4, d_kv=16, state_size=16, expand=2, n_groups=1, conv_kernel=4,
+    chunk_size=16, mamba_d_state=16, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, attention_head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4,
+    decoder_attention_heads=4, num_decoder_layers=2, image_size=64)
+BATCH, TOKENS, TARGET_TOKENS, AUDIO_SAMPLES, LABELS = 2, 32, 16, 16000, 3
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--archs", default=None, help="comma-separated architectures (default: every one of the task)")
+    p.add_argument("--arch-timeout-s", type=float, default=150.0, help="an architecture's process is killed after this")
+    p.add_argument("--jobs", type=int, default=2, help="architectures run at once")
+    p.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/hf_sweep.jsonl)")
+    p.add_argument("--report", default=None, help="print the Markdown table of a results file and exit")
+    p.add_argument("--child", nargs=2, default=None, metavar=("TASK", "ARCH"), help=argparse.SUPPRESS)
+    return p
+
+
+def architectures(task: str) -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    return list(getattr(modeling_auto, TASKS[task][0]))
+
+
+def _phase(name: str) -> None:
+    """How far the child got: the parent reads the last line of its stderr when it kills it."""
+    print(f"# phase {name}", file=sys.stderr, flush=True)
+
+
+def build(task: str, arch: str) -> Any:
+    import torch
+    import transformers
+
+    config = transformers.CONFIG_MAPPING[arch]()
+    for key, value in SMALL.items():
+        now = getattr(config, key, None)
+        if isinstance(now, int) and not isinstance(now, bool):
+            try:
+                setattr(config, key, value)
+            except (AttributeError, TypeError, ValueError):  # a derived property: left as the config makes it
+                pass
+    if task != "causal-lm" and task != "seq2seq":
+        config.num_labels = LABELS
+    torch.manual_seed(0)
+    return getattr(transformers, TASKS[task][1]).from_config(config)
+
+
+def make_sample(task: str, model: Any) -> dict[str, Any]:
+    import torch
+
+    if task in ("vision", "segmentation"):
+        size = getattr(model.config, "image_size", 64)
+        size = size[0] if isinstance(size, (list, tuple)) else size if isinstance(size, int) else 64
+        channels = getattr(model.config, "num_channels", 3) or 3
+        labels = torch.randint(0, LABELS, (BATCH, size, size) if task == "segmentation" else (BATCH,))
+        return {"pixel_values": torch.randn(BATCH, channels, size, size), "labels": labels}
+    if task == "audio":
+        return {"input_values": torch.randn(BATCH, AUDIO_SAMPLES), "labels": torch.randint(0, LABELS, (BATCH,))}
+    vocab = min(getattr(model.config, "vocab_size", 256) or 256, 256)
+    ids = torch.randint(0, vocab, (BATCH, TOKENS))
+    labels = ids if task == "causal-lm" else torch.randint(0, vocab, (BATCH, TARGET_TOKENS))
+    return {"input_ids": ids, "labels": labels}
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+
+
+def measure(task: str, arch: str) -> dict[str, Any]:
+    """One architecture in this process; `status` says how far it got (see `report`)."""
+    import torch
+
+    warnings.filterwarnings("ignore")
+    rec: dict[str, Any] = {}
+    _phase("build")
+    try:
+        model = build(task, arch)
+        sample = make_sample(task, model)
+    except Exception as exc:
+        return {"status": "build_failed", "error": _error(exc)}
+    rec["parameters"] = sum(p.numel() for p in model.parameters())
+    _phase("own step")
+    try:  # the model's own step, without autopar, on a copy: one that cannot train is not autopar's to plan
+        plain = copy.deepcopy(model)
+        plain(**sample).loss.backward()
+        del plain
+    except Exception as exc:
+        return {**rec, "status": "model_failed", "error": _error(exc)}
+    import autopar
+    from autopar.planning import short_name
+
+    failed = False
+    for topology in TOPOLOGIES:
+        _phase(f"plan {topology}")
+        t0 = time.perf_counter()
+        try:
+            plan = autopar.plan(model, sample=sample, topology=topology)
+            rec[topology] = {"ok": True, "s": round(time.perf_counter() - t0, 2), "plan": short_name(plan)}
+        except Exception as exc:
+            failed = True
+            rec[topology] = {"ok": False, "s": round(time.perf_counter() - t0, 2), "error": _error(exc),
+                             "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+    _phase("wrap")
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():  # the model's own loss just before wrap, under the dropout masks wrap's step will get
+            torch.manual_seed(1)
+            own = float(model(**sample).loss)
+        wrapped = autopar.wrap(model, sample=sample, verbose=False)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        losses = []
+        torch.manual_seed(1)
+        for _ in range(2):
+            loss = wrapped(**sample).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss))
+        rec["wrap"] = {"ok": True, "s": round(time.perf_counter() - t0, 2), "own_loss": own, "losses": losses,
+                       "same_first_loss": abs(losses[0] - own) <= 1e-4 * max(1.0, abs(own))}
+    except Exception as exc:
+        failed = True
+        rec["wrap"] = {"ok": False, "s": round(time.perf_counter() - t0, 2), "error": _error(exc),
+                       "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+    if failed:
+        rec["status"] = "autopar_failed"
+    elif not rec["wrap"]["same_first_loss"]:
+        rec["status"] = "mismatch"
+    else:
+        rec["status"] = "ok"
+    return rec
+
+
+def _run_child(task: str, arch: str, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.hf_sweep", "--child", task, arch]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                              timeout=timeout_s, start_new_session=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        if lines:
+            return json.loads(lines[-1])
+        phase = [x for x in proc.stderr.splitlines() if x.startswith("# phase ")]
+        return {"task": task, "arch": arch, "status": "crashed", "rc": proc.returncode,
+                "phase": phase[-1][8:] if phase else None, "error": proc.stderr.strip()[-300:]}
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        phase = [x for x in err.splitlines() if x.startswith("# phase ")]
+        return {"task": task, "arch": arch, "status": "timeout", "phase": phase[-1][8:] if phase else None,
+                "error": f"killed at {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def report(path: str) -> str:
+    rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    head = rows[0] if rows else {}
+    out = [f"# hf-sweep, {str(head.get('date', ''))[:10]}, {head.get('device')}, torch {head.get('torch')}, "
+           f"transformers {head.get('transformers')}, code {str(head.get('commit', ''))[:7]}",
+           f"# {head.get('command')}", "",
+           "Statuses: ok (planned for both topologies, wrap trained, its first loss the model's own); mismatch (the "
+           "first loss differs); autopar_failed (plan or wrap raised); build_failed / model_failed (the config made "
+           "small does not build, or the model's own step fails without autopar: not autopar's); timeout / crashed "
+           "(with the phase reached).", "",
+           "| task | architectures | ok | mismatch | autopar_failed | build_failed | model_failed | timeout | crashed "
+           "| plan s median | plan s max |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_task: dict[str, list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        by_task[r["task"]].append(r)
+    for task, rs in by_task.items():
+        count = collections.Counter(r["status"] for r in rs)
+        secs = [r[t]["s"] for r in rs for t in TOPOLOGIES if isinstance(r.get(t), dict) and r[t].get("ok")]
+        cells = [str(count.get(s, 0)) for s in ("ok", "mismatch", "autopar_failed", "build_failed", "model_failed",
+                                                "timeout", "crashed")]
+        out.append(f"| {task} | {len(rs)} | {' | '.join(cells)} | "
+                   f"{statistics.median(secs) if secs else 0:.2f} | {max(secs) if secs else 0:.2f} |")
+    bad = [r for r in rows if r["status"] in ("mismatch", "autopar_failed", "timeout", "crashed")]
+    if bad:
+        out += ["", "## What autopar did not do (and the timeouts)", "", "| task | architecture | status | what |",
+                "| --- | --- | --- | --- |"]
+        for r in bad:
+            if r["status"] == "mismatch":
+                what = f"own loss {r['wrap']['own_loss']:.6f}, wrap's first {r['wrap']['losses'][0]:.6f}"
+            elif r["status"] == "autopar_failed":
+                what = "; ".join(f"{k}: {r[k]['error'][:160]}" for k in (*TOPOLOGIES, "wrap")
+                                 if isinstance(r.get(k), dict) and not r[k].get("ok"))
+            else:
+                what = f"phase {r.get('phase')}: {str(r.get('error', ''))[:160]}"
+            out.append(f"| {r['task']} | {r['arch']} | {r['status']} | {what.replace('|', '/')} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    given = sys.argv[1:] if argv is None else list(argv)
+    if args.child:
+        task, arch = args.child
+        rec = {"task": task, "arch": arch, **measure(task, arch)}
+        print(json.dumps(rec), flush=True)
+        return 0
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "hf_sweep.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = stamp(" ".join(["python -m bench hf-sweep", *given]))
+    jobs = [(task, arch) for task in args.tasks.split(",") for arch in architectures(task)
+            if args.archs is None or arch in args.archs.split(",")]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool, open(out, "a") as f:
+        futures = {pool.submit(_run_child, task, arch, args.arch_timeout_s): (task, arch)
+                   for task, arch in jobs}
+        for done in concurrent.futures.as_completed(futures):
+            rec = {**done.result(), **head}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            print(f"{rec['task']} {rec['arch']}: {rec['status']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
