@@ -45,13 +45,15 @@ def test_the_report_counts_statuses_per_task_and_lists_what_autopar_did_not_do(t
                                                                                  "own_loss": 1.0, "losses": [1.0, 1.0]}},
         {"task": "vision", "arch": "d", "status": "model_failed", "error": "x"},
         {"task": "vision", "arch": "e", "status": "timeout", "phase": "plan 1xH200", "error": "killed at 120 s"},
+        {"task": "vision", "arch": "f", "status": "crashed", "phase": "build", "rc": -9, "error": "# phase build"},
     ]
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
     text = hf_sweep.report(str(path))
     assert "| causal-lm | 2 | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in text
-    assert "| vision | 3 | 0 | 0 | 1 | 0 | 1 | 1 | 0 |" in text
+    assert "| vision | 4 | 0 | 0 | 1 | 0 | 1 | 1 | 1 |" in text
     assert "| causal-lm | b | mismatch | own loss 1.000000, wrap's first 1.500000 |" in text
     assert "| vision | c | autopar_failed | 8xH100-SXM: PlanError: nope |" in text
     assert "| vision | e | timeout | phase plan 1xH200: killed at 120 s |" in text
     assert "model_failed" in text and "| vision | d |" not in text  # not autopar's: counted, not listed
+    assert "| vision | f |" not in text and "1 timeouts and crashes (killed: out of memory) came before" in text
