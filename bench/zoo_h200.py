@@ -400,6 +400,8 @@ class Measurement:
             rec["status"] = "ok"
         except torch.cuda.OutOfMemoryError as exc:
             rec.update(status="oom", error=first_line(exc), **memory(self.opts))
+        except autopar.InfeasiblePlanError as exc:  # wrap's refusal: no plan fits (right where the hand modes OOM)
+            rec.update(status="refused", error=first_line(exc))
         except Exception as exc:  # recorded; the next mode still runs
             rec.update(status="error", error=first_line(exc))
         finally:

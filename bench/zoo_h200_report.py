@@ -105,6 +105,11 @@ class FamilyResult:
         return min(ratios) if ratios else None
 
     def misses(self) -> list[str]:
+        if self.wrap is not None and self.wrap.get("status") == "refused":
+            # no plan fits: right where the model does not fit by hand either
+            hand = [m for m in ("hand", "hand_compile") if (getattr(self, m) or {}).get("status") == "oom"]
+            why = f"{' and '.join(hand)} ran out of memory too" if hand else "no hand row says whether it fits"
+            return [f"wrap refused ({why}): {self.wrap.get('error', '')}"]
         if not self.ok(self.wrap):
             return [f"wrap {self.wrap.get('status') if self.wrap else 'not measured'}: "
                     f"{(self.wrap or {}).get('error', '')}".rstrip(": ")]

@@ -85,6 +85,14 @@ def test_the_report_names_each_miss():
     assert "under-predicted by 8.3%" in text  # reserved + context: -8.3%, more than 5% under
 
 
+def test_a_refusal_says_whether_the_hand_modes_ran_out_of_memory_too():
+    refused = dict(_rec("wrap", 0.1), status="refused", error="InfeasiblePlanError: no plan for M fits")
+    oom = dict(_rec("hand", 0.1), status="oom", error="CUDA out of memory")
+    text = report([oom, refused])
+    assert "wrap refused (hand ran out of memory too): InfeasiblePlanError: no plan for M fits" in text
+    assert "wrap refused (no hand row says whether it fits)" in report([refused])
+
+
 def test_a_later_cut_record_does_not_hide_an_earlier_measurement_but_an_error_does():
     wrap = _rec("wrap", 0.100, plan_short="1gpu mb8 bf16", predicted_step_s=0.105)
     cut = {**_rec("wrap", 0.0), "status": "cut", "error": "the call's time budget ended 37 s into this family"}
