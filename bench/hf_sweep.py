@@ -84,6 +84,16 @@ def build(task: str, arch: str) -> Any:
     import transformers
 
     config = transformers.CONFIG_MAPPING[arch]()
+    _make_small(config)
+    if task != "causal-lm" and task != "seq2seq":
+        config.num_labels = LABELS
+    torch.manual_seed(0)
+    return getattr(transformers, TASKS[task][1]).from_config(config)
+
+
+def _make_small(config: Any, depth: int = 0) -> None:
+    """SMALL's fields on `config` and on its sub-configs (a vision-language model's text and vision towers), and
+    token ids (padding, start, end) that a smaller vocabulary no longer holds set to 0."""
     for key, value in SMALL.items():
         now = getattr(config, key, None)
         if isinstance(now, int) and not isinstance(now, bool):
@@ -91,10 +101,19 @@ def build(task: str, arch: str) -> Any:
                 setattr(config, key, value)
             except (AttributeError, TypeError, ValueError):  # a derived property: left as the config makes it
                 pass
-    if task != "causal-lm" and task != "seq2seq":
-        config.num_labels = LABELS
-    torch.manual_seed(0)
-    return getattr(transformers, TASKS[task][1]).from_config(config)
+    vocab = getattr(config, "vocab_size", None)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id", "padding_idx"):
+        now = getattr(config, key, None)
+        if isinstance(vocab, int) and isinstance(now, int) and now >= vocab:
+            try:
+                setattr(config, key, 0)
+            except (AttributeError, TypeError, ValueError):
+                pass
+    if depth < 2:
+        for name in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, name, None)
+            if sub is not None and hasattr(sub, "to_dict"):
+                _make_small(sub, depth + 1)
 
 
 def make_sample(task: str, model: Any) -> dict[str, Any]:
