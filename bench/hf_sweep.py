@@ -101,6 +101,16 @@ def _make_small(config: Any, depth: int = 0) -> None:
                 setattr(config, key, value)
             except (AttributeError, TypeError, ValueError):  # a derived property: left as the config makes it
                 pass
+    # dimensions other fields derive from: rotary embeddings' width (DeepSeek's head_dim is its rope width,
+    # CodeGen's rotary_dim at most a head's)
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int) and hasattr(config, "head_dim"):
+        config.head_dim = config.qk_rope_head_dim
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if isinstance(getattr(config, "rotary_dim", None), int) and isinstance(heads, int) and isinstance(width, int):
+        config.rotary_dim = min(config.rotary_dim, width // heads)
+    if hasattr(config, "n_group"):  # expert groups (DeepSeek's router): one group of the few experts left
+        config.n_group, config.topk_group = 1, 1
     vocab = getattr(config, "vocab_size", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "padding_idx"):
         now = getattr(config, key, None)
