@@ -259,38 +259,38 @@ def wrap(
     # 0. A plan wrap chose (and measured) before for this model and job: taken from wrap's cache without tracing
     #    (autopar/wrap_cache.py); the tuner's cached plan still wins (step 2 finds it).
     #    Rank 0 makes the cache's key once: it looks the plan up with it, and stores its choice under it (step 6).
-    with recording() as keyed:
+    # The seconds of the keyed phases of steps 0-2 (cache_key, topology, tracing, bf16_tracing, choosing) are
+    # recorded: they go in the plan's prediction.
+    with recording() as phases:
         cache_key = _wrap_key(model, sample, topology=topology, loss_fn=loss_fn, blocks=blocks,
                               global_batch_size=global_batch_size, world=world, loop=chosen_loop) \
             if chosen_here and world.rank == 0 else None
-    cached = _from_wrap_cache(model, sample, cache_key, topology=topology, blocks=blocks,
-                              global_batch_size=global_batch_size, world=world, started=started) \
-        if chosen_here and type(hook) is WrapHook else None
-    if cached is not None:
-        topo, profile, global_batch, decision = cached
-        return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
-                             loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
-                             race=False, loss_fn=loss_fn, hook=hook, cache_key=None)
-    # Step 5 measures the chosen plan's step (eager and compiled) on a GPU: then dynamo's graph count (seconds of
-    # the trace, for the cost model's compiled price) is not asked for, since the measurement decides compile.
-    # A pipeline is not measured: under autopar.train_step on several processes the count is kept.
-    races = chosen_here and (measure or (measure is None and _dist.local_device().type == "cuda"))
-    graphs = not (races and (chosen_loop is not Loop.TRAIN_STEP or world.size == 1))
-    # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
-    with recording() as phases:  # the seconds of the keyed phases of steps 1-2: in the plan's prediction
+        cached = _from_wrap_cache(model, sample, cache_key, topology=topology, blocks=blocks,
+                                  global_batch_size=global_batch_size, world=world, started=started) \
+            if chosen_here and type(hook) is WrapHook else None
+        if cached is not None:
+            topo, profile, global_batch, decision = cached
+            return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
+                                 loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
+                                 race=False, loss_fn=loss_fn, hook=hook, cache_key=None)
+        # Step 5 measures the chosen plan's step (eager and compiled) on a GPU: then dynamo's graph count (seconds of
+        # the trace, for the cost model's compiled price) is not asked for, since the measurement decides compile.
+        # A pipeline is not measured: under autopar.train_step on several processes the count is kept.
+        races = chosen_here and (measure or (measure is None and _dist.local_device().type == "cuda"))
+        graphs = not (races and (chosen_loop is not Loop.TRAIN_STEP or world.size == 1))
+        # 1. Every rank profiles (the same model, so the same result); if any rank fails, all stop together.
         topo, profile, global_batch, untraced = _profile_everywhere(
             model, sample, topology=topology, plan=plan, loss_fn=loss_fn, blocks=blocks,
             global_batch_size=global_batch_size, world=world, say=say, graphs=graphs)
-    if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
-        warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but topology={topology!r} "
-                      "names GPUs: the plan chosen for them (bf16, compile, their memory) runs here on the CPU. To "
-                      "plan for hardware that is not here use autopar.plan(model, sample=..., topology=...); to train "
-                      "here, leave topology out.", stacklevel=2)
-    hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
-                           global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks, loop=chosen_loop))
-    # 2. Rank 0 decides (the plan cache, the cost model, or the given plan); every rank applies its plan,
-    #    sent as YAML text (nothing is unpickled).
-    with recording() as decided:
+        if world.rank == 0 and topo.is_gpu and _dist.device_type() == "cpu":
+            warnings.warn(f"autopar: wrap applies its plan on this machine, which has no GPU, but "
+                          f"topology={topology!r} names GPUs: the plan chosen for them (bf16, compile, their memory) "
+                          "runs here on the CPU. To plan for hardware that is not here use autopar.plan(model, "
+                          "sample=..., topology=...); to train here, leave topology out.", stacklevel=2)
+        hook.profiled(Profiled(model=model, sample=sample, profile=profile, topology=topo, world_size=world.size,
+                               global_batch_size=global_batch, loss_fn=loss_fn, blocks=blocks, loop=chosen_loop))
+        # 2. Rank 0 decides (the plan cache, the cost model, or the given plan); every rank applies its plan,
+        #    sent as YAML text (nothing is unpickled).
         decision = _decide(model, sample, profile, topo, plan=plan, force=force, loss_fn=loss_fn, blocks=blocks,
                            world_size=world.size, global_batch_size=global_batch,
                            loop=chosen_loop, untraced=untraced, say=say) if world.rank == 0 else None
@@ -299,7 +299,7 @@ def wrap(
         # went by phase (cache_key, topology, tracing, bf16_tracing, choosing; the rest: cache lookups, checks)
         decision = dataclasses.replace(decision, plan=decision.plan.replace(prediction={
             **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2),
-            "planning_phases_s": {**keyed, **phases, **decided}}))
+            "planning_phases_s": dict(phases)}))
     return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
                          loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
                          race=races,

@@ -261,9 +261,9 @@ def report(path: str) -> str:
                    f"{max(wraps) if wraps else 0:.2f} |")
     bad = [r for r in rows if r["status"] in ("mismatch", "autopar_failed") or
            (r["status"] in ("timeout", "crashed") and str(r.get("phase")).startswith(AUTOPAR_PHASES))]
-    out.append(f"\n{sum(r['status'] in ('timeout', 'crashed') for r in rows) - sum(r['status'] in ('timeout', 'crashed') for r in bad)} "
-               "timeouts and crashes (killed: out of memory) came before autopar ran (building the model from its "
-               "default config, or its own step): not listed.")
+    early = [r for r in rows if r["status"] in ("timeout", "crashed") and r not in bad]
+    out.append(f"\n{len(early)} timeouts and crashes (killed: out of memory) came before autopar ran (building the "
+               "model from its default config, or its own step): not listed.")
     if bad:
         out += ["", "## What autopar did not do", "", "| task | architecture | status | what |",
                 "| --- | --- | --- | --- |"]

@@ -5,7 +5,8 @@ Measures, on one GPU: bf16 GEMMs over a grid of (M, N, K) (and a few fp32 and mi
 dims 64 and 128, sequences 256-8192, causal or not, and with a float mask; and with Hugging Face's boolean mask,
 eager and compiled), torch._grouped_mm where it exists, and elementwise ops' bandwidth; and, reported against the
 model but not fitted, grouped (not depthwise) convolutions in 1-d and 2-d and bilinear resampling forward and
-backward (sections conv_grouped and resample: the op classes of the zoo's worst CPU-planned steps, 2026-12-06). Writes one JSON file of records (a header, then one record per measurement).
+backward (sections conv_grouped and resample: the op classes of the zoo's worst CPU-planned steps, 2026-12-06).
+Writes one JSON file of records (a header, then one record per measurement).
 `--fit FILE` fits the calibration factors the time model uses to those records, through the model's own
 formulas (autopar.cost.ops.op_seconds), and prints them with what each was fitted from.
 
@@ -274,8 +275,9 @@ def bench_grouped_convs(timer: Timer, dev: torch.device, s: dict, batch: int) ->
                             bytes=_nbytes(x, w, y), seconds=forward))
         if backward is not None:
             out.append(dict(base, phase="backward", flops=2 * flops, seconds=backward, bytes=2 * _nbytes(x, w, y),
-                            parts=[[m_in, c_in // groups, max(1, round(flops / (2.0 * m_in * (c_in // groups) * groups))),
-                                    groups, 0], [c_out // groups, kd, m_out, groups, 0]]))
+                            parts=[[m_in, c_in // groups,
+                                    max(1, round(flops / (2.0 * m_in * (c_in // groups) * groups))), groups, 0],
+                                   [c_out // groups, kd, m_out, groups, 0]]))
         del x, w, y, g
     return out
 
