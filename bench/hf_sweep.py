@@ -94,7 +94,10 @@ def build(task: str, arch: str) -> Any:
 def _make_small(config: Any, depth: int = 0) -> None:
     """SMALL's fields on `config` and on its sub-configs (a vision-language model's text and vision towers), and
     token ids (padding, start, end) that a smaller vocabulary no longer holds set to 0."""
+    staged = isinstance(getattr(config, "hidden_sizes", None), (list, tuple))  # a CNN's widths, per stage
     for key, value in SMALL.items():
+        if staged and key in ("hidden_size", "num_hidden_layers"):  # derived from the stages: left as they are
+            continue
         now = getattr(config, key, None)
         if isinstance(now, int) and not isinstance(now, bool):
             try:
