@@ -29,7 +29,7 @@ from .planning import (base_profile, bf16_variants, calibration_for, check_trace
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .race import race_compile
-from .search import DropKind, search
+from .search import DropKind, largest_tensor_hint, search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
@@ -174,22 +174,9 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
         raise InfeasiblePlanError(
             f"no plan for {profile.model_class} with a global batch of {global_batch_size} fits in "
             f"{topology.device.memory_bytes / 2**30:.0f} GiB per device{need}: use more devices, a smaller batch,"
-            f"{hint} or a shorter sequence.{_largest_tensor(profile, best.plan, topology)}")
+            f"{hint} or a shorter sequence.{largest_tensor_hint(profile, best.plan, topology)}")
     # The prediction says which calibration it was made with (a cached file's path, or the defaults).
     return best.plan.replace(prediction={**(best.plan.prediction or {}), "calibration": calibration.source})
-
-
-def _largest_tensor(profile: ModelProfile, plan: Plan, topology: Topology) -> str:
-    """A refusal's last sentence where one tensor of the step takes a quarter of a GPU or more at the plan's
-    micro-batch: no sharding or checkpointing shrinks it, so the user learns which op of theirs makes it."""
-    nbytes = profile.largest_transient_bytes * plan.micro_batch_size / profile.sample_batch_size
-    if nbytes < topology.device.memory_bytes / 4:
-        return ""
-    where = f" in {profile.largest_transient_where}" if profile.largest_transient_where else ""
-    return (f" One tensor of the step alone is {nbytes / 2**30:.1f} GiB at micro-batch {plan.micro_batch_size} "
-            f"(aten.{profile.largest_transient_op}{where}); no sharding or checkpointing divides one tensor: the op "
-            "that makes it must change (a matmul or einsum for a broadcast product and sum, a fused kernel), or the "
-            "micro-batch must shrink.")
 
 
 def wrap(

@@ -185,6 +185,19 @@ def data_parallel_degrees(profile: ModelProfile, topology: Topology, *, world_si
     return sorted(out)
 
 
+def largest_tensor_hint(profile: ModelProfile, plan: Plan, topology: Topology) -> str:
+    """A refusal's last sentence where one tensor of the step takes a quarter of a GPU or more at the plan's
+    micro-batch: no sharding or checkpointing shrinks it, so the user learns which op of theirs makes it."""
+    nbytes = profile.largest_transient_bytes * plan.micro_batch_size / profile.sample_batch_size
+    if nbytes < topology.device.memory_bytes / 4:
+        return ""
+    where = f" in {profile.largest_transient_where}" if profile.largest_transient_where else ""
+    return (f" One tensor of the step alone is {nbytes / 2**30:.1f} GiB at micro-batch {plan.micro_batch_size} "
+            f"(aten.{profile.largest_transient_op}{where}); no sharding or checkpointing divides one tensor: the op "
+            "that makes it must change (a matmul or einsum for a broadcast product and sum, a fused kernel), or the "
+            "micro-batch must shrink.")
+
+
 def breaks_cut_blocks(profile: ModelProfile) -> bool:
     """Whether dynamo's graph breaks (`profile.graph_breaks`, autopar.profile.graphs) may cut the blocks: a break
     in a block's forward recurs in every block and cuts its fusion where the cost model prices the block whole

@@ -202,7 +202,7 @@ def test_search_raises_when_nothing_fits():
 
 
 def test_a_refusal_names_the_largest_tensor_only_where_it_takes_a_quarter_of_a_gpu():
-    from autopar.api import _largest_tensor
+    from autopar.search import largest_tensor_hint
     from autopar.profile import profile_model
     from autopar.topology import Topology
 
@@ -212,8 +212,8 @@ def test_a_refusal_names_the_largest_tensor_only_where_it_takes_a_quarter_of_a_g
     gpu = topo.device.memory_bytes
     small = dataclasses.replace(profile, largest_transient_bytes=gpu // 8)
     large = dataclasses.replace(profile, largest_transient_bytes=gpu // 2)
-    assert _largest_tensor(small, plan, topo) == ""
-    said = _largest_tensor(large, plan, topo)
+    assert largest_tensor_hint(small, plan, topo) == ""
+    said = largest_tensor_hint(large, plan, topo)
     assert f"alone is {gpu / 2 / 2**30:.1f} GiB at micro-batch {plan.micro_batch_size}" in said
     assert f"(aten.{profile.largest_transient_op} in {profile.largest_transient_where})" in said
 
