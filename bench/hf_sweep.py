@@ -53,6 +53,7 @@ SMALL = dict(
     encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4,
     decoder_attention_heads=4, num_decoder_layers=2, image_size=64)
 BATCH, TOKENS, TARGET_TOKENS, AUDIO_SAMPLES, LABELS = 2, 32, 16, 16000, 3
+PHASE = "# phase "  # how a child's stderr line names the phase it starts
 AUTOPAR_PHASES = ("plan", "wrap")  # the child's phases where autopar runs (before them: the model's build, own step)
 
 
@@ -76,7 +77,7 @@ def architectures(task: str) -> list[str]:
 
 def _phase(name: str) -> None:
     """How far the child got: the parent reads the last line of its stderr when it kills it."""
-    print(f"# phase {name}", file=sys.stderr, flush=True)
+    print(f"{PHASE}{name}", file=sys.stderr, flush=True)
 
 
 def build(task: str, arch: str) -> Any:
@@ -100,10 +101,7 @@ def _make_small(config: Any, depth: int = 0) -> None:
             continue
         now = getattr(config, key, None)
         if isinstance(now, int) and not isinstance(now, bool):
-            try:
-                setattr(config, key, value)
-            except (AttributeError, TypeError, ValueError):  # a derived property: left as the config makes it
-                pass
+            _set(config, key, value)
     # dimensions other fields derive from: rotary embeddings' width (DeepSeek's head_dim is its rope width,
     # CodeGen's rotary_dim at most a head's)
     if isinstance(getattr(config, "qk_rope_head_dim", None), int) and hasattr(config, "head_dim"):
@@ -118,15 +116,20 @@ def _make_small(config: Any, depth: int = 0) -> None:
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "padding_idx"):
         now = getattr(config, key, None)
         if isinstance(vocab, int) and isinstance(now, int) and now >= vocab:
-            try:
-                setattr(config, key, 0)
-            except (AttributeError, TypeError, ValueError):
-                pass
+            _set(config, key, 0)
     if depth < 2:
         for name in getattr(config, "sub_configs", {}) or {}:
             sub = getattr(config, name, None)
             if sub is not None and hasattr(sub, "to_dict"):
                 _make_small(sub, depth + 1)
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    """`config.key = value`, unless the config refuses it (a derived property: left as the config makes it)."""
+    try:
+        setattr(config, key, value)
+    except (AttributeError, TypeError, ValueError):
+        pass
 
 
 def make_sample(task: str, model: Any) -> dict[str, Any]:
@@ -163,6 +166,12 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
+def _failed(exc: BaseException, started: float) -> dict[str, Any]:
+    """The record of a call of autopar's that raised (in an `except` block: the traceback is the one handled)."""
+    return {"ok": False, "s": round(time.perf_counter() - started, 2), "error": _error(exc),
+            "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+
+
 def measure(task: str, arch: str) -> dict[str, Any]:
     """One architecture in this process; `status` says how far it got (see `report`)."""
     import torch
@@ -195,8 +204,7 @@ def measure(task: str, arch: str) -> dict[str, Any]:
             rec[topology] = {"ok": True, "s": round(time.perf_counter() - t0, 2), "plan": short_name(plan)}
         except Exception as exc:
             failed = True
-            rec[topology] = {"ok": False, "s": round(time.perf_counter() - t0, 2), "error": _error(exc),
-                             "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+            rec[topology] = _failed(exc, t0)
     _phase("wrap")
     t0 = time.perf_counter()
     try:
@@ -220,8 +228,7 @@ def measure(task: str, arch: str) -> dict[str, Any]:
                        "same_first_loss": abs(losses[0] - own) <= 1e-4 * max(1.0, abs(own))}
     except Exception as exc:
         failed = True
-        rec["wrap"] = {"ok": False, "s": round(time.perf_counter() - t0, 2), "error": _error(exc),
-                       "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+        rec["wrap"] = _failed(exc, t0)
     if failed:
         rec["status"] = "autopar_failed"
     elif not rec["wrap"]["same_first_loss"]:
@@ -240,14 +247,18 @@ def _run_child(task: str, arch: str, timeout_s: float) -> dict[str, Any]:
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if lines:
             return json.loads(lines[-1])
-        phase = [x for x in proc.stderr.splitlines() if x.startswith("# phase ")]
         return {"task": task, "arch": arch, "status": "crashed", "rc": proc.returncode,
-                "phase": phase[-1][8:] if phase else None, "error": proc.stderr.strip()[-300:]}
+                "phase": _last_phase(proc.stderr), "error": proc.stderr.strip()[-300:]}
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        phase = [x for x in err.splitlines() if x.startswith("# phase ")]
-        return {"task": task, "arch": arch, "status": "timeout", "phase": phase[-1][8:] if phase else None,
+        return {"task": task, "arch": arch, "status": "timeout", "phase": _last_phase(err),
                 "error": f"killed at {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def _last_phase(stderr: str) -> str | None:
+    """The last phase a child wrote (`_phase`), or None."""
+    phases = [x[len(PHASE):] for x in stderr.splitlines() if x.startswith(PHASE)]
+    return phases[-1] if phases else None
 
 
 def report(path: str) -> str:
@@ -312,8 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(task, arch) for task in args.tasks.split(",") for arch in architectures(task)
             if args.archs is None or arch in args.archs.split(",")]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool, open(out, "a") as f:
-        futures = {pool.submit(_run_child, task, arch, args.arch_timeout_s): (task, arch)
-                   for task, arch in jobs}
+        futures = [pool.submit(_run_child, task, arch, args.arch_timeout_s) for task, arch in jobs]
         for done in concurrent.futures.as_completed(futures):
             rec = {**done.result(), **head}
             f.write(json.dumps(rec) + "\n")

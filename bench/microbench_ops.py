@@ -231,23 +231,31 @@ def bench_convs(timer: Timer, dev: torch.device, s: dict, batch: int) -> list[di
             forward = timer(lambda: F.conv2d(x, w, stride=stride, groups=groups))
             backward = timer(lambda: torch.ops.aten.convolution_backward(
                 g, x, w, None, [stride] * 2, [0, 0], [1, 1], False, [0, 0], groups, [True, True, False]))
-            m_out = batch * y.shape[2] * y.shape[3]
-            kd = c_in // groups * k * k
-            flops = 2.0 * m_out * (c_out // groups) * kd * groups
-            base = dict(dtype="bfloat16", channels_last=channels_last, layer=[c_in, c_out, h, k, stride, groups])
-            if forward is not None:
-                out.append(dict(base, kind="conv", phase="forward", shape=[m_out, c_out // groups, kd, groups,
-                                                                            channels_last],
-                                flops=flops, bytes=_nbytes(x, w, y), seconds=forward))
-            if backward is not None:
-                m_in = batch * h * h
-                out.append(dict(base, kind="conv", phase="backward", flops=2 * flops, seconds=backward,
-                                bytes=2 * _nbytes(x, w, y),
-                                parts=[[m_in, c_in // groups, max(1, round(flops / (2.0 * m_in * (c_in // groups)
-                                                                                    * groups))), groups,
-                                        channels_last],
-                                       [c_out // groups, kd, m_out, groups, channels_last]]))
+            base = dict(kind="conv", dtype="bfloat16", channels_last=channels_last,
+                        layer=[c_in, c_out, h, k, stride, groups])
+            out += _conv_records(base, x, w, y, groups, forward, backward)
             del x, w, y, g
+    return out
+
+
+def _conv_records(base: dict, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, groups: int,
+                  forward: float | None, backward: float | None) -> list[dict]:
+    """A convolution's forward and backward records (what was measured of them) as implicit GEMMs per group:
+    forward (M, N, K, groups, channels_last); backward as its two parts, input and weight gradients
+    (OpRecord's "conv" shapes), over the forward's FLOPs twice."""
+    c_in, c_out, channels_last = x.shape[1], y.shape[1], base["channels_last"]
+    m_out, m_in = y.numel() // c_out, x.numel() // c_in
+    kd = w[0].numel()  # C_in / groups x the kernel's elements
+    flops = 2.0 * m_out * (c_out // groups) * kd * groups
+    out = []
+    if forward is not None:
+        out.append(dict(base, phase="forward", shape=[m_out, c_out // groups, kd, groups, channels_last],
+                        flops=flops, bytes=_nbytes(x, w, y), seconds=forward))
+    if backward is not None:
+        out.append(dict(base, phase="backward", flops=2 * flops, seconds=backward, bytes=2 * _nbytes(x, w, y),
+                        parts=[[m_in, c_in // groups, max(1, round(flops / (2.0 * m_in * (c_in // groups) * groups))),
+                                groups, channels_last],
+                               [c_out // groups, kd, m_out, groups, channels_last]]))
     return out
 
 
@@ -266,18 +274,8 @@ def bench_grouped_convs(timer: Timer, dev: torch.device, s: dict, batch: int) ->
         forward = timer(lambda: conv(x, w, padding=k // 2, groups=groups))
         backward = timer(lambda: torch.ops.aten.convolution_backward(
             g, x, w, None, [1] * dims, pad, [1] * dims, False, [0] * dims, groups, [True, True, False]))
-        m_out, m_in = y.numel() // c_out, x.numel() // c_in
-        kd = c_in // groups * k ** dims
-        flops = 2.0 * m_out * (c_out // groups) * kd * groups
         base = dict(kind="conv_grouped", dtype="bfloat16", channels_last=0, layer=[c_in, c_out, size, k, groups, dims])
-        if forward is not None:
-            out.append(dict(base, phase="forward", shape=[m_out, c_out // groups, kd, groups, 0], flops=flops,
-                            bytes=_nbytes(x, w, y), seconds=forward))
-        if backward is not None:
-            out.append(dict(base, phase="backward", flops=2 * flops, seconds=backward, bytes=2 * _nbytes(x, w, y),
-                            parts=[[m_in, c_in // groups,
-                                    max(1, round(flops / (2.0 * m_in * (c_in // groups) * groups))), groups, 0],
-                                   [c_out // groups, kd, m_out, groups, 0]]))
+        out += _conv_records(base, x, w, y, groups, forward, backward)
         del x, w, y, g
     return out
 
