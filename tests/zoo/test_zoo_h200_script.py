@@ -78,7 +78,7 @@ def test_the_report_names_each_miss():
     text = report([_rec("hand", 0.098), _rec("hand_compile", 0.090), wrap])
 
     assert "+40.0%" in text and "+5.0%" in text and "-8.3%" in text  # step, allocated, reserved + context
-    assert "step time predicted +40.0% (bound ±25%)" in text
+    assert "step time predicted +40.0% (bound ±20%)" in text
     assert "wrap slower than bf16 eager by hand (0.980x)" in text
     assert "wrap at 0.900x the best hand figure" in text
     assert "allocated memory predicted" not in text  # +5%: within 10%
