@@ -28,7 +28,7 @@ from .planning import (base_profile, bf16_variants, calibration_for, check_trace
                        resolve_topology)
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
-from .race import race_compile
+from .race import measured_prediction, race_compile
 from .search import DropKind, largest_tensor_hint, search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
@@ -342,26 +342,7 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
     what = "eager and compiled (compiling first)" if state.plan.compile else "eager"
     with phase(f"measuring the step on {state.device} ({what})", say=say):
         race = race_compile(model, sample, device=state.device, loss_fn=loss_fn)
-    kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
-    prediction = {**(state.plan.prediction or {})}
-    if kept_s is not None:
-        prediction["measured_forward_backward_s"] = kept_s
-    for key, value in (("measured_eager_s", race.eager_step_s), ("measured_compiled_s", race.compiled_step_s)):
-        if value is not None:
-            prediction[key] = value
-    # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
-    prediction["measuring_s"] = round(race.measuring_s, 2)
-    modelled = prediction.get("step_s")
-    if kept_s is not None and isinstance(modelled, (int, float)) and modelled > 0 and state.plan.grad_accum == 1 \
-            and isinstance(prediction.get("optimizer_s"), (int, float)):
-        # The step as measured where it was measured (one micro-batch's forward and backward on this device, the
-        # slowest rank's) plus what the race does not run (the optimizer step, modelled): the prediction the plan
-        # carries from here on; the cost model's own figure stays beside it.
-        step = kept_s + prediction["optimizer_s"]
-        prediction.update(modelled_step_s=modelled, step_s=step)
-        for rate in ("samples_per_s", "tokens_per_s", "mfu"):
-            if isinstance(prediction.get(rate), (int, float)):
-                prediction[rate] = prediction[rate] * modelled / step
+    prediction = measured_prediction(state.plan, race)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
                                 notes=(*state.notes, race.describe()))

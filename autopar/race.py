@@ -8,7 +8,8 @@ step would have paid; only the few timed steps are extra), and keeps the faster.
 `autopar.applied(model)` say what was measured.
 
 What a race leaves as it was: the parameters (no optimizer step runs), their gradients (none: set back to
-None), the buffers (BatchNorm's running statistics: copied back) and the random streams (CPU and device).
+None), the buffers (BatchNorm's running statistics: copied back) and the random streams (CPU and device). What
+it changes: CUDA's peak memory statistics, reset before each mode's timed steps (its peaks are theirs).
 Every rank runs the same steps (a sharded step's collectives need them all) and the slowest rank's time is
 the one compared, so every rank keeps the same mode.
 """
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ._util.batch import call_model, default_loss, map_tensors
+from .plans import Plan
 from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 
 #: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
@@ -35,6 +37,13 @@ ROUNDS = 3
 #: a round for a long step (at least one of each mode a round). wrap's own time before the first step is to stay
 #: under 15 s (issue 33); a 0.8 s step timed 9 times a mode was 17 s of measuring alone (mixtral, H100, 2026-12-05).
 TIMED_BUDGET_S = 4.0
+#: Seconds a round's steps should last at least, once the first round has shown how long a step is (more steps a
+#: round for a short step, within TIMED_BUDGET_S): a round of 3 steps of 18 ms is timed with the queue still filling
+#: and the host's launch of its first kernels in it (the zoo's mobilenet-v2 and resnet were measured 14-41% slower
+#: by the race than by the training loop on an H100, bench/results/zoo_h100_wrap_2026-12-05.md).
+MIN_ROUND_S = 0.25
+#: The most steps a round times.
+MAX_ROUND_STEPS = 50
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,14 @@ class CompileRace:
     kept_compiled: bool
     why: str  # one line, for the log
     measuring_s: float = 0.0  # the race's own time, less the compiled warm-up (the slowest rank's)
+    # The peak of allocated memory during each mode's timed steps after its warm-up (torch.cuda.max_memory_allocated,
+    # the largest rank's): forward, backward and the gradients, without an optimizer's state. None off a GPU.
+    eager_peak_bytes: float | None = None
+    compiled_peak_bytes: float | None = None
+
+    @property
+    def kept_peak_bytes(self) -> float | None:
+        return self.compiled_peak_bytes if self.kept_compiled else self.eager_peak_bytes
 
     def describe(self) -> str:
         def ms(x: float | None) -> str:
@@ -146,6 +163,19 @@ def _warm(step: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _later_round_steps(per_round: int, first_round_s: list[float], modes: int, device: torch.device) -> int:
+    """Steps a round after the first: enough for MIN_ROUND_S of the slower mode's step (as the first round timed
+    it, the slowest rank's), never more than TIMED_BUDGET_S allows for every round of every mode, nor fewer than
+    the first round's unless the budget says so. Every rank computes the same number (a sharded step's collectives
+    need every rank to run it)."""
+    slowest = _slowest(max(first_round_s) if first_round_s else None, device)
+    if not slowest or slowest <= 0:
+        return per_round
+    afford = max(1, int(TIMED_BUDGET_S / (ROUNDS * modes * slowest)))
+    want = max(per_round, -(-MIN_ROUND_S // slowest))
+    return int(max(1, min(want, afford, MAX_ROUND_STEPS)))
+
+
 def _drop_grads(model: nn.Module, device: torch.device) -> None:
     """After a step that raised (out of memory): its gradients and the allocator's cache go."""
     for p in model.parameters():
@@ -158,9 +188,11 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
                  steps: int = 9) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
-    rounds (`steps` steps of each mode in all, fewer where a step is long (TIMED_BUDGET_S), each round's steps back
-    to back, the median of the rounds), and keep the faster in place (`forget_compiled` when eager wins). Out of
-    memory or an error in one mode keeps the other; both failing keeps the plan's compiled forward and says so."""
+    rounds (the first of `steps / ROUNDS` steps a mode, fewer where a step is long (TIMED_BUDGET_S); the later ones
+    of MIN_ROUND_S at least, within that budget; each round's steps back to back, the median of the rounds), and
+    keep the faster in place (`forget_compiled` when eager wins); on a GPU, each mode's peak of allocated memory
+    over its timed steps too. Out of memory or an error in one mode keeps the other; both failing keeps the plan's
+    compiled forward and says so."""
     start = time.perf_counter()
     batch = real_batch(sample, device)
     kept = _Kept(model, device)
@@ -173,6 +205,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
             p.grad = None
 
     measured: dict[bool, list[float]] = {}
+    peaks: dict[bool, int] = {}
     warm: dict[bool, float] = {}
     errors: dict[bool, str] = {}
     has_compiled = bool(compiled_modules(model))  # a plan without compile: its eager step measured alone
@@ -197,13 +230,20 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                 use_compiled(model, compiled)
                 try:
                     first = warmup if compiled and r == 0 else 0
+                    if first == 0 and device.type == "cuda":  # the peak of timed steps only (not compile's)
+                        torch.cuda.reset_peak_memory_stats(device)
                     w, median = _time(step, device, warmup=first, steps=per_round)
                     warm[compiled] = warm.get(compiled, 0.0) + w
                     measured.setdefault(compiled, []).append(median)
+                    if first == 0 and device.type == "cuda":
+                        peaks[compiled] = max(peaks.get(compiled, 0), torch.cuda.max_memory_allocated(device))
                 except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
                     measured.pop(compiled, None)
+                    peaks.pop(compiled, None)
                     errors[compiled] = _one_line(exc)
                     _drop_grads(model, device)
+            if r == 0:  # the first round has timed each mode: the later rounds last MIN_ROUND_S at least
+                per_round = _later_round_steps(per_round, [m[0] for m in measured.values()], len(modes), device)
     finally:
         kept.restore(model)
         # The caching allocator keeps what both modes' steps used (two layouts of activations: 2x the reserved
@@ -236,4 +276,44 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     elif has_compiled:
         forget_compiled(model)
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
-                       kept_compiled=keep, why=why, measuring_s=measuring_s)
+                       kept_compiled=keep, why=why, measuring_s=measuring_s,
+                       eager_peak_bytes=_slowest(peaks.get(False), device),
+                       compiled_peak_bytes=_slowest(peaks.get(True), device) if has_compiled else None)
+
+
+def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
+    """`plan`'s prediction with what `race` measured on this device in place of the modelled figures (the modelled
+    ones kept beside them): the step is the kept mode's forward and backward plus the optimizer step the race does
+    not run (modelled); the allocated peak is the kept mode's measured peak plus the optimizer state it does not
+    hold (modelled: exact for Adam), the allocator's and the context's share above it as modelled. Both only for a
+    plan without accumulation (one micro-batch is the step); what was measured is recorded either way."""
+    kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
+    prediction = {**(plan.prediction or {})}
+    if kept_s is not None:
+        prediction["measured_forward_backward_s"] = kept_s
+    for key, value in (("measured_eager_s", race.eager_step_s), ("measured_compiled_s", race.compiled_step_s),
+                       ("measured_peak_allocated_bytes", race.kept_peak_bytes)):
+        if value is not None:
+            prediction[key] = value
+    # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
+    prediction["measuring_s"] = round(race.measuring_s, 2)
+    if plan.grad_accum != 1:
+        return prediction
+
+    def number(key: str) -> float | None:
+        value = prediction.get(key)
+        return float(value) if isinstance(value, (int, float)) else None
+
+    modelled, optimizer_s = number("step_s"), number("optimizer_s")
+    if kept_s is not None and modelled and optimizer_s is not None:
+        step = kept_s + optimizer_s
+        prediction.update(modelled_step_s=modelled, step_s=step)
+        for rate in ("samples_per_s", "tokens_per_s", "mfu"):
+            if number(rate) is not None:
+                prediction[rate] = prediction[rate] * modelled / step
+    allocated, peak, state = number("allocated_bytes"), number("memory_bytes"), number("optimizer_state_bytes")
+    if race.kept_peak_bytes is not None and None not in (allocated, peak, state):
+        measured = float(race.kept_peak_bytes) + state
+        prediction.update(modelled_allocated_bytes=allocated, allocated_bytes=measured,
+                          memory_bytes=peak - allocated + measured)
+    return prediction

@@ -5,6 +5,7 @@ after a sleep (compile that does not pay), one that raises (compile that fails).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 
 import autopar
 import autopar.race as race_module
-from autopar.race import CompileRace, race_compile
+from autopar.race import CompileRace, measured_prediction, race_compile
 from autopar.strategies.compile import apply_compile, compiled_modules
 
 SLOW, BROKEN = "autopar_test_slow_backend", "autopar_test_broken_backend"
@@ -102,17 +103,19 @@ def test_a_compiled_step_that_is_faster_is_kept_in_place(monkeypatch):
     assert result.kept_compiled and "compile is 2.00x faster" in result.why and _is_compiled(model)
 
 
-@pytest.mark.parametrize("warm_s, per_round", [(0.001, 3), (0.3, 2), (5.0, 1)])
-def test_a_long_step_is_timed_fewer_times_so_the_race_stays_within_its_budget(monkeypatch, warm_s, per_round):
-    """Eager's warm-up step sets the steps a round: 9 steps a mode by default, fewer once 3 rounds x 2 modes of
-    them would pass TIMED_BUDGET_S (4 s), never fewer than one a round."""
+@pytest.mark.parametrize("warm_s, step_s, first, later", [(0.001, 0.01, 3, 25), (0.001, 0.001, 3, 50),
+                                                            (0.3, 0.3, 2, 2), (5.0, 5.0, 1, 1)])
+def test_a_round_lasts_long_enough_and_the_race_stays_within_its_budget(monkeypatch, warm_s, step_s, first, later):
+    """Eager's warm-up step sets the first round's steps: 3 a mode, fewer once 3 rounds x 2 modes of them would
+    pass TIMED_BUDGET_S (4 s), never fewer than one. The first round's times set the later rounds': MIN_ROUND_S
+    (0.25 s) of steps at least, at most MAX_ROUND_STEPS (50), within the budget."""
     model = _compiled(SLOW)
     steps = []
     monkeypatch.setattr(race_module, "_warm", lambda step, device: warm_s)
     monkeypatch.setattr(race_module, "_time", lambda step, device, *, warmup, **kw:
-                        (steps.append(kw["steps"]), (0.0, 0.01))[1])
+                        (steps.append(kw["steps"]), (0.0, step_s))[1])
     race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
-    assert steps == [per_round] * 6
+    assert steps == [first] * 2 + [later] * 4
 
 
 def test_within_the_margin_compile_is_kept(monkeypatch):
@@ -180,3 +183,28 @@ def test_a_plan_without_compile_has_its_eager_step_measured_alone():
     result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
     assert not result.kept_compiled and result.compiled_step_s is None and result.eager_step_s > 0
     assert result.why == "the plan does not compile: its eager step measured"
+
+
+def test_the_plan_carries_the_measured_step_and_allocated_peak_with_the_modelled_ones_beside():
+    """The step: the kept mode's forward + backward plus the modelled optimizer step; the allocated peak: the kept
+    mode's measured peak plus the optimizer state the race does not hold, the allocator's share above it as
+    modelled; the rates scaled with the step. A plan that accumulates keeps the modelled figures."""
+    gib = 2**30
+    modelled = {"step_s": 0.2, "optimizer_s": 0.01, "samples_per_s": 40.0, "allocated_bytes": 30 * gib,
+                "memory_bytes": 33 * gib, "optimizer_state_bytes": 4 * gib}
+    race = CompileRace(eager_step_s=0.3, compiled_step_s=0.15, compiled_warmup_s=20.0, kept_compiled=True, why="",
+                       measuring_s=1.2, eager_peak_bytes=25 * gib, compiled_peak_bytes=20 * gib)
+    p = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled), race)
+    assert p["step_s"] == pytest.approx(0.16) and p["modelled_step_s"] == 0.2
+    assert p["samples_per_s"] == pytest.approx(40.0 * 0.2 / 0.16)
+    assert p["measured_peak_allocated_bytes"] == 20 * gib and p["modelled_allocated_bytes"] == 30 * gib
+    assert p["allocated_bytes"] == 24 * gib and p["memory_bytes"] == 27 * gib  # 20 + 4; 3 GiB above it as modelled
+    eager = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled),
+                                dataclasses.replace(race, kept_compiled=False))
+    assert eager["allocated_bytes"] == 29 * gib and eager["step_s"] == pytest.approx(0.31)
+    accumulating = measured_prediction(autopar.Plan(micro_batch_size=4, grad_accum=2, prediction=modelled), race)
+    assert accumulating["step_s"] == 0.2 and accumulating["allocated_bytes"] == 30 * gib
+    assert accumulating["measured_forward_backward_s"] == 0.15  # recorded, not used
+    off_gpu = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled),
+                                  dataclasses.replace(race, compiled_peak_bytes=None))
+    assert off_gpu["allocated_bytes"] == 30 * gib and "measured_peak_allocated_bytes" not in off_gpu

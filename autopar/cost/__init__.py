@@ -47,7 +47,9 @@ class Prediction:
                "mfu": float(self.mfu),
                # the optimizer step and CPU offload's copies: the part of a step a forward + backward measured on
                # the device leaves out (autopar.api's compile race)
-               "optimizer_s": float(self.time.optimizer_s + self.time.offload_s)}
+               "optimizer_s": float(self.time.optimizer_s + self.time.offload_s),
+               # the optimizer's state: what a forward + backward measured on the device holds less than training
+               "optimizer_state_bytes": float(self.memory.optimizer_bytes)}
         if self.tokens_per_s is not None:
             out["tokens_per_s"] = float(self.tokens_per_s)
         return out

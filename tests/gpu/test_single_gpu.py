@@ -107,3 +107,24 @@ def test_wrap_s_race_gives_back_the_memory_its_two_modes_reserved(tmp_path, monk
     assert autopar.applied(model).plan.prediction.get("measured_forward_backward_s")
     slack = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     assert slack < 1 << 30, f"{slack / 2**30:.1f} GiB reserved beyond what is allocated after wrap's race"
+
+
+def test_wrap_s_allocated_prediction_is_the_race_s_measured_peak_plus_the_optimizer_state(tmp_path, monkeypatch):
+    """The race measures the kept mode's allocated peak on the device; the plan's allocated figure is that plus
+    the optimizer state (which the race does not hold), and the training loop's peak after the first steps."""
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
+    model = _gpt2_355m().cuda()
+    batch = {k: v.cuda() for k, v in _batch(model.config.vocab_size).items()}
+    autopar.wrap(model, sample=batch, measure=True, verbose=False)
+    p = autopar.applied(model).plan.prediction
+    assert p["measured_peak_allocated_bytes"] > 0
+    assert p["allocated_bytes"] == p["measured_peak_allocated_bytes"] + p["optimizer_state_bytes"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    for i in range(4):
+        if i == 2:
+            torch.cuda.reset_peak_memory_stats()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    measured = torch.cuda.max_memory_allocated()
+    assert abs(p["allocated_bytes"] / measured - 1) < 0.10, (p["allocated_bytes"], measured)
