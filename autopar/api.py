@@ -341,7 +341,8 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
     prediction and the applied state say which, and what was measured."""
     what = "eager and compiled (compiling first)" if state.plan.compile else "eager"
     with phase(f"measuring the step on {state.device} ({what})", say=say):
-        race = race_compile(model, sample, device=state.device, loss_fn=loss_fn)
+        race = race_compile(model, sample, device=state.device, loss_fn=loss_fn,
+                            micro_batches=state.plan.grad_accum)
     prediction = measured_prediction(state.plan, race)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),

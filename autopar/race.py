@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ._util.batch import call_model, default_loss, map_tensors
 from .plans import Plan
+from .step import split_batch
 from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 
 #: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
@@ -186,15 +187,16 @@ def _drop_grads(model: nn.Module, device: torch.device) -> None:
 
 def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
-                 steps: int = 9) -> CompileRace:
+                 steps: int = 9, micro_batches: int = 1) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (the first of `steps / ROUNDS` steps a mode, fewer where a step is long (TIMED_BUDGET_S); the later ones
     of MIN_ROUND_S at least, within that budget; each round's steps back to back, the median of the rounds), and
     keep the faster in place (`forget_compiled` when eager wins); on a GPU, each mode's peak of allocated memory
-    over its timed steps too. Out of memory or an error in one mode keeps the other; both failing keeps the plan's
+    over its timed steps too. A plan that accumulates (`micro_batches` > 1) runs one micro-batch of `sample`, as
+    its training steps do. Out of memory or an error in one mode keeps the other; both failing keeps the plan's
     compiled forward and says so."""
     start = time.perf_counter()
-    batch = real_batch(sample, device)
+    batch = real_batch(split_batch(sample, micro_batches)[0] if micro_batches > 1 else sample, device)
     kept = _Kept(model, device)
 
     def step() -> None:
@@ -283,10 +285,12 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
 
 def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
     """`plan`'s prediction with what `race` measured on this device in place of the modelled figures (the modelled
-    ones kept beside them): the step is the kept mode's forward and backward plus the optimizer step the race does
-    not run (modelled); the allocated peak is the kept mode's measured peak plus the optimizer state it does not
-    hold (modelled: exact for Adam), the allocator's and the context's share above it as modelled. Both only for a
-    plan without accumulation (one micro-batch is the step); what was measured is recorded either way."""
+    ones kept beside them). The step: the kept mode's forward and backward of one micro-batch, times the plan's
+    micro-batches (each with the gradient synchronisation the race's step had: an upper bound where a plan defers
+    it to the last), plus the optimizer step the race does not run (modelled). The allocated peak, for a plan
+    without accumulation: the kept mode's measured peak plus the optimizer state it does not hold (modelled: exact
+    for Adam), the allocator's and the context's share above it as modelled; with accumulation the gradients stay
+    between micro-batches, which the race's step does not see, so the modelled peak stays."""
     kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
     prediction = {**(plan.prediction or {})}
     if kept_s is not None:
@@ -297,8 +301,6 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
             prediction[key] = value
     # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
     prediction["measuring_s"] = round(race.measuring_s, 2)
-    if plan.grad_accum != 1:
-        return prediction
 
     def number(key: str) -> float | None:
         value = prediction.get(key)
@@ -306,13 +308,13 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
 
     modelled, optimizer_s = number("step_s"), number("optimizer_s")
     if kept_s is not None and modelled and optimizer_s is not None:
-        step = kept_s + optimizer_s
+        step = plan.grad_accum * kept_s + optimizer_s
         prediction.update(modelled_step_s=modelled, step_s=step)
         for rate in ("samples_per_s", "tokens_per_s", "mfu"):
             if number(rate) is not None:
                 prediction[rate] = prediction[rate] * modelled / step
     allocated, peak, state = number("allocated_bytes"), number("memory_bytes"), number("optimizer_state_bytes")
-    if race.kept_peak_bytes is not None and None not in (allocated, peak, state):
+    if race.kept_peak_bytes is not None and plan.grad_accum == 1 and None not in (allocated, peak, state):
         measured = float(race.kept_peak_bytes) + state
         prediction.update(modelled_allocated_bytes=allocated, allocated_bytes=measured,
                           memory_bytes=peak - allocated + measured)
