@@ -43,6 +43,7 @@ SUITES: dict[str, str] = {
     "plan-speed": "bench.plan_speed",
     "zoo-plan-speed": "bench.zoo_plan_speed",
     "hf-sweep": "bench.hf_sweep",
+    "hf-sweep-dist": "bench.hf_sweep_dist",
     "memory-check": "bench.memory_check",
     "step-check": "bench.step_time_check",
     "roofline": "bench.zoo_roofline",

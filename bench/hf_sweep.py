@@ -132,20 +132,20 @@ def _set(config: Any, key: str, value: Any) -> None:
         pass
 
 
-def make_sample(task: str, model: Any) -> dict[str, Any]:
+def make_sample(task: str, model: Any, batch: int = BATCH) -> dict[str, Any]:
     import torch
 
     if task in ("vision", "segmentation"):
         size = getattr(model.config, "image_size", 64)
         size = size[0] if isinstance(size, (list, tuple)) else size if isinstance(size, int) else 64
         channels = getattr(model.config, "num_channels", 3) or 3
-        labels = torch.randint(0, LABELS, (BATCH, size, size) if task == "segmentation" else (BATCH,))
-        return {"pixel_values": torch.randn(BATCH, channels, size, size), "labels": labels}
+        labels = torch.randint(0, LABELS, (batch, size, size) if task == "segmentation" else (batch,))
+        return {"pixel_values": torch.randn(batch, channels, size, size), "labels": labels}
     if task == "audio":
-        return {"input_values": torch.randn(BATCH, AUDIO_SAMPLES), "labels": torch.randint(0, LABELS, (BATCH,))}
+        return {"input_values": torch.randn(batch, AUDIO_SAMPLES), "labels": torch.randint(0, LABELS, (batch,))}
     vocab = min(getattr(model.config, "vocab_size", 256) or 256, 256)
-    ids = torch.randint(0, vocab, (BATCH, TOKENS))
-    labels = ids if task == "causal-lm" else torch.randint(0, vocab, (BATCH, TARGET_TOKENS))
+    ids = torch.randint(0, vocab, (batch, TOKENS))
+    labels = ids if task == "causal-lm" else torch.randint(0, vocab, (batch, TARGET_TOKENS))
     return {"input_ids": ids, "labels": labels}
 
 

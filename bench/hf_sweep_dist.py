@@ -1,0 +1,279 @@
+"""hf-sweep on several processes: every architecture of `hf-sweep`'s tasks at its small size, wrapped with a
+multi-rank plan (FSDP over every rank, replication, tensor parallelism) on CPU processes talking gloo, launched by
+torchrun as a user's job is, trained 2 AdamW steps and compared with one plain process on the global batch
+(issue 33: "plan any model, never raise", and train it right under the plans a cluster runs).
+
+Per (architecture, plan) one `torchrun --standalone` launch of `--world-size` processes. Every rank builds the
+model (seeded: the same weights everywhere) and trains a deep copy of it plainly on the global batch (the
+reference), then wraps the model with the plan and trains it on its own share of the batch (a data-parallel
+rank's rows; every tensor-parallel rank the whole batch). Dropout is off on both (eval mode: dropout's masks
+differ between one process's batch and its shards; BatchNorm then uses its running statistics in both). Rank 0
+compares: each step's loss (the data-parallel ranks' mean) and the final parameters (gathered whole) with the
+reference's, fp32, relative 1e-5 (1e-3 per tensor), as tests/distributed's parity tests do.
+
+Statuses: `ok`; `mismatch` (it trained, not as one process: the largest errors recorded); `refused` (autopar
+refused the plan with a typed error: its one line recorded, not a failure of the run); `autopar_failed` (wrap or
+the wrapped step raised otherwise); `model_failed` / `build_failed` (not autopar's: the plain model did not
+build or train); `timeout` / `crashed`.
+
+    python -m bench hf-sweep-dist --from bench/results/hf_sweep_2026-12-06.jsonl --plans fsdp,tp --out FILE
+    python -m bench hf-sweep-dist --report FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+from bench._common import stamp
+from bench.hf_sweep import BATCH, TASKS, architectures, build, make_sample
+
+STEPS = 2
+LR = 1e-3
+RTOL, TENSOR_RTOL = 1e-5, 1e-3
+PLANS = ("fsdp", "replicate", "tp")
+
+
+def plan_for(kind: str, world_size: int) -> dict[str, int]:
+    """The Plan's fields of a plan kind over `world_size` ranks, each data-parallel rank given BATCH samples."""
+    if kind == "fsdp":
+        return {"dp_shard": world_size, "micro_batch_size": BATCH}
+    if kind == "replicate":
+        return {"dp_replicate": world_size, "micro_batch_size": BATCH}
+    if kind == "tp":
+        return {"tp": world_size, "micro_batch_size": BATCH}
+    raise ValueError(f"unknown plan kind {kind!r}: one of {', '.join(PLANS)}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--archs", default=None, help="comma-separated architectures (default: every one of the task)")
+    p.add_argument("--from", dest="source", nargs="+", default=None,
+                   help="hf-sweep results files: only the architectures recorded `ok` (a later file's record wins)")
+    p.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, of {', '.join(PLANS)}")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--arch-timeout-s", type=float, default=180.0, help="a launch is killed after this")
+    p.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/hf_sweep_dist.jsonl)")
+    p.add_argument("--report", default=None, help="print the Markdown table of a results file and exit")
+    p.add_argument("--rank-child", nargs=4, default=None, metavar=("TASK", "ARCH", "PLAN", "OUT"),
+                   help=argparse.SUPPRESS)
+    return p
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+
+
+def _train(model: Any, batches: list[dict[str, Any]]) -> list[float]:
+    """STEPS AdamW steps (built here, after any wrap), one batch a step; each step's loss."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    losses = []
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+def _rows(batch: dict[str, Any], start: int, stop: int) -> dict[str, Any]:
+    return {k: v[start:stop] for k, v in batch.items()}
+
+
+def _full_params(model: Any) -> dict[str, Any]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().double().cpu()
+    return out
+
+
+def _compare(losses: list[float], ref_losses: list[float], params: dict[str, Any], ref: dict[str, Any]
+             ) -> dict[str, Any]:
+    """The largest relative errors of the losses, of all parameters together and of one tensor, and whether
+    they are within the bounds."""
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+    if set(params) != set(ref):
+        return {"same": False, "loss_rel": loss_err, "why": "the parameter names differ under autopar: "
+                f"{sorted(set(params) ^ set(ref))[:4]}"}
+    num = sum(float(((params[n] - ref[n]) ** 2).sum()) for n in ref)
+    den = sum(float((ref[n] ** 2).sum()) for n in ref)
+    worst_name, worst = "", 0.0
+    for n in ref:
+        scale = float(ref[n].norm())
+        err = float((params[n] - ref[n]).norm()) / scale if scale > 0 else float((params[n] - ref[n]).norm())
+        if err > worst:
+            worst_name, worst = n, err
+    params_err = (num / den) ** 0.5 if den > 0 else num ** 0.5
+    same = loss_err <= RTOL and params_err <= RTOL and worst <= TENSOR_RTOL
+    return {"same": same, "loss_rel": loss_err, "params_rel": params_err, "worst_tensor": worst_name,
+            "worst_tensor_rel": worst}
+
+
+def rank_main(task: str, arch: str, kind: str, out: str) -> None:
+    """One rank of a launch (torchrun's environment); rank 0 writes the record to `out`."""
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    rec: dict[str, Any] = {"task": task, "arch": arch, "plan_kind": kind, "world_size": world}
+
+    def done(status: str, **fields: Any) -> None:
+        if rank == 0:
+            Path(out).write_text(json.dumps({**rec, "status": status, **fields}))
+
+    try:
+        model = build(task, arch)
+        model.eval()  # dropout off (its masks differ between a batch and its shards)
+        fields = plan_for(kind, world)
+        dp = fields.get("dp_shard", 1) * fields.get("dp_replicate", 1)
+        torch.manual_seed(1)
+        batches = [make_sample(task, model, batch=BATCH * dp) for _ in range(STEPS)]
+    except Exception as exc:
+        return done("build_failed", error=_error(exc))
+    try:
+        reference = copy.deepcopy(model)
+        ref_losses = _train(reference, batches)
+        ref_params = _full_params(reference)
+        del reference
+    except Exception as exc:
+        return done("model_failed", error=_error(exc))
+    import autopar
+    from autopar.errors import AutoparError
+
+    data_rank = rank if dp > 1 else 0
+    local = [_rows(b, data_rank * BATCH, (data_rank + 1) * BATCH) if dp > 1 else b for b in batches]
+    stage = "wrap"
+    try:
+        t0 = time.perf_counter()
+        wrapped = autopar.wrap(model, sample=local[0], plan=autopar.Plan(**fields), verbose=False)
+        wrapped.eval()
+        rec["wrap_s"] = round(time.perf_counter() - t0, 2)
+        stage = "train"
+        losses = _train(wrapped, local)
+        if dp > 1:  # each data-parallel rank's mean over its rows: the global batch's mean is their mean
+            t = torch.tensor(losses, dtype=torch.float64)
+            dist.all_reduce(t)
+            losses = (t / dp).tolist()
+        params = _full_params(wrapped)
+    except AutoparError as exc:
+        return done("refused" if stage == "wrap" else "autopar_failed", stage=stage, error=_error(exc),
+                    error_type=type(exc).__name__)
+    except Exception as exc:
+        return done("autopar_failed", stage=stage, error=_error(exc),
+                    where=traceback.format_exc().strip().splitlines()[-3].strip()[:200])
+    result = _compare(losses, ref_losses, params, ref_params)
+    rec.update(losses=losses, ref_losses=ref_losses, **{k: v for k, v in result.items() if k != "same"})
+    done("ok" if result["same"] else "mismatch")
+    dist.destroy_process_group()
+
+
+def launch(task: str, arch: str, kind: str, world_size: int, timeout_s: float) -> dict[str, Any]:
+    """One torchrun launch of `world_size` ranks; the record rank 0 wrote, or what went wrong."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rec.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", AUTOPAR_CACHE_DIR=str(Path(tmp) / "c"))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+               "-m", "bench.hf_sweep_dist", "--rank-child", task, arch, kind, str(out)]
+        start = time.perf_counter()
+        base = {"task": task, "arch": arch, "plan_kind": kind, "world_size": world_size}
+        try:
+            proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                                  text=True, timeout=timeout_s, start_new_session=True)
+        except subprocess.TimeoutExpired:
+            return {**base, "status": "timeout", "error": f"killed at {timeout_s:.0f} s"}
+        if out.exists():
+            return {**json.loads(out.read_text()), "wall_s": round(time.perf_counter() - start, 1)}
+        return {**base, "status": "crashed", "rc": proc.returncode, "error": proc.stderr.strip()[-400:]}
+
+
+def _jobs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(task, architecture, plan kind), one plan kind after another (a run cut short has covered the first)."""
+    wanted = None
+    if args.source:
+        status: dict[tuple[str, str], str] = {}
+        for path in args.source:
+            for line in Path(path).read_text().splitlines():
+                r = json.loads(line)
+                status[(r["task"], r["arch"])] = r.get("status")
+        wanted = {key for key, s in status.items() if s == "ok"}
+    archs = None if args.archs is None else set(args.archs.split(","))
+    return [(task, arch, kind) for kind in args.plans.split(",") for task in args.tasks.split(",")
+            for arch in architectures(task)
+            if (wanted is None or (task, arch) in wanted) and (archs is None or arch in archs)]
+
+
+NOT_AUTOPARS = ("build_failed", "model_failed")
+STATUSES = ("ok", "refused", "mismatch", "autopar_failed", "timeout", "crashed", *NOT_AUTOPARS)
+
+
+def report(path: str) -> str:
+    """The Markdown table: statuses per plan kind, then every row that is not ok and not the model's own."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        r = json.loads(line)
+        rows[(r["task"], r["arch"], r["plan_kind"])] = r  # a later record of one run supersedes
+    first = next(iter(rows.values()), {})
+    out = [f"# hf-sweep-dist: {len(rows)} runs, {first.get('world_size')} gloo ranks, {first.get('date', '?')[:10]}",
+           "", f"{first.get('device', '?')}, torch {first.get('torch', '?')}, transformers "
+           f"{first.get('transformers', '?')}, commit {str(first.get('commit', '?'))[:7]}; "
+           f"`{first.get('command', '?')}`", "",
+           "| plan | " + " | ".join(STATUSES) + " |", "| --- |" + " ---: |" * len(STATUSES)]
+    counts = collections.Counter((r["plan_kind"], r["status"]) for r in rows.values())
+    for kind in dict.fromkeys(r["plan_kind"] for r in rows.values()):
+        out.append(f"| {kind} | " + " | ".join(str(counts[(kind, s)]) for s in STATUSES) + " |")
+    out += ["", "| task | arch | plan | status | what |", "| --- | --- | --- | --- | --- |"]
+    for (task, arch, kind), r in sorted(rows.items()):
+        if r["status"] in ("ok", *NOT_AUTOPARS):
+            continue
+        if r["status"] == "mismatch":
+            what = (f"loss rel {r.get('loss_rel', 0):.1e}, params rel {r.get('params_rel', 0):.1e}, worst "
+                    f"{r.get('worst_tensor')} {r.get('worst_tensor_rel', 0):.1e}" + (f"; {r['why']}" if r.get("why")
+                                                                                         else ""))
+        else:
+            what = f"{r.get('stage', '')} {r.get('error', '')}".strip()[:220]
+        out.append(f"| {task} | {arch} | {kind} | {r['status']} | {what.replace('|', '/')} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.report:
+        print(report(args.report))
+        return 0
+    if args.rank_child:
+        rank_main(*args.rank_child)
+        return 0
+    given = sys.argv[1:] if argv is None else list(argv)
+    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "hf_sweep_dist.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = stamp(" ".join(["python -m bench hf-sweep-dist", *given]))
+    with open(out, "a") as f:
+        for task, arch, kind in _jobs(args):
+            rec = {**launch(task, arch, kind, args.world_size, args.arch_timeout_s), **head}
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            print(f"{task} {arch} {kind}: {rec['status']} {rec.get('error', '')[:120]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
