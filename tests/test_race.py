@@ -218,3 +218,20 @@ def test_a_plan_that_accumulates_races_one_micro_batch(monkeypatch):
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
     race_compile(model, torch.randn(16, 16), device=torch.device("cpu"), micro_batches=4)
     assert seen and set(seen) == {4}
+
+
+@pytest.mark.slow
+def test_two_ranks_race_in_step_and_keep_the_same_mode_and_the_slowest_rank_s_time(tmp_path):
+    """wrap on 2 gloo processes with measure=True: the race's steps (and its collectives: the later rounds' length,
+    the slowest rank's times) run in step on both ranks, which keep the same mode and carry the same measured step."""
+    import json
+
+    from tests.distributed._launch import torchrun
+
+    torchrun("tests/distributed/_race_worker.py", 2, [str(tmp_path)], cache_dir=tmp_path / "autopar-cache")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["world"] == 2 and ranks[0]["plan"] == ranks[1]["plan"]
+    assert ranks[0]["measured_forward_backward_s"] == ranks[1]["measured_forward_backward_s"] > 0
+    assert ranks[0]["step_s"] == pytest.approx(ranks[0]["grad_accum"] * ranks[0]["measured_forward_backward_s"]
+                                               + ranks[0]["optimizer_s"])
+    assert all(len(r["notes"]) == 1 for r in ranks) and ranks[0]["notes"] == ranks[1]["notes"]
