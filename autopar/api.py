@@ -342,7 +342,7 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
     what = "eager and compiled (compiling first)" if state.plan.compile else "eager"
     with phase(f"measuring the step on {state.device} ({what})", say=say):
         race = race_compile(model, sample, device=state.device, loss_fn=loss_fn,
-                            micro_batches=state.plan.grad_accum)
+                            rows=state.plan.micro_batch_size)
     prediction = measured_prediction(state.plan, race)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),

@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._util.batch import call_model, default_loss, map_tensors
+from ._util.batch import call_model, default_loss, map_tensors, sample_batch_size
 from .plans import Plan
-from .step import split_batch
 from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 
 #: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
@@ -57,6 +56,7 @@ class CompileRace:
     kept_compiled: bool
     why: str  # one line, for the log
     measuring_s: float = 0.0  # the race's own time, less the compiled warm-up (the slowest rank's)
+    rows: int | None = None  # the samples its steps ran (None: the sample's count could not be read)
     # The peak of allocated memory during each mode's timed steps after its warm-up (torch.cuda.max_memory_allocated,
     # the largest rank's): forward, backward and the gradients, without an optimizer's state. None off a GPU.
     eager_peak_bytes: float | None = None
@@ -85,6 +85,18 @@ def real_batch(sample: Any, device: torch.device) -> Any:
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
     return map_tensors(one, sample)
+
+
+def first_rows(sample: Any, rows: int | None) -> Any:
+    """The first `rows` samples of `sample` (its tensors cut along dim 0 where they hold the sample's count), or
+    `sample` itself where rows is None or not fewer than it holds."""
+    try:
+        size = sample_batch_size(sample)
+    except Exception:  # no tensor with a batch dimension: run it as it is
+        return sample
+    if rows is None or rows >= size:
+        return sample
+    return map_tensors(lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == size else t, sample)
 
 
 class _Kept:
@@ -187,16 +199,20 @@ def _drop_grads(model: nn.Module, device: torch.device) -> None:
 
 def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
-                 steps: int = 9, micro_batches: int = 1) -> CompileRace:
+                 steps: int = 9, rows: int | None = None) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (the first of `steps / ROUNDS` steps a mode, fewer where a step is long (TIMED_BUDGET_S); the later ones
     of MIN_ROUND_S at least, within that budget; each round's steps back to back, the median of the rounds), and
     keep the faster in place (`forget_compiled` when eager wins); on a GPU, each mode's peak of allocated memory
-    over its timed steps too. A plan that accumulates (`micro_batches` > 1) runs one micro-batch of `sample`, as
-    its training steps do. Out of memory or an error in one mode keeps the other; both failing keeps the plan's
+    over its timed steps too. `rows`: the samples a training step's forward runs (a plan's micro-batch, fewer than
+    the sample's where it accumulates): the race runs the sample's first `rows` (all of it where it has fewer). Out of memory or an error in one mode keeps the other; both failing keeps the plan's
     compiled forward and says so."""
     start = time.perf_counter()
-    batch = real_batch(split_batch(sample, micro_batches)[0] if micro_batches > 1 else sample, device)
+    batch = real_batch(first_rows(sample, rows), device)
+    try:
+        ran: int | None = sample_batch_size(batch)
+    except Exception:  # no tensor with a batch dimension
+        ran = None
     kept = _Kept(model, device)
 
     def step() -> None:
@@ -280,7 +296,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
                        kept_compiled=keep, why=why, measuring_s=measuring_s,
                        eager_peak_bytes=_slowest(peaks.get(False), device),
-                       compiled_peak_bytes=_slowest(peaks.get(True), device) if has_compiled else None)
+                       compiled_peak_bytes=_slowest(peaks.get(True), device) if has_compiled else None, rows=ran)
 
 
 def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
@@ -290,7 +306,8 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
     it to the last), plus the optimizer step the race does not run (modelled). The allocated peak, for a plan
     without accumulation: the kept mode's measured peak plus the optimizer state it does not hold (modelled: exact
     for Adam), the allocator's and the context's share above it as modelled; with accumulation the gradients stay
-    between micro-batches, which the race's step does not see, so the modelled peak stays."""
+    between micro-batches, which the race's step does not see, so the modelled peak stays. A race that ran fewer
+    samples than a micro-batch (a sample smaller than the plan's micro-batch) is recorded and not used."""
     kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
     prediction = {**(plan.prediction or {})}
     if kept_s is not None:
@@ -301,6 +318,8 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
             prediction[key] = value
     # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
     prediction["measuring_s"] = round(race.measuring_s, 2)
+    if race.rows != plan.micro_batch_size:  # the sample held fewer samples than a micro-batch: recorded, not used
+        return prediction
 
     def number(key: str) -> float | None:
         value = prediction.get(key)

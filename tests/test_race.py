@@ -193,7 +193,7 @@ def test_the_plan_carries_the_measured_step_and_allocated_peak_with_the_modelled
     modelled = {"step_s": 0.2, "optimizer_s": 0.01, "samples_per_s": 40.0, "allocated_bytes": 30 * gib,
                 "memory_bytes": 33 * gib, "optimizer_state_bytes": 4 * gib}
     race = CompileRace(eager_step_s=0.3, compiled_step_s=0.15, compiled_warmup_s=20.0, kept_compiled=True, why="",
-                       measuring_s=1.2, eager_peak_bytes=25 * gib, compiled_peak_bytes=20 * gib)
+                       measuring_s=1.2, eager_peak_bytes=25 * gib, compiled_peak_bytes=20 * gib, rows=8)
     p = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled), race)
     assert p["step_s"] == pytest.approx(0.16) and p["modelled_step_s"] == 0.2
     assert p["samples_per_s"] == pytest.approx(40.0 * 0.2 / 0.16)
@@ -203,11 +203,14 @@ def test_the_plan_carries_the_measured_step_and_allocated_peak_with_the_modelled
                                 dataclasses.replace(race, kept_compiled=False))
     assert eager["allocated_bytes"] == 29 * gib and eager["step_s"] == pytest.approx(0.31)
     # accumulating: each micro-batch's step as measured; the gradients kept between them: the modelled peak
-    accumulating = measured_prediction(autopar.Plan(micro_batch_size=4, grad_accum=2, prediction=modelled), race)
+    accumulating = measured_prediction(autopar.Plan(micro_batch_size=8, grad_accum=2, prediction=modelled), race)
     assert accumulating["step_s"] == pytest.approx(2 * 0.15 + 0.01) and accumulating["allocated_bytes"] == 30 * gib
     off_gpu = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled),
                                   dataclasses.replace(race, compiled_peak_bytes=None))
     assert off_gpu["allocated_bytes"] == 30 * gib and "measured_peak_allocated_bytes" not in off_gpu
+    # a race on fewer samples than the plan's micro-batch: recorded, the modelled figures kept
+    short = measured_prediction(autopar.Plan(micro_batch_size=16, prediction=modelled), race)
+    assert short["step_s"] == 0.2 and short["allocated_bytes"] == 30 * gib and short["measured_forward_backward_s"]
 
 
 def test_a_plan_that_accumulates_races_one_micro_batch(monkeypatch):
@@ -216,8 +219,9 @@ def test_a_plan_that_accumulates_races_one_micro_batch(monkeypatch):
     seen = []
     model = Net()
     model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
-    race_compile(model, torch.randn(16, 16), device=torch.device("cpu"), micro_batches=4)
-    assert seen and set(seen) == {4}
+    result = race_compile(model, torch.randn(16, 16), device=torch.device("cpu"), rows=4)
+    assert seen and set(seen) == {4} and result.rows == 4
+    assert race_compile(Net(), torch.randn(2, 16), device=torch.device("cpu"), rows=4).rows == 2  # all it has
 
 
 @pytest.mark.slow
