@@ -205,8 +205,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     of MIN_ROUND_S at least, within that budget; each round's steps back to back, the median of the rounds), and
     keep the faster in place (`forget_compiled` when eager wins); on a GPU, each mode's peak of allocated memory
     over its timed steps too. `rows`: the samples a training step's forward runs (a plan's micro-batch, fewer than
-    the sample's where it accumulates): the race runs the sample's first `rows` (all of it where it has fewer). Out of memory or an error in one mode keeps the other; both failing keeps the plan's
-    compiled forward and says so."""
+    the sample's where it accumulates): the race runs the sample's first `rows` (all of it where it has fewer).
+    Out of memory or an error in one mode keeps the other; both failing keeps the plan's compiled forward and says
+    so."""
     start = time.perf_counter()
     batch = real_batch(first_rows(sample, rows), device)
     try:
