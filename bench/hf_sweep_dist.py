@@ -41,6 +41,12 @@ from bench.hf_sweep import BATCH, TASKS, architectures, build, make_sample
 
 STEPS = 2
 LR = 1e-3
+#: AdamW's eps: 1e-6, not torch's 1e-8. AdamW divides each element's step by its gradient's size, so an element whose
+#: gradient is rounding noise (a router's, an unused position's, a key bias's: 1e-10 and less) moves by lr in a
+#: direction the noise picks, and the final parameters then differ by far more than the gradients did (deepseek_v4's
+#: hyper-connection weights: gradients equal to 2e-7, parameters apart by 4e-4 after two steps). With eps 1e-6 a
+#: noise gradient moves its element by lr x 1e-4 at most, and every gradient above 1e-5 still steps by about lr.
+EPS = 1e-6
 RTOL = 1e-5
 PLANS = ("fsdp", "replicate", "tp")
 
@@ -77,11 +83,11 @@ def _error(exc: BaseException) -> str:
 
 
 def _train(model: Any, batches: list[dict[str, Any]]) -> tuple[list[float], dict[str, Any]]:
-    """STEPS AdamW steps (built here, after any wrap), one batch a step: each step's loss, and the first step's
+    """STEPS AdamW steps (eps EPS; built here, after any wrap), one batch a step: each step's loss, and the first step's
     gradients (whole tensors, gathered from the ranks that shard them)."""
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, foreach=False)
     losses: list[float] = []
     first: dict[str, Any] = {}
     for batch in batches:
