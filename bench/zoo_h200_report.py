@@ -205,4 +205,29 @@ def report(records: list[dict[str, Any]]) -> str:
             cells += [_ms(rec.get("step_s")), _ms(rec.get("predicted_step_s")),
                       _pct(_err(rec.get("predicted_step_s"), rec.get("step_s")))]
         lines.append(f"| {r.family} | " + " | ".join(cells) + " |")
+    lines += _modelled_section(rows)
     return "\n".join(lines)
+
+
+def _modelled_section(rows: list[FamilyResult]) -> list[str]:
+    """wrap's cost model before it measured (the figures wrap's prediction keeps beside the measured ones), against
+    the training loop's measurement: how far planning off the device (autopar.plan on a CPU, other plans than the
+    one measured) would have been; rows that have them only (records since 2026-12-06)."""
+    out = []
+    for r in rows:
+        m = (r.wrap or {}).get("wrap_modelled") or {}
+        if not r.ok(r.wrap) or not m.get("modelled_step_s"):
+            continue
+        w = r.wrap
+        out.append(f"| {r.family} | {_ms(w.get('step_s'))} | {_ms(m.get('modelled_step_s'))} | "
+                   f"{_pct(_err(m.get('modelled_step_s'), w.get('step_s')))} | "
+                   f"{_ms(m.get('measured_forward_backward_s'))} | "
+                   f"{_gib(w.get('peak_allocated_bytes'))} | {_gib(m.get('modelled_allocated_bytes'))} | "
+                   f"{_pct(_err(m.get('modelled_allocated_bytes'), w.get('peak_allocated_bytes')))} | "
+                   f"{_gib(m.get('measured_peak_allocated_bytes'))} |")
+    if not out:
+        return []
+    return ["", "## wrap's cost model before it measured (what wrap's prediction keeps beside the measured figures)",
+            "",
+            "| family | step ms meas | modelled | err | race fwd+bwd ms | alloc GiB meas | modelled | err | "
+            "race peak GiB |", "| --- |" + " ---: |" * 8, *out]

@@ -100,3 +100,15 @@ def test_a_later_cut_record_does_not_hide_an_earlier_measurement_but_an_error_do
     assert "+5.0%" in kept and "wrap cut" not in kept
     oom = {**_rec("wrap", 0.0), "status": "oom", "error": "CUDA out of memory"}
     assert "oom" in report([_rec("hand", 0.110), wrap, oom])
+
+
+def test_the_report_shows_wrap_s_cost_model_before_it_measured():
+    gib = 2**30
+    wrap = _rec("wrap", 0.100, plan_short="1gpu mb8 bf16 compile", predicted_step_s=0.102,
+                peak_allocated_bytes=10 * gib, predicted_allocated_bytes=10.2 * gib,
+                wrap_modelled={"modelled_step_s": 0.080, "modelled_allocated_bytes": 12 * gib,
+                               "measured_forward_backward_s": 0.095, "measured_peak_allocated_bytes": 8 * gib})
+    text = report([wrap])
+    assert "## wrap's cost model before it measured" in text
+    assert "| f | 100.0 | 80.0 | -20.0% | 95.0 | 10.00 | 12.00 | +20.0% | 8.00 |" in text
+    assert "before it measured" not in report([_rec("wrap", 0.1)])  # older records: no section
