@@ -218,6 +218,10 @@ def rank_main(task: str, arch: str, kind: str, out: str) -> None:
         wrapped = autopar.wrap(model, sample=local[0], plan=autopar.Plan(**fields), verbose=False)
         wrapped.eval()
         rec["wrap_s"] = round(time.perf_counter() - t0, 2)
+        # what the plan split: parameters sharded on some mesh dimension (FSDP's dim 0, TP's rows or columns)
+        split = [n for n, q in wrapped.named_parameters()
+                 if any(type(pl).__name__ == "Shard" for pl in getattr(q, "placements", ()))]
+        rec.update(params=sum(1 for _ in wrapped.parameters()), sharded_params=len(split))
         stage = "train"
         losses, grads = _train(wrapped, local)
         if dp > 1:  # each data-parallel rank's mean over its rows: the global batch's mean is their mean
