@@ -43,12 +43,28 @@ def find_blocks(model: nn.Module, blocks: BlocksSpec = None) -> tuple[str | None
     top-level units hold the parameters and `repeated` is False.
     """
     if blocks is None:
-        return _detected_blocks(model)
-    if isinstance(blocks, str):
-        return _blocks_in_container(model, blocks)
-    if isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
-        return None, _blocks_of_class(model, blocks), True
-    return _listed_blocks(model, list(blocks))
+        found = _detected_blocks(model)
+    elif isinstance(blocks, str):
+        found = _blocks_in_container(model, blocks)
+    elif isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
+        found = None, _blocks_of_class(model, blocks), True
+    else:
+        found = _listed_blocks(model, list(blocks))
+    return _without_bare_containers(*found)
+
+
+def _without_bare_containers(path: str | None, units: Units, repeated: bool) -> tuple[str | None, Units, bool]:
+    """A unit that is a ModuleList or ModuleDict (a stage that is only a list of its blocks: PoolFormer's, PVT's)
+    runs no forward of its own, so it can be no block (FSDP2 refuses one as a unit, and the trace sees no call of
+    it): its children stand in for it, recursively; the blocks then lie in several containers (path None)."""
+    def expand(name: str, module: nn.Module) -> Units:
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            return [(name, module)]
+        return [u for n, c in module.named_children() if _numel(c) > 0 for u in expand(_join(name, n), c)]
+
+    if not any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for _, m in units):
+        return path, units, repeated
+    return None, [u for name, module in units for u in expand(name, module)], repeated
 
 
 def _blocks_in_container(model: nn.Module, path: str) -> tuple[str, Units, bool]:

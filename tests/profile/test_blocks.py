@@ -421,3 +421,45 @@ def test_torchvision_style_resnet_layers_are_found_in_their_four_containers():
     path, found, repeated = find_blocks(ResNet())
     assert path is None and repeated
     assert [n for n, _ in found] == [f"layer{i + 1}.{j}" for i, depth in enumerate((3, 4, 6, 3)) for j in range(depth)]
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class _StagesAsLists(nn.Module):
+    """PoolFormer's and PVT's shape: each stage a ModuleList of its layers, iterated by the encoder's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.downs = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 16)])
+        self.stages = nn.ModuleList([nn.ModuleList([_Layer(8) for _ in range(2)]),
+                                     nn.ModuleList([_Layer(16) for _ in range(3)])])
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for down, stage in zip(self.downs, self.stages):
+            x = down(x)
+            for layer in stage:
+                x = layer(x)
+        return self.head(x)
+
+
+def test_a_stage_that_is_a_list_of_layers_is_no_block_its_layers_are():
+    """A ModuleList runs no forward of its own: FSDP2 refuses it as a unit and the trace sees no call of it. The
+    stages' layers are the blocks (found, or named through the stages' container)."""
+    model = _StagesAsLists()
+    path, units, repeated = find_blocks(model)
+    assert repeated and path is None
+    assert [n for n, _ in units if n.startswith("stages")] == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1",
+                                                               "stages.1.2"]
+    assert not any(isinstance(m, nn.ModuleList) for _, m in units)
+    _, named, _ = find_blocks(model, "stages")
+    assert [n for n, _ in named] == ["stages.0.0", "stages.0.1", "stages.1.0", "stages.1.1", "stages.1.2"]
+    p = profile_model(model, torch.randn(4, 8))
+    assert len([b for b in p.blocks if b.name.startswith("stages")]) == 5
