@@ -245,11 +245,30 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
     return None
 
 
+def _norm_on_split_heads(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str | None:
+    """A norm inside an attention module whose weight is narrower than the hidden size (a q/k norm over one head's
+    width), or None. It acts on each rank's own heads with the whole weight, so each rank's gradient of that weight
+    sums its own heads only: the ranks would step their copies apart, unless the gradient is summed over the
+    tensor-parallel ranks, which autopar does not do yet (hf-sweep-dist, 2026-12-06: gemma3, apertus, exaone4,
+    afmoe trained apart under tp=2)."""
+    named = dict(model.named_modules())
+    for pair in layout.pairs:
+        if not pair.attention or pair.parent not in named:
+            continue
+        for owner_name, owner in named[pair.parent].named_modules():
+            if not _is_norm(owner):
+                continue
+            for name, t in owner.named_parameters(recurse=False):
+                if t.dim() >= 1 and profile.hidden_dim and t.shape[-1] < profile.hidden_dim:
+                    return ".".join(n for n in (pair.parent, owner_name, name) if n)
+    return None
+
+
 def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | None:
     """Why tensor parallelism cannot split `model` correctly at any degree (one line), or None: no layers to
     split, a 0-d parameter (FSDP2 keeps it out of its sharding as a plain replicated tensor, autopar.strategies.
     fsdp; beside the tensor-parallel DTensors its gradient is not checked), or a per-head tensor of an attention
-    module that the split layers do not cover."""
+    module that the split layers do not cover, or a norm over one head's width (`_norm_on_split_heads`)."""
     try:
         layout = tp_layout(model, profile)
     except PlanError as exc:
@@ -263,6 +282,11 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
         return (f"tensor parallelism would leave the 0-d parameter{'s' if len(scalars) > 1 else ''} "
                 f"{', '.join(scalars[:3])} of {profile.model_class} a plain tensor beside the tensor-parallel "
                 "DTensors, which autopar does not support: set tp=1 (data parallelism handles it)")
+    norm = _norm_on_split_heads(model, profile, layout)
+    if norm is not None:
+        return (f"tensor parallelism would leave the gradient of {norm} (a norm over one head's width, which every "
+                "rank applies to its own heads) a partial sum on each rank, which autopar does not all-reduce yet: "
+                "set tp=1")
     per_head = _unsplit_per_head_tensor(model, profile, layout)
     if per_head is not None:
         name, shape = per_head

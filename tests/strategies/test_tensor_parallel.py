@@ -295,6 +295,32 @@ def test_a_per_head_bias_the_split_layers_do_not_cover_is_refused():
         check_tensor_parallel(model, profile, 2)
 
 
+class _QKNormAttention(_BiasedAttention):
+    """Attention with an RMS norm over each head's width on q and k (Qwen3's, Gemma 3's q_norm / k_norm): every
+    rank applies the whole norm weight to its own heads, so its gradient is a partial sum on each rank."""
+
+    def __init__(self, hidden: int, heads: int, seq: int) -> None:
+        super().__init__(hidden, heads, seq)
+        del self.relative_bias
+        self.q_norm, self.k_norm = nn.RMSNorm(self.head_dim), nn.RMSNorm(self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_norm_over_one_head_s_width_is_refused_its_gradient_would_be_partial_on_each_rank():
+    model = _gpt_with(lambda: _QKNormAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    profile = _profile("gpt", model)
+    with pytest.raises(PlanError, match=re.escape("the gradient of blocks.0.attn.q_norm.weight (a norm over one "
+                                                  "head's width, which every rank applies to its own heads) a "
+                                                  "partial sum on each rank")):
+        check_tensor_parallel(model, profile, 2)
+
+
 def test_a_zero_dim_parameter_is_refused():
     # CLIP's logit_scale: data parallelism keeps it out of FSDP2's sharding; beside TP's DTensors it is refused
     model = _gpt_with(logit_scale=torch.tensor(2.0))
