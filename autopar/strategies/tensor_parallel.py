@@ -268,7 +268,8 @@ def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | No
     """Why tensor parallelism cannot split `model` correctly at any degree (one line), or None: no layers to
     split, a 0-d parameter (FSDP2 keeps it out of its sharding as a plain replicated tensor, autopar.strategies.
     fsdp; beside the tensor-parallel DTensors its gradient is not checked), or a per-head tensor of an attention
-    module that the split layers do not cover, or a norm over one head's width (`_norm_on_split_heads`)."""
+    module that the split layers do not cover, a norm over one head's width (`_norm_on_split_heads`), or a fused
+    nn.Linear projection of q, k and v (whose layout the trace does not show)."""
     try:
         layout = tp_layout(model, profile)
     except PlanError as exc:
@@ -282,6 +283,15 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
         return (f"tensor parallelism would leave the 0-d parameter{'s' if len(scalars) > 1 else ''} "
                 f"{', '.join(scalars[:3])} of {profile.model_class} a plain tensor beside the tensor-parallel "
                 "DTensors, which autopar does not support: set tp=1 (data parallelism handles it)")
+    fused = next((pair.colwise[0] for pair in layout.pairs if pair.chunks > 1 and pair.kinds[0] == "linear"), None)
+    if fused is not None:
+        # GPT-2's Conv1D computes [q | k | v], each over all heads (split by a strided shard); a fused nn.Linear may
+        # interleave them per head instead (GPT-NeoX's, CodeGen's, Persimmon's), which the strided shard splits
+        # wrongly, and the trace does not say which (hf-sweep-dist, 2026-12-06: gpt_neox, codegen, fuyu trained
+        # 0.2-0.5% off one process under tp=2, silently)
+        return (f"tensor parallelism cannot tell how {profile.model_class}'s fused projection {fused} lays out its "
+                "query, key and value (all heads of each in turn, or interleaved per head), and a wrong guess trains "
+                "wrongly without an error: set tp=1")
     norm = _norm_on_split_heads(model, profile, layout)
     if norm is not None:
         return (f"tensor parallelism would leave the gradient of {norm} (a norm over one head's width, which every "

@@ -321,6 +321,30 @@ def test_a_norm_over_one_head_s_width_is_refused_its_gradient_would_be_partial_o
         check_tensor_parallel(model, profile, 2)
 
 
+class _FusedPerHeadAttention(_BiasedAttention):
+    """One nn.Linear computing q, k and v interleaved per head (GPT-NeoX's query_key_value): (.., heads, 3 x
+    head_dim), each head's q, k and v side by side, which a shard of [q | k | v] would split wrongly."""
+
+    def __init__(self, hidden: int, heads: int, seq: int) -> None:
+        super().__init__(hidden, heads, seq)
+        del self.relative_bias, self.q_proj, self.k_proj, self.v_proj
+        self.query_key_value = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.query_key_value(x).view(b, s, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_fused_linear_projection_of_q_k_v_is_refused_its_layout_is_not_known():
+    model = _gpt_with(lambda: _FusedPerHeadAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    profile = _profile("gpt", model)
+    with pytest.raises(PlanError, match=re.escape("cannot tell how GPT's fused projection "
+                                                  "blocks.0.attn.query_key_value lays out its query, key and value")):
+        check_tensor_parallel(model, profile, 2)
+
+
 def test_a_zero_dim_parameter_is_refused():
     # CLIP's logit_scale: data parallelism keeps it out of FSDP2's sharding; beside TP's DTensors it is refused
     model = _gpt_with(logit_scale=torch.tensor(2.0))
