@@ -299,10 +299,13 @@ def report(path: str) -> str:
         r = json.loads(line)
         rows[(r["task"], r["arch"], r["plan_kind"])] = r  # a later record of one run supersedes
     first = next(iter(rows.values()), {})
+    commits = collections.Counter(str(r.get("commit", "?"))[:7] for r in rows.values())
+    commands = collections.Counter(str(r.get("command", "?")) for r in rows.values())
     out = [f"# hf-sweep-dist: {len(rows)} runs, {first.get('world_size')} gloo ranks, {first.get('date', '?')[:10]}",
            "", f"{first.get('device', '?')}, torch {first.get('torch', '?')}, transformers "
-           f"{first.get('transformers', '?')}, commit {str(first.get('commit', '?'))[:7]}; "
-           f"`{first.get('command', '?')}`", "",
+           f"{first.get('transformers', '?')}; the latest record of each run, by the code that made it: "
+           + ", ".join(f"{c} ({n})" for c, n in commits.most_common()) + "; commands: "
+           + "; ".join(f"`{c}` ({n})" for c, n in commands.most_common()), "",
            "| plan | " + " | ".join(STATUSES) + " |", "| --- |" + " ---: |" * len(STATUSES)]
     counts = collections.Counter((r["plan_kind"], r["status"]) for r in rows.values())
     for kind in dict.fromkeys(r["plan_kind"] for r in rows.values()):
