@@ -465,8 +465,10 @@ def apply_tensor_parallel(
                                                    use_local_output=not sequence_parallel)
         else:
             _apply_local_rowwise(named[pair.rowwise], tp_mesh, kind=row_kind, sequence_parallel=sequence_parallel)
-        if pair.attention:
-            _divide_attrs(named[pair.parent], tp, profile)
+        if pair.attention:  # the attention module and those inside it (BERT's and BigBird's self-attention under
+            # the module that holds the output projection too keeps all_head_size for its reshape)
+            for module in named[pair.parent].modules():
+                _divide_attrs(module, tp, profile)
     if sequence_parallel:
         for norm in layout.norms:
             if in_blocks(norm):
