@@ -87,16 +87,17 @@ def real_batch(sample: Any, device: torch.device) -> Any:
     return map_tensors(one, sample)
 
 
-def first_rows(sample: Any, rows: int | None) -> Any:
+def first_rows(sample: Any, rows: int | None) -> tuple[Any, int | None]:
     """The first `rows` samples of `sample` (its tensors cut along dim 0 where they hold the sample's count), or
-    `sample` itself where rows is None or not fewer than it holds."""
+    `sample` itself where rows is None or not fewer than it holds; and how many samples that is (None: the sample
+    has no tensor with a batch dimension, and runs as it is)."""
     try:
         size = sample_batch_size(sample)
     except Exception:  # no tensor with a batch dimension: run it as it is
-        return sample
+        return sample, None
     if rows is None or rows >= size:
-        return sample
-    return map_tensors(lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == size else t, sample)
+        return sample, size
+    return map_tensors(lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == size else t, sample), rows
 
 
 class _Kept:
@@ -209,11 +210,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     Out of memory or an error in one mode keeps the other; both failing keeps the plan's compiled forward and says
     so."""
     start = time.perf_counter()
-    batch = real_batch(first_rows(sample, rows), device)
-    try:
-        ran: int | None = sample_batch_size(batch)
-    except Exception:  # no tensor with a batch dimension
-        ran = None
+    batch, ran = first_rows(sample, rows)
+    batch = real_batch(batch, device)
     kept = _Kept(model, device)
 
     def step() -> None:

@@ -57,6 +57,14 @@ def stamp(command: str | None = None, root: str | Path = ROOT) -> dict:
             "commit": git_commit(root)}
 
 
+def results_path(out: str | None, name: str) -> Path:
+    """A suite's JSON-lines file: `--out` where given, else `name` in $OUT (the device machine's folder that comes
+    back; the current folder without it); its folder made."""
+    path = Path(out) if out else Path(os.environ.get("OUT", ".")) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 # The plan options a result record names (bench/validate_h200.py, tune_h200.py records).
 PLAN_KEYS = ("micro_batch_size", "grad_accum", "checkpointing", "precision", "compile")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from bench._common import results_path
 from bench.zoo import FAMILIES, Family, build_model, make_sample
 
 NUM_REASONS = 12  # breaks kept per family (the first ones; a break in a block repeats per block)
@@ -82,7 +82,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "graph_breaks.jsonl"
+    out = results_path(args.out, "graph_breaks.jsonl")
     given = sys.argv[1:] if argv is None else list(argv)
     if args.child:
         family = FAMILIES[args.child]
@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
                        {"status": "ok", **explain_family(family, size=args.size, device=device)})
         except Exception as exc:  # recorded; the other families still run
             rec.update(status="error", error=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
-        out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(f"{family.name:20} {rec['status']:6} graphs {rec.get('graphs')} breaks {rec.get('breaks')}",

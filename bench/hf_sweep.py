@@ -19,7 +19,6 @@ import collections
 import concurrent.futures
 import copy
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bench._common import stamp
+from bench._common import results_path, stamp
 
 TOPOLOGIES = ("1xH200", "8xH100-SXM")
 TASKS = {  # task: (transformers' auto-model mapping, its auto class)
@@ -166,10 +165,14 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
 
 
+def where() -> str:
+    """The source line the exception being handled was raised at (in an `except` block)."""
+    return traceback.format_exc().strip().splitlines()[-3].strip()[:200]
+
+
 def _failed(exc: BaseException, started: float) -> dict[str, Any]:
     """The record of a call of autopar's that raised (in an `except` block: the traceback is the one handled)."""
-    return {"ok": False, "s": round(time.perf_counter() - started, 2), "error": _error(exc),
-            "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+    return {"ok": False, "s": round(time.perf_counter() - started, 2), "error": _error(exc), "where": where()}
 
 
 def measure(task: str, arch: str) -> dict[str, Any]:
@@ -317,8 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = {"task": task, "arch": arch, **measure(task, arch)}
         print(json.dumps(rec), flush=True)
         return 0
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "hf_sweep.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.out, "hf_sweep.jsonl")
     head = stamp(" ".join(["python -m bench hf-sweep", *given]))
     jobs = [(task, arch) for task in args.tasks.split(",") for arch in architectures(task)
             if args.archs is None or arch in args.archs.split(",")]

@@ -32,14 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench._common import stamp
-from bench.hf_sweep import BATCH, TASKS, architectures, build, make_sample
+from bench._common import results_path, stamp
+from bench.hf_sweep import BATCH, TASKS, architectures, build, make_sample, where
 
 STEPS = 2
 LR = 1e-3
@@ -224,9 +223,9 @@ def rank_main(task: str, arch: str, kind: str, out: str) -> None:
         wrapped.eval()
         rec["wrap_s"] = round(time.perf_counter() - t0, 2)
         # what the plan split: parameters sharded on some mesh dimension (FSDP's dim 0, TP's rows or columns)
-        split = [n for n, q in wrapped.named_parameters()
-                 if any(type(pl).__name__ == "Shard" for pl in getattr(q, "placements", ()))]
-        rec.update(params=sum(1 for _ in wrapped.parameters()), sharded_params=len(split))
+        rec.update(params=sum(1 for _ in wrapped.parameters()),
+                   sharded_params=sum(any(type(pl).__name__ == "Shard" for pl in getattr(q, "placements", ()))
+                                      for q in wrapped.parameters()))
         stage = "train"
         losses, grads = _train(wrapped, local)
         if dp > 1:  # each data-parallel rank's mean over its rows: the global batch's mean is their mean
@@ -238,8 +237,7 @@ def rank_main(task: str, arch: str, kind: str, out: str) -> None:
         return done("refused" if stage == "wrap" else "autopar_failed", stage=stage, error=_error(exc),
                     error_type=type(exc).__name__)
     except Exception as exc:
-        return done("autopar_failed", stage=stage, error=_error(exc),
-                    where=traceback.format_exc().strip().splitlines()[-3].strip()[:200])
+        return done("autopar_failed", stage=stage, error=_error(exc), where=where())
     result = _compare(Run(losses, grads, params), ref, reordered)
     rec.update(losses=losses, ref_losses=ref.losses, **{k: v for k, v in result.items() if k != "same"})
     done("ok" if result["same"] else "mismatch")
@@ -265,22 +263,25 @@ def launch(task: str, arch: str, kind: str, world_size: int, timeout_s: float) -
         return {**base, "status": "crashed", "rc": proc.returncode, "error": proc.stderr.strip()[-400:]}
 
 
+def _latest(paths: list[str], *fields: str) -> dict[tuple, dict[str, Any]]:
+    """The records of JSON-lines files by the values of `fields`, a later record superseding an earlier one."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            r = json.loads(line)
+            out[tuple(r[f] for f in fields)] = r
+    return out
+
+
 def _jobs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     """(task, architecture, plan kind), one plan kind after another (a run cut short has covered the first)."""
     wanted = None
     if args.source:
-        status: dict[tuple[str, str], str] = {}
-        for path in args.source:
-            for line in Path(path).read_text().splitlines():
-                r = json.loads(line)
-                status[(r["task"], r["arch"])] = r.get("status")
-        wanted = {key for key, s in status.items() if s == "ok"}
+        wanted = {key for key, r in _latest(args.source, "task", "arch").items() if r.get("status") == "ok"}
     done = set()
     if args.skip_ok and Path(args.skip_ok).exists():
-        for line in Path(args.skip_ok).read_text().splitlines():
-            r = json.loads(line)
-            if r.get("status") == "ok":
-                done.add((r["task"], r["arch"], r["plan_kind"]))
+        done = {key for key, r in _latest([args.skip_ok], "task", "arch", "plan_kind").items()
+                if r.get("status") == "ok"}
     archs = None if args.archs is None else set(args.archs.split(","))
     return [(task, arch, kind) for kind in args.plans.split(",") for task in args.tasks.split(",")
             for arch in architectures(task)
@@ -294,10 +295,7 @@ STATUSES = ("ok", "refused", "mismatch", "autopar_failed", "timeout", "crashed",
 
 def report(path: str) -> str:
     """The Markdown table: statuses per plan kind, then every row that is not ok and not the model's own."""
-    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for line in Path(path).read_text().splitlines():
-        r = json.loads(line)
-        rows[(r["task"], r["arch"], r["plan_kind"])] = r  # a later record of one run supersedes
+    rows = _latest([path], "task", "arch", "plan_kind")
     first = next(iter(rows.values()), {})
     commits = collections.Counter(str(r.get("commit", "?"))[:7] for r in rows.values())
     commands = collections.Counter(str(r.get("command", "?")) for r in rows.values())
@@ -334,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         rank_main(*args.rank_child)
         return 0
     given = sys.argv[1:] if argv is None else list(argv)
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "hf_sweep_dist.jsonl"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.out, "hf_sweep_dist.jsonl")
     head = stamp(" ".join(["python -m bench hf-sweep-dist", *given]))
     with open(out, "a") as f:
         for task, arch, kind in _jobs(args):

@@ -47,7 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import autopar
 from autopar.planning import calibration_for, profile_variants, short_name
-from bench._common import host_op_us, kernel_kind
+from bench._common import host_op_us, kernel_kind, results_path
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         given = json.loads(args.child_options)
         run_family(args.child, args.modes.split(","), Options(**{**given, "out": Path(given["out"])}))
         return 0
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "zoo_h200.jsonl"
+    out = results_path(args.out, "zoo_h200.jsonl")
     command = " ".join(["python -m bench.zoo_h200", *(sys.argv[1:] if argv is None else argv)])
     opts = Options(device=args.device, size=args.size, batch=args.batch, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, hand_predictions=not args.no_hand_predictions, compile_on_cpu=args.compile_on_cpu,

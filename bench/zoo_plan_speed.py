@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bench._common import stamp
+from bench._common import results_path, stamp
 
 TOPOLOGIES = ("1xH200", "8xH100-SXM")
 TARGET_S = 60.0  # the bound, per family and topology
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         print(report(args.report))
         return 0
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "zoo_plan_speed.jsonl"
+    out = results_path(args.out, "zoo_plan_speed.jsonl")
     given = sys.argv[1:] if argv is None else list(argv)
     if args.child:
         from bench.zoo import family
@@ -113,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                        {"status": "ok", **measure_family(args.child)})
         except Exception as exc:  # recorded; the other families still run
             rec.update(status="error", error=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
-        out.parent.mkdir(parents=True, exist_ok=True)
         with open(out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps({k: rec.get(k) for k in ("family", "status", "build_s", *TOPOLOGIES)}), flush=True)

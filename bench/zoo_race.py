@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 
 from autopar.strategies.compile import default_backend
-from bench._common import host_op_us
+from bench._common import host_op_us, results_path
 from bench.zoo_h200 import (FAMILIES, Measurement, Options, Predictor, Runner, Step, append, batch_of,
                             build_on_device, environment, first_line, kernels_of, real_sample, sync, time_steps)
 
@@ -204,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(read_races([Path(p) for p in args.report])))
         return 0
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "zoo_race.jsonl"
+    out = results_path(args.out, "zoo_race.jsonl")
     given = sys.argv[1:] if argv is None else list(argv)
     opts = Options(device=device, size=args.size, batch=None, warmup=args.warmup, steps=args.steps, lr=args.lr,
                    hand_predictions=False, compile_on_cpu=False, out=out,

@@ -221,22 +221,25 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
 
 
+def _attentions(named: dict[str, nn.Module], layout: TPLayout) -> list[tuple[TPPair, nn.Module]]:
+    """Each attention pair of the layout with the module that holds it (of `named`, the model's modules by name:
+    on this pipeline stage)."""
+    return [(pair, named[pair.parent]) for pair in layout.pairs if pair.attention and pair.parent in named]
+
+
 def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> tuple[str, tuple] | None:
     """A parameter or buffer of an attention module, outside its split layers, with one entry per head (T5's
     relative attention bias, Swin's relative position bias table): (name, shape), or None. Its attention adds it
     to the scores of every head, and each rank would add all heads' values to its own share of the heads."""
     named = dict(model.named_modules())
-    for pair in layout.pairs:
-        if not pair.attention or pair.parent not in named:
-            continue
-        parent = named[pair.parent]
+    for pair, parent in _attentions(named, layout):
         heads = {profile.num_heads} - {None}
         for module in parent.modules():
             values = [getattr(module, a, None) for a in _HEAD_ATTRS]
             heads |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
         split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
         for owner_name, owner in parent.named_modules():
-            if _is_norm(owner):  # q/k norms over a head's width act per head already
+            if _is_norm(owner):  # a norm over a head's width acts per head (its gradient: _norm_on_split_heads)
                 continue
             for name, t in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
                 if id(t) not in split and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] in heads:
@@ -251,11 +254,8 @@ def _norm_on_split_heads(model: nn.Module, profile: ModelProfile, layout: TPLayo
     sums its own heads only: the ranks would step their copies apart, unless the gradient is summed over the
     tensor-parallel ranks, which autopar does not do yet (hf-sweep-dist, 2026-12-06: gemma3, apertus, exaone4,
     afmoe trained apart under tp=2)."""
-    named = dict(model.named_modules())
-    for pair in layout.pairs:
-        if not pair.attention or pair.parent not in named:
-            continue
-        for owner_name, owner in named[pair.parent].named_modules():
+    for pair, parent in _attentions(dict(model.named_modules()), layout):
+        for owner_name, owner in parent.named_modules():
             if not _is_norm(owner):
                 continue
             for name, t in owner.named_parameters(recurse=False):
