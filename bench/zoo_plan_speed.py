@@ -95,6 +95,19 @@ def report(path: str) -> str:
     return "\n".join(out)
 
 
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """`argv` without `flag` and its value (`--flag value` or `--flag=value`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        elif not a.startswith(flag + "="):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.report:
@@ -125,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if left < 10:
             print(f"{name}: not reached (the time budget is spent)", flush=True)
             continue
-        child = [a for a in given if not a.startswith("--families")]
+        child = _without_flag(given, "--families")
         proc = subprocess.Popen([sys.executable, "-m", "bench.zoo_plan_speed", *child, "--child", name, "--out",
                                  str(out)], cwd=Path(__file__).resolve().parents[1], start_new_session=True)
         try:
