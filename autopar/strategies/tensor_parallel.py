@@ -239,7 +239,7 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
             heads |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
         split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
         for owner_name, owner in parent.named_modules():
-            if _is_norm(owner):  # a norm over a head's width acts per head (its gradient: _norm_on_split_heads)
+            if _is_norm(owner):  # a norm over a head's width acts per head (its gradient: _sum_grads_over_tp)
                 continue
             for name, t in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
                 if id(t) not in split and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] in heads:
@@ -248,28 +248,44 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
     return None
 
 
-def _norm_on_split_heads(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str | None:
-    """A norm inside an attention module whose weight is narrower than the hidden size (a q/k norm over one head's
-    width), or None. It acts on each rank's own heads with the whole weight, so each rank's gradient of that weight
-    sums its own heads only: the ranks would step their copies apart, unless the gradient is summed over the
-    tensor-parallel ranks, which autopar does not do yet (hf-sweep-dist, 2026-12-06: gemma3, apertus, exaone4,
-    afmoe trained apart under tp=2)."""
-    for pair, parent in _attentions(dict(model.named_modules()), layout):
-        for owner_name, owner in parent.named_modules():
-            if not _is_norm(owner):
-                continue
-            for name, t in owner.named_parameters(recurse=False):
-                if t.dim() >= 1 and profile.hidden_dim and t.shape[-1] < profile.hidden_dim:
-                    return ".".join(n for n in (pair.parent, owner_name, name) if n)
-    return None
+def _head_widths(named: dict[str, nn.Module], pair: TPPair, profile: ModelProfile) -> set[int]:
+    """One head's width in an attention pair: its modules' `head_dim`, or the first split layer's output features
+    over the heads."""
+    widths = {v for m in named[pair.parent].modules() for v in [getattr(m, "head_dim", None)]
+              if isinstance(v, int) and not isinstance(v, bool)}
+    first = named.get(pair.colwise[0])
+    if first is not None and profile.num_heads:
+        widths.add(_out_features(first, pair.kinds[0]) // pair.chunks // profile.num_heads)
+    return widths
+
+
+def _norms_on_split_heads(named: dict[str, nn.Module], pair: TPPair,
+                          profile: ModelProfile) -> tuple[list[nn.Module], list[str]]:
+    """The norms inside an attention module narrower than the hidden size: those over one head's width (Qwen3's,
+    Gemma 3's q_norm / k_norm), and the names of those over several heads (OLMo 2's k_norm under grouped-query
+    attention). Under TP each rank applies a per-head norm's whole weight to its own heads, so its gradient of
+    that weight sums its own heads only: `_sum_grads_over_tp` completes it (hf-sweep-dist, 2026-12-06: gemma3,
+    apertus, exaone4, afmoe trained apart under tp=2 before it). A norm over several heads would need its
+    statistics from heads on other ranks."""
+    per_head, across = [], []
+    heads = _head_widths(named, pair, profile)
+    for owner_name, owner in named[pair.parent].named_modules():
+        widths = {t.shape[-1] for t in owner.parameters(recurse=False) if t.dim() >= 1}
+        if not _is_norm(owner) or not widths or not profile.hidden_dim or max(widths) >= profile.hidden_dim:
+            continue
+        if widths <= heads:
+            per_head.append(owner)
+        else:
+            across.append(".".join(n for n in (pair.parent, owner_name) if n))
+    return per_head, across
 
 
 def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | None:
     """Why tensor parallelism cannot split `model` correctly at any degree (one line), or None: no layers to
     split, a 0-d parameter (FSDP2 keeps it out of its sharding as a plain replicated tensor, autopar.strategies.
     fsdp; beside the tensor-parallel DTensors its gradient is not checked), or a per-head tensor of an attention
-    module that the split layers do not cover, a norm over one head's width (`_norm_on_split_heads`), or a fused
-    nn.Linear projection of q, k and v (whose layout the trace does not show)."""
+    module that the split layers do not cover, or a fused nn.Linear projection of q, k and v (whose layout the
+    trace does not show)."""
     try:
         layout = tp_layout(model, profile)
     except PlanError as exc:
@@ -292,11 +308,12 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
         return (f"tensor parallelism cannot tell how {profile.model_class}'s fused projection {fused} lays out its "
                 "query, key and value (all heads of each in turn, or interleaved per head), and a wrong guess trains "
                 "wrongly without an error: set tp=1")
-    norm = _norm_on_split_heads(model, profile, layout)
-    if norm is not None:
-        return (f"tensor parallelism would leave the gradient of {norm} (a norm over one head's width, which every "
-                "rank applies to its own heads) a partial sum on each rank, which autopar does not all-reduce yet: "
-                "set tp=1")
+    named = dict(model.named_modules())
+    across = next((n for pair, _ in _attentions(named, layout) for n in _norms_on_split_heads(named, pair, profile)[1]),
+                  None)
+    if across is not None:
+        return (f"tensor parallelism would split the heads that {across} normalizes together (a norm over several "
+                "heads' width), so each rank would normalize its own heads only: set tp=1")
     per_head = _unsplit_per_head_tensor(model, profile, layout)
     if per_head is not None:
         name, shape = per_head
@@ -406,6 +423,38 @@ def _apply_local_rowwise(module: nn.Module, mesh: DeviceMesh, *, kind: str, sequ
     module.forward = functools.partial(_row_forward, module, mesh, kind, sequence_parallel)
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Megatron's f on a weight every rank holds whole but applies to its own share of the heads: identity
+    forward; backward sums the gradient over the tensor-parallel ranks (each rank's holds its heads' part)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        from torch.distributed import _functional_collectives as funcol
+
+        summed = funcol.all_reduce(grad.contiguous(), "sum", ctx.mesh)
+        return (summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed), None
+
+
+def _summing_forward(module: nn.Module, mesh: DeviceMesh, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    # The module's own forward, reading its parameters through _SumGradOverTP (the parameters FSDP has in place
+    # at this call; the state dict's names unchanged).
+    weights = {name: _SumGradOverTP.apply(p, mesh) for name, p in module.named_parameters(recurse=False)}
+    with _reparametrize_module(module, weights):
+        return forward(*args, **kwargs)
+
+
+def _sum_grads_over_tp(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Complete the gradients of `module`'s own parameters (a q/k norm over one head's width) over the TP ranks."""
+    module.forward = functools.partial(_summing_forward, module, mesh, module.forward)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Applying
 # ---------------------------------------------------------------------------------------------------
@@ -469,6 +518,8 @@ def apply_tensor_parallel(
             # the module that holds the output projection too keeps all_head_size for its reshape)
             for module in named[pair.parent].modules():
                 _divide_attrs(module, tp, profile)
+            for norm in _norms_on_split_heads(named, pair, profile)[0]:
+                _sum_grads_over_tp(norm, tp_mesh)
     if sequence_parallel:
         for norm in layout.norms:
             if in_blocks(norm):

@@ -1,7 +1,8 @@
 """Parity of tensor, sequence and pipeline parallelism (and their products with FSDP) against one process.
 
 Each scenario trains for 10 AdamW steps on 2 or 4 gloo processes - the built-in GPT, a tiny Hugging Face
-Llama (grouped-query attention, RMSNorm, rotary positions) or a tiny Hugging Face GPT-2 (Conv1D layers, one
+Llama (grouped-query attention, RMSNorm, rotary positions), Qwen3 (the same with a norm over each head's width on
+q and k) or a tiny Hugging Face GPT-2 (Conv1D layers, one
 fused q/k/v projection, head tied to the embedding) - and is compared with one plain-PyTorch process
 training the same model on the full batch (fp32):
 
@@ -40,6 +41,9 @@ SCENARIOS = {
         **{f"{m}-tp": {"model": m, "plan": {"tp": 2, "micro_batch_size": 8}} for m in MODELS},
         **{f"{m}-tp-sp": {"model": m, "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}}
            for m in MODELS},
+        # a norm over one head's width (Qwen3's q_norm / k_norm): its gradient summed over the TP ranks
+        "qwen3-tp": {"model": "qwen3", "plan": {"tp": 2, "micro_batch_size": 8}},
+        "qwen3-tp-sp": {"model": "qwen3", "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}},
         # inside train_step the loss is vocab-parallel: the head's logits stay split over the vocabulary
         **{f"{m}-tp-train-step": {"model": m, "train_step": True, "plan": {"tp": 2, "micro_batch_size": 4,
                                                                           "grad_accum": 2}}
@@ -61,6 +65,7 @@ SCENARIOS = {
     4: {
         **{f"{m}-fsdp-x-tp": {"model": m, "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4}}
            for m in ("gpt", "llama")},
+        "qwen3-fsdp-x-tp": {"model": "qwen3", "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4}},
         "llama-fsdp-x-tp-sp-selective": {"model": "llama", "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4,
                                                                    "sequence_parallel": True,
                                                                    "checkpointing": "selective"}},
@@ -81,7 +86,8 @@ def results(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references():
-    return {kind: reference(kind=kind, grads=True) for kind in MODELS}
+    kinds = {spec.get("model", "gpt") for scenarios in SCENARIOS.values() for spec in scenarios.values()}
+    return {kind: reference(kind=kind, grads=True) for kind in kinds}
 
 
 @pytest.mark.parametrize("world_size,name", CASES, ids=[f"ws{w}-{n}" for w, n in CASES])

@@ -19,8 +19,8 @@ from autopar.errors import PlanError
 from autopar.models.gpt import lm_loss
 from autopar.profile import profile_model
 from autopar.search import DropKind
-from autopar.strategies.tensor_parallel import (TPPair, _divide_attrs, check_tensor_parallel, tensor_parallel_refusal,
-                                                tp_layout)
+from autopar.strategies.tensor_parallel import (TPPair, _divide_attrs, _norms_on_split_heads, check_tensor_parallel,
+                                                tensor_parallel_refusal, tp_layout)
 from tests._training import CFG, batch, make_model, sample_of
 
 L = CFG.num_layers
@@ -297,7 +297,8 @@ def test_a_per_head_bias_the_split_layers_do_not_cover_is_refused():
 
 class _QKNormAttention(_BiasedAttention):
     """Attention with an RMS norm over each head's width on q and k (Qwen3's, Gemma 3's q_norm / k_norm): every
-    rank applies the whole norm weight to its own heads, so its gradient is a partial sum on each rank."""
+    rank applies the whole norm weight to its own heads, so its gradient is a partial sum on each rank, which
+    tensor parallelism sums over the ranks."""
 
     def __init__(self, hidden: int, heads: int, seq: int) -> None:
         super().__init__(hidden, heads, seq)
@@ -312,13 +313,37 @@ class _QKNormAttention(_BiasedAttention):
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
-def test_a_norm_over_one_head_s_width_is_refused_its_gradient_would_be_partial_on_each_rank():
+def test_a_norm_over_one_head_s_width_is_not_refused_its_gradient_is_summed_over_the_ranks():
+    """Trained as one process: tests/distributed/test_parallel_parity.py's qwen3 scenarios."""
     model = _gpt_with(lambda: _QKNormAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
     profile = _profile("gpt", model)
-    with pytest.raises(PlanError, match=re.escape("the gradient of blocks.0.attn.q_norm.weight (a norm over one "
-                                                  "head's width, which every rank applies to its own heads) a "
-                                                  "partial sum on each rank")):
-        check_tensor_parallel(model, profile, 2)
+    assert tensor_parallel_refusal(model, profile) is None
+    check_tensor_parallel(model, profile, 2)
+    layout = tp_layout(model, profile)
+    pair = next(p for p in layout.pairs if p.attention and p.parent == "blocks.0.attn")
+    per_head, across = _norms_on_split_heads(dict(model.named_modules()), pair, profile)
+    assert [type(m).__name__ for m in per_head] == ["RMSNorm"] * 2 and across == []
+
+
+class _CrossHeadNormAttention(_QKNormAttention):
+    """OLMo 2's k_norm under grouped-query attention: one norm over two heads' width, which no rank holds whole."""
+
+    def __init__(self, hidden: int, heads: int, seq: int) -> None:
+        super().__init__(hidden, heads, seq)
+        self.k_norm = nn.RMSNorm(2 * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
+        k = self.k_norm(k.reshape(b, s, -1, 2 * self.head_dim)).view_as(k)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_a_norm_over_several_heads_is_refused_no_rank_holds_its_heads_whole():
+    model = _gpt_with(lambda: _CrossHeadNormAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    with pytest.raises(PlanError, match=re.escape("split the heads that blocks.0.attn.k_norm normalizes together")):
+        check_tensor_parallel(model, _profile("gpt", model), 2)
 
 
 class _FusedPerHeadAttention(_BiasedAttention):
