@@ -280,6 +280,28 @@ def _norms_on_split_heads(named: dict[str, nn.Module], pair: TPPair,
     return per_head, across
 
 
+def _unsplit_param_between_split_layers(named: dict[str, nn.Module], layout: TPLayout) -> str | None:
+    """A parameter of a submodule of an attention or MLP module that holds no weight matrix (not a Linear or
+    convolution layer) and is no norm (those are `_norms_on_split_heads`' and sequence parallelism's), or None: Apertus's xIELU
+    activation between the MLP's column and row layers, whose gradient each rank would sum over its own share of
+    the activations only (hf-sweep-dist, 2026-12-06: apertus trained apart under tp=2). Where in the module it acts
+    the trace does not say, so it is refused, not summed. The module's own parameters are not looked at: a layer
+    scale there (ConvNeXt's, BEiT's) multiplies the row layer's whole output."""
+    split = {id(t) for pair in layout.pairs for n in (*pair.colwise, pair.rowwise) if n in named
+             for t in named[n].parameters()}
+    for pair in layout.pairs:
+        if pair.parent not in named:
+            continue
+        for owner_name, owner in named[pair.parent].named_modules():
+            own = list(owner.named_parameters(recurse=False))
+            if not owner_name or _is_norm(owner) or any(t.dim() > 1 for _, t in own):  # (a layer with a weight)
+                continue
+            for name, t in own:
+                if id(t) not in split and t.requires_grad:
+                    return ".".join(n for n in (pair.parent, owner_name, name) if n)
+    return None
+
+
 def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | None:
     """Why tensor parallelism cannot split `model` correctly at any degree (one line), or None: no layers to
     split, a 0-d parameter (FSDP2 keeps it out of its sharding as a plain replicated tensor, autopar.strategies.
@@ -306,8 +328,8 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
         # wrongly, and the trace does not say which (hf-sweep-dist, 2026-12-06: gpt_neox, codegen, fuyu trained
         # 0.2-0.5% off one process under tp=2, silently)
         return (f"tensor parallelism cannot tell how {profile.model_class}'s fused projection {fused} lays out its "
-                "query, key and value (all heads of each in turn, or interleaved per head), and a wrong guess trains "
-                "wrongly without an error: set tp=1")
+                "parts (query, key and value, or gate and up: each whole in turn, or interleaved per head or "
+                "channel), and a wrong guess trains wrongly without an error: set tp=1")
     named = dict(model.named_modules())
     across = next((n for pair, _ in _attentions(named, layout) for n in _norms_on_split_heads(named, pair, profile)[1]),
                   None)
@@ -320,6 +342,10 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
         return (f"tensor parallelism splits {profile.model_class}'s attention heads over the ranks, but not "
                 f"{name} {shape}, which holds a value per head that the attention adds to every head's scores: "
                 "set tp=1")
+    between = _unsplit_param_between_split_layers(named, layout)
+    if between is not None:
+        return (f"tensor parallelism would keep {between} whole on every rank inside a module whose activations it "
+                "splits, where its gradient would be each rank's share only: set tp=1")
     return None
 
 

@@ -366,7 +366,7 @@ def test_a_fused_linear_projection_of_q_k_v_is_refused_its_layout_is_not_known()
     model = _gpt_with(lambda: _FusedPerHeadAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
     profile = _profile("gpt", model)
     with pytest.raises(PlanError, match=re.escape("cannot tell how GPT's fused projection "
-                                                  "blocks.0.attn.query_key_value lays out its query, key and value")):
+                                                  "blocks.0.attn.query_key_value lays out its parts (query, key and value")):
         check_tensor_parallel(model, profile, 2)
 
 
@@ -396,3 +396,24 @@ def test_the_search_drops_tensor_parallel_plans_of_a_refused_model_with_the_reas
     plain = autopar.candidates(make_model("gpt"), sample=x, topology="2xH100-SXM", loss_fn=lm_loss,
                                global_batch_size=4)
     assert any(c.plan.tp > 1 and c.feasible for c in plain)
+
+
+class _PReLUMLP(nn.Module):
+    """An MLP whose activation has a learned parameter (Apertus's xIELU; here nn.PReLU): between the column and
+    row layers it acts on each rank's share of the inner width, so each rank's gradient of it would be partial."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.up_proj, self.act, self.down_proj = nn.Linear(hidden, 4 * hidden), nn.PReLU(), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+def test_a_learned_activation_between_the_split_layers_is_refused():
+    model = make_model("gpt")
+    for block in model.blocks:
+        block.mlp = _PReLUMLP(CFG.hidden_dim)
+    with pytest.raises(PlanError, match=re.escape("would keep blocks.0.mlp.act.weight whole on every rank inside a "
+                                                  "module whose activations it splits")):
+        check_tensor_parallel(model, _profile("gpt", model), 2)
