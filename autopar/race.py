@@ -44,6 +44,8 @@ TIMED_BUDGET_S = 4.0
 MIN_ROUND_S = 0.25
 #: The most steps a round times.
 MAX_ROUND_STEPS = 50
+#: Steps of the kept mode run after the race from an emptied cache, to read the allocator's reserve over the peak.
+RESERVE_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class CompileRace:
     # the largest rank's): forward, backward and the gradients, without an optimizer's state. None off a GPU.
     eager_peak_bytes: float | None = None
     compiled_peak_bytes: float | None = None
+    # What the caching allocator reserved beyond the allocated peak over RESERVE_STEPS steps of the kept mode from an
+    # emptied cache (torch.cuda.max_memory_reserved - max_memory_allocated, the largest rank's): the fragmentation
+    # of this model's real shapes (a mixture of experts' routed batches differ in size every layer and step, which
+    # the trace's replay does not see). None off a GPU, or where those steps did not run.
+    kept_reserve_bytes: float | None = None
 
     @property
     def kept_peak_bytes(self) -> float | None:
@@ -190,6 +197,21 @@ def _later_round_steps(per_round: int, first_round_s: list[float], modes: int, d
     return int(max(1, min(want, afford, MAX_ROUND_STEPS)))
 
 
+def _reserve_over_peak(step: Callable[[], None], model: nn.Module, device: torch.device) -> int | None:
+    """Bytes the caching allocator reserves beyond the allocated peak over RESERVE_STEPS steps from an emptied cache
+    (None where a step raised: out of memory)."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        for _ in range(RESERVE_STEPS):
+            step()
+        _sync(device)
+    except Exception:  # torch.OutOfMemoryError: the reserve stays modelled
+        _drop_grads(model, device)
+        return None
+    return torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+
+
 def _drop_grads(model: nn.Module, device: torch.device) -> None:
     """After a step that raised (out of memory): its gradients and the allocator's cache go."""
     for p in model.parameters():
@@ -276,7 +298,6 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     eager_s = _slowest(median_of(False), device)
     compiled_s = _slowest(median_of(True), device)
     warm_s = warm.get(True, 0.0)
-    measuring_s = _slowest(time.perf_counter() - start - warm_s, device) or 0.0
     if not has_compiled:
         keep, why = False, "the plan does not compile: its eager step measured"
     elif compiled_s is None and eager_s is not None:
@@ -292,10 +313,21 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         use_compiled(model, True)
     elif has_compiled:
         forget_compiled(model)
+    reserve = None
+    if device.type == "cuda" and (compiled_s if keep else eager_s) is not None:
+        batch = real_batch(first_rows(sample, rows)[0], device)  # (the step's; freed above)
+        try:
+            reserve = _reserve_over_peak(step, model, device)
+        finally:
+            batch = None
+            kept.restore(model)
+            torch.cuda.empty_cache()
+    measuring_s = _slowest(time.perf_counter() - start - warm_s, device) or 0.0
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
                        kept_compiled=keep, why=why, measuring_s=measuring_s,
                        eager_peak_bytes=_slowest(peaks.get(False), device),
-                       compiled_peak_bytes=_slowest(peaks.get(True), device) if has_compiled else None, rows=ran)
+                       compiled_peak_bytes=_slowest(peaks.get(True), device) if has_compiled else None, rows=ran,
+                       kept_reserve_bytes=_slowest(reserve, device))
 
 
 def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
@@ -304,7 +336,8 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
     micro-batches (each with the gradient synchronisation the race's step had: an upper bound where a plan defers
     it to the last), plus the optimizer step the race does not run (modelled). The allocated peak, for a plan
     without accumulation: the kept mode's measured peak plus the optimizer state it does not hold (modelled: exact
-    for Adam), the allocator's and the context's share above it as modelled; with accumulation the gradients stay
+    for Adam), the allocator's and the context's share above it as modelled, or the context plus the allocator's
+    reserve the race measured over the kept mode's steps where that is more; with accumulation the gradients stay
     between micro-batches, which the race's step does not see, so the modelled peak stays. A race that ran fewer
     samples than a micro-batch (a sample smaller than the plan's micro-batch) is recorded and not used."""
     kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
@@ -334,6 +367,11 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
     allocated, peak, state = number("allocated_bytes"), number("memory_bytes"), number("optimizer_state_bytes")
     if race.kept_peak_bytes is not None and plan.grad_accum == 1 and None not in (allocated, peak, state):
         measured = float(race.kept_peak_bytes) + state
-        prediction.update(modelled_allocated_bytes=allocated, allocated_bytes=measured,
-                          memory_bytes=peak - allocated + measured)
+        overhead = peak - allocated  # the allocator's reserve and the CUDA context, modelled
+        context = number("context_bytes")
+        if race.kept_reserve_bytes is not None and context is not None:
+            prediction["measured_reserve_bytes"] = float(race.kept_reserve_bytes)
+            overhead = max(overhead, context + float(race.kept_reserve_bytes))
+        prediction.update(modelled_allocated_bytes=allocated, allocated_bytes=measured, modelled_memory_bytes=peak,
+                          memory_bytes=measured + overhead)
     return prediction

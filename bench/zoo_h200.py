@@ -439,7 +439,8 @@ class Measurement:
         # the cost model's own figures beside the measured ones wrap's prediction carries (autopar.race)
         rec["wrap_modelled"] = {k: (plan.prediction or {}).get(k) for k in
                                 ("modelled_step_s", "modelled_allocated_bytes", "measured_forward_backward_s",
-                                 "measured_peak_allocated_bytes", "optimizer_s", "optimizer_state_bytes")}
+                                 "measured_peak_allocated_bytes", "optimizer_s", "optimizer_state_bytes",
+                                 "modelled_memory_bytes", "measured_reserve_bytes", "context_bytes")}
         if plan.prediction:
             rec.update(prediction_fields(dict(plan.prediction), self.predictor.context_bytes),
                        predicted_source="the plan wrap chose (Plan.prediction)")

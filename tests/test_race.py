@@ -213,6 +213,22 @@ def test_the_plan_carries_the_measured_step_and_allocated_peak_with_the_modelled
     assert short["step_s"] == 0.2 and short["allocated_bytes"] == 30 * gib and short["measured_forward_backward_s"]
 
 
+def test_the_allocator_s_reserve_measured_on_the_device_raises_the_reserved_peak_never_lowers_it():
+    """memory_bytes: the measured allocated peak + the context + the larger of the modelled reserve and the one the
+    race measured (a mixture of experts' routed batches fragment the cache beyond the trace's replay)."""
+    gib = 2**30
+    modelled = {"step_s": 0.2, "optimizer_s": 0.01, "allocated_bytes": 30 * gib, "memory_bytes": 33 * gib,
+                "optimizer_state_bytes": 4 * gib, "context_bytes": 0.75 * gib}  # modelled reserve: 2.25 GiB
+    race = CompileRace(eager_step_s=0.3, compiled_step_s=0.15, compiled_warmup_s=20.0, kept_compiled=True, why="",
+                       compiled_peak_bytes=20 * gib, rows=8, kept_reserve_bytes=5 * gib)
+    p = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled), race)
+    assert p["allocated_bytes"] == 24 * gib and p["memory_bytes"] == (24 + 0.75 + 5) * gib
+    assert p["measured_reserve_bytes"] == 5 * gib and p["modelled_memory_bytes"] == 33 * gib
+    small = measured_prediction(autopar.Plan(micro_batch_size=8, prediction=modelled),
+                                dataclasses.replace(race, kept_reserve_bytes=1 * gib))
+    assert small["memory_bytes"] == 27 * gib  # 24 + the modelled 3 GiB above the allocated peak
+
+
 def test_a_plan_that_accumulates_races_one_micro_batch(monkeypatch):
     """The sample is one rank's batch; a plan of 4 micro-batches trains on a quarter of it at a time, and the race
     runs that quarter (the whole batch at once is what did not fit)."""

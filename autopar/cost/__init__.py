@@ -49,7 +49,9 @@ class Prediction:
                # the device leaves out (autopar.api's compile race)
                "optimizer_s": float(self.time.optimizer_s + self.time.offload_s),
                # the optimizer's state: what a forward + backward measured on the device holds less than training
-               "optimizer_state_bytes": float(self.memory.optimizer_bytes)}
+               "optimizer_state_bytes": float(self.memory.optimizer_bytes),
+               # the CUDA context, inside memory_bytes: what a reserve measured on the device leaves out
+               "context_bytes": float(self.memory.context_bytes)}
         if self.tokens_per_s is not None:
             out["tokens_per_s"] = float(self.tokens_per_s)
         return out

@@ -36,6 +36,7 @@ class MemoryPrediction:
     transient_bytes: float  # short-lived buffers at the peak: logits, loss and their gradients
     overhead_bytes: float  # what the caching allocator reserves beyond the allocated peak, and the CUDA context
     buffers_bytes: float = 0.0  # the model's buffers (BatchNorm running statistics, position ids): on every GPU
+    context_bytes: float = 0.0  # the CUDA context: the part of overhead_bytes outside the caching allocator
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -208,7 +209,7 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
         overhead = _replayed_overhead(act.prof, plan, cal, _overhead_bytes(act.prof, plan, cal, allocated, largest))
         return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                                 gathered_bytes=gathered, activations_bytes=activations, transient_bytes=0.0,
-                                overhead_bytes=overhead, buffers_bytes=buffers)
+                                overhead_bytes=overhead, buffers_bytes=buffers, context_bytes=cal.context_bytes)
     # The peak is the largest of these moments (measured with the exact check, autopar.exact):
     # (a) backward starts: every block's saved activations, the head's and the loss's buffers;
     # (b) a checkpointed block recomputes during backward: the head's buffers are gone, one block's full
@@ -231,7 +232,7 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     return MemoryPrediction(parameters_bytes=parameters, gradients_bytes=gradients, optimizer_bytes=optimizer,
                             gathered_bytes=gathered, activations_bytes=activations, transient_bytes=transient,
                             overhead_bytes=_overhead_bytes(act.prof, plan, cal, allocated, largest),
-                            buffers_bytes=buffers)
+                            buffers_bytes=buffers, context_bytes=cal.context_bytes)
 
 
 def _live_peak(prof: ModelProfile, plan: Plan, all_gradients: float,
