@@ -7,7 +7,8 @@ For each family of bench/zoo.py at its realistic size and batch, the model built
                 AdamW (fused where the plan allows)
   plan_eager    autopar.wrap with the plan given: one GPU, bf16, micro-batch = the batch, eager
   plan_compile  the same, compiled (the two plans wrap chooses between on one GPU)
-each timed over `--steps` steps after `--warmup` (the median of per-step CUDA-event times), with the steady
+each timed over `--steps` steps after `--warmup`, more where they last under `--min-timed-s` (the median of
+per-step CUDA-event times), with the steady
 state's torch.cuda.max_memory_allocated / max_memory_reserved and the CUDA context (device memory in use
 that the caching allocator does not hold, torch.cuda.mem_get_info). A wrap record holds its plan and the
 prediction wrap made for it; a hand record, autopar's prediction for the same recipe as a plan (bf16,
@@ -30,6 +31,7 @@ import datetime
 import gc
 import itertools
 import json
+import math
 import os
 import signal
 import statistics
@@ -59,6 +61,7 @@ DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan mo
 PLAN_MODES = {"plan_eager": False, "plan_compile": True}  # mode: compiled
 # the modes that run one GPU's bf16 plan at the family's batch: mode -> compiled
 ONE_GPU_MODES = {"hand": False, "hand_compile": True, **PLAN_MODES}
+MAX_TIMED_STEPS = 200  # --min-timed-s's most timed steps
 STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
 GiB = 2**30
 
@@ -77,6 +80,7 @@ class Options:
     out: Path
     command: str
     profile_steps: int = 0  # > 0: torch.profiler over this many more steps, GPU kernel time by kind (kernels_of)
+    min_timed_s: float = 0.0  # more steps than `steps` where they last less than this (a steadier median)
 
 
 # ---- what a record says about where it was made -------------------------------------------------------
@@ -171,10 +175,17 @@ def time_steps(step: Step, opts: Options) -> dict[str, Any]:
     sync(opts.device)
     warmup_s = time.perf_counter() - t0
     out: dict[str, Any] = {"warmup_s": round(warmup_s, 3)}
+    steps = opts.steps
+    if opts.min_timed_s > 0:  # one more step, synchronised, says how many last min_timed_s (at most MAX_TIMED_STEPS)
+        t1 = time.perf_counter()
+        step()
+        sync(opts.device)
+        steps = max(steps, min(MAX_TIMED_STEPS, math.ceil(opts.min_timed_s / max(time.perf_counter() - t1, 1e-6))))
+    out["timed_steps"] = steps
     if opts.device == "cuda":
         out["peak_allocated_warmup_bytes"] = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(opts.steps + 1)]
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         t0 = time.perf_counter()
         events[0].record()
         for event in events[1:]:
@@ -186,12 +197,12 @@ def time_steps(step: Step, opts: Options) -> dict[str, Any]:
     else:
         times = []
         t0 = time.perf_counter()
-        for _ in range(opts.steps):
+        for _ in range(steps):
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
         wall = time.perf_counter() - t0
-    out.update(step_s=statistics.median(times), step_s_mean=wall / opts.steps,
+    out.update(step_s=statistics.median(times), step_s_mean=wall / steps,
                step_s_all=[round(t, 6) for t in times], loss=float(step.loss) if step.loss is not None else None)
     return out
 
@@ -616,7 +627,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--size", choices=("realistic", "tiny"), default="realistic")
     ap.add_argument("--batch", type=int, default=None, help="samples per step (default: the family's at that size)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps, at least")
+    ap.add_argument("--min-timed-s", type=float, default=1.0,
+                    help="more timed steps where --steps last less than this (s): a 20 ms step timed 10 times is 0.2 s "
+                         "of a host whose speed drifts")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--time-budget-s", type=float, default=480.0, help="no family starts after this (s)")
     ap.add_argument("--family-timeout-s", type=float, default=300.0, help="a family's process is killed after this")
@@ -647,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m bench.zoo_h200", *(sys.argv[1:] if argv is None else argv)])
     opts = Options(device=args.device, size=args.size, batch=args.batch, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, hand_predictions=not args.no_hand_predictions, compile_on_cpu=args.compile_on_cpu,
-                   out=out, command=command, profile_steps=args.profile_steps)
+                   out=out, command=command, profile_steps=args.profile_steps, min_timed_s=args.min_timed_s)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode {', '.join(bad)}; the modes are {', '.join(MODES)}")
