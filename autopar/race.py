@@ -46,6 +46,8 @@ MIN_ROUND_S = 0.25
 MAX_ROUND_STEPS = 50
 #: Steps of the kept mode run after the race from an emptied cache, to read the allocator's reserve over the peak.
 RESERVE_STEPS = 3
+#: Seconds those steps may take: fewer for a long step (one at least).
+RESERVE_BUDGET_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -201,13 +203,13 @@ def _loss_of(output: Any, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor
     return loss_fn(output, batch) if loss_fn is not None else default_loss(output)
 
 
-def _reserve_over_peak(step: Callable[[], None], model: nn.Module, device: torch.device) -> int | None:
-    """Bytes the caching allocator reserves beyond the allocated peak over RESERVE_STEPS steps from an emptied cache
-    (None where a step raised: out of memory)."""
+def _reserve_over_peak(step: Callable[[], None], model: nn.Module, device: torch.device, *, steps: int) -> int | None:
+    """Bytes the caching allocator reserves beyond the allocated peak over `steps` steps from an emptied cache (None
+    where a step raised: out of memory)."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        for _ in range(RESERVE_STEPS):
+        for _ in range(steps):
             step()
         _sync(device)
     except Exception:  # torch.OutOfMemoryError: the reserve stays modelled
@@ -229,7 +231,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  steps: int = 9, rows: int | None = None) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (the first of `steps / ROUNDS` steps a mode, fewer where a step is long (TIMED_BUDGET_S); the later ones
-    of MIN_ROUND_S at least, within that budget; each round's steps back to back, the median of the rounds), and
+    of MIN_ROUND_S at least, within that budget, and none once the timed steps have taken it; each round's steps back
+    to back, the median of the rounds), and
     keep the faster in place (`forget_compiled` when eager wins); on a GPU, each mode's peak of allocated memory
     over its timed steps too. `rows`: the samples a training step's forward runs (a plan's micro-batch, fewer than
     the sample's where it accumulates): the race runs the sample's first `rows` (all of it where it has fewer).
@@ -256,6 +259,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     has_compiled = bool(compiled_modules(model))  # a plan without compile: its eager step measured alone
     modes = [False, True] if has_compiled else [False]
     per_round = max(1, -(-steps // ROUNDS))
+    timed_s = 0.0  # the timed steps' seconds so far, every mode
     try:
         # Eager's warm-up step first: its time (an upper bound of a step: it also grows the allocator) sets how
         # many steps a round can afford within TIMED_BUDGET_S.
@@ -280,6 +284,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                     w, median = _time(step, device, warmup=first, steps=per_round)
                     warm[compiled] = warm.get(compiled, 0.0) + w
                     measured.setdefault(compiled, []).append(median)
+                    timed_s += median * per_round
                     if first == 0 and device.type == "cuda":
                         peaks[compiled] = max(peaks.get(compiled, 0), torch.cuda.max_memory_allocated(device))
                 except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
@@ -287,6 +292,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                     peaks.pop(compiled, None)
                     errors[compiled] = _one_line(exc)
                     _drop_grads(model, device)
+            if (_slowest(timed_s, device) or 0.0) >= TIMED_BUDGET_S:  # a long step: one round says enough
+                break
             if r == 0:  # the first round has timed each mode: the later rounds last MIN_ROUND_S at least
                 per_round = _later_round_steps(per_round, [m[0] for m in measured.values()], len(modes), device)
     finally:
@@ -323,7 +330,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     if device.type == "cuda" and (compiled_s if keep else eager_s) is not None:
         batch = real_batch(first_rows(sample, rows)[0], device)  # (the step's; freed above)
         try:
-            reserve = _reserve_over_peak(step, model, device)
+            kept_s = compiled_s if keep else eager_s
+            n = min(RESERVE_STEPS, max(1, int(RESERVE_BUDGET_S / kept_s)))
+            reserve = _reserve_over_peak(step, model, device, steps=n)
         finally:
             batch = None
             kept.restore(model)
