@@ -232,9 +232,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (the first of `steps / ROUNDS` steps a mode, fewer where a step is long (TIMED_BUDGET_S); the later ones
     of MIN_ROUND_S at least, within that budget, and none once the timed steps have taken it; each round's steps back
-    to back, the median of the rounds), and
-    keep the faster in place (`forget_compiled` when eager wins); on a GPU, each mode's peak of allocated memory
-    over its timed steps too. `rows`: the samples a training step's forward runs (a plan's micro-batch, fewer than
+    to back, the median of the rounds), and keep the faster in place (`forget_compiled` when eager wins); on a GPU,
+    each mode's peak of allocated memory over its timed steps too, and the allocator's reserve over the kept mode's
+    (`_reserve_over_peak`). `rows`: the samples a training step's forward runs (a plan's micro-batch, fewer than
     the sample's where it accumulates): the race runs the sample's first `rows` (all of it where it has fewer).
     Out of memory or an error in one mode keeps the other; both failing keeps the plan's compiled forward and says
     so."""
@@ -351,9 +351,9 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
     micro-batches (each with the gradient synchronisation the race's step had: an upper bound where a plan defers
     it to the last), plus the optimizer step the race does not run (modelled). The allocated peak, for a plan
     without accumulation: the kept mode's measured peak plus the optimizer state it does not hold (modelled: exact
-    for Adam), plus the context (modelled) and the allocator's reserve the race measured over the kept mode's steps
-    (modelled where it was not); with accumulation the gradients stay
-    between micro-batches, which the race's step does not see, so the modelled peak stays. A race that ran fewer
+    for Adam); the reserved peak, that plus the context (modelled) and the allocator's reserve the race measured over
+    the kept mode's steps (modelled where it was not). With accumulation the gradients stay between micro-batches,
+    which the race's step does not see, so the modelled peaks stay. A race that ran fewer
     samples than a micro-batch (a sample smaller than the plan's micro-batch) is recorded and not used."""
     kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
     prediction = {**(plan.prediction or {})}
