@@ -241,18 +241,22 @@ def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str
             i = j  # no row partner right after the group: a layer in between would see sharded data
             continue
         row = calls[j]
-        chunks = 1
+        parts = 1  # projections one fused column layer computes (its output over the row layer's input)
         if len(group) == 1 and group[0].out_features != row.in_features:
             if group[0].out_features % row.in_features:
                 i = j + 1
                 continue
-            chunks = group[0].out_features // row.in_features
+            parts = group[0].out_features // row.in_features
         elif len(group) > 1 and any(c.name == row.name for c in group):
             i = j + 1
             continue
+        # A model's own plan that splits a fused layer as a plain "colwise" says its parts are interleaved per head
+        # (GPT-NeoX's query_key_value: each head's q, k and v side by side), so a contiguous shard holds whole heads;
+        # else the parts lie whole one after another ([q | k | v]: a strided shard, `chunks`).
+        plain = hf_plan is not None and hf_plan.get(group[0].name) == "colwise"
         pairs.append(TPPair(colwise=tuple(c.name for c in group), rowwise=row.name,
-                            kinds=tuple(c.kind for c in group) + (row.kind,), chunks=chunks,
-                            attention=len(group) >= 3 or chunks >= 3,
+                            kinds=tuple(c.kind for c in group) + (row.kind,), chunks=1 if plain else parts,
+                            attention=len(group) >= 3 or parts >= 3,
                             replicated=tuple(c.name for c in group if c.input_id in outside)))
         i = j + 1
     return pairs

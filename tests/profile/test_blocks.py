@@ -386,6 +386,22 @@ def test_pairs_from_calls_joins_outside_inputs_to_the_column_group():
         (("q", "k", "v"), "o", ()), (("cq", "ck", "cv"), "co", ("ck", "cv")), (("up",), "down", ())]
 
 
+def test_a_fused_projection_is_split_as_the_model_s_own_plan_says():
+    """A fused q/k/v layer lays its parts whole one after another ([q | k | v]: a strided shard of 3 chunks) unless the
+    model's own TP plan splits it as a plain "colwise" (GPT-NeoX's: each head's q, k and v side by side, so a
+    contiguous shard holds whole heads). Either way it is an attention."""
+
+    def call(name: str, input_id: int, i: int = 8, o: int = 8) -> MatmulCall:
+        return MatmulCall(name=name, kind="linear", input_id=input_id, in_features=i, out_features=o)
+
+    calls = [call("qkv", 0, o=24), call("dense", 1)]
+    (strided,) = pairs_from_calls(calls, 8, None)
+    (plain,) = pairs_from_calls(calls, 8, {"qkv": "colwise", "dense": "rowwise"})
+    (gathered,) = pairs_from_calls(calls, 8, {"qkv": "colwise_gather_output", "dense": "rowwise_split_input"})
+    assert (strided.chunks, strided.attention) == (3, True) and (gathered.chunks, gathered.attention) == (3, True)
+    assert (plain.chunks, plain.attention) == (1, True)
+
+
 def test_sequence_parallel_gathers_after_each_stack():
 
     names = ["e.0", "e.1", "d.0", "d.1", "d.2"]
