@@ -250,10 +250,12 @@ def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str
         elif len(group) > 1 and any(c.name == row.name for c in group):
             i = j + 1
             continue
-        # A model's own plan that splits a fused layer as a plain "colwise" says its parts are interleaved per head
-        # (GPT-NeoX's query_key_value: each head's q, k and v side by side), so a contiguous shard holds whole heads;
-        # else the parts lie whole one after another ([q | k | v]: a strided shard, `chunks`).
-        plain = hf_plan is not None and hf_plan.get(group[0].name) == "colwise"
+        # A model's own plan that splits a fused q/k/v layer as a plain "colwise" says its parts are interleaved per
+        # head (GPT-NeoX's query_key_value: each head's q, k and v side by side), so a contiguous shard holds whole
+        # heads; else the parts lie whole one after another ([q | k | v]: a strided shard, `chunks`). Not for a layer
+        # of two parts: MiniCPM5-MoE's q_gate_proj is one beside k and v projections its plan does not split
+        # ("unit_colwise"), which a plain shard of the queries alone trained apart (hf-sweep-dist, 2026-12-06).
+        plain = hf_plan is not None and hf_plan.get(group[0].name) == "colwise" and parts >= 3
         pairs.append(TPPair(colwise=tuple(c.name for c in group), rowwise=row.name,
                             kinds=tuple(c.kind for c in group) + (row.kind,), chunks=1 if plain else parts,
                             attention=len(group) >= 3 or parts >= 3,

@@ -400,6 +400,9 @@ def test_a_fused_projection_is_split_as_the_model_s_own_plan_says():
     (gathered,) = pairs_from_calls(calls, 8, {"qkv": "colwise_gather_output", "dense": "rowwise_split_input"})
     assert (strided.chunks, strided.attention) == (3, True) and (gathered.chunks, gathered.attention) == (3, True)
     assert (plain.chunks, plain.attention) == (1, True)
+    # two parts (MiniCPM5-MoE's q and gate beside k and v projections the plan leaves whole): as without a plan
+    (two,) = pairs_from_calls([call("q_gate", 0, o=16), call("o", 1)], 8, {"q_gate": "colwise", "o": "rowwise"})
+    assert two.chunks == 2
 
 
 def test_sequence_parallel_gathers_after_each_stack():
