@@ -24,8 +24,8 @@ LR = 3e-3
 
 
 def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
-    """The built-in GPT, or a tiny Hugging Face Llama (GQA), Qwen3 (GQA, q/k norms over a head's width) or GPT-2
-    (Conv1D, fused qkv, tied head)."""
+    """The built-in GPT, or a tiny Hugging Face Llama (GQA), Qwen3 (GQA, q/k norms over a head's width), GPT-NeoX
+    (q/k/v fused per head) or GPT-2 (Conv1D, fused qkv, tied head)."""
     torch.manual_seed(seed)
     if kind == "gpt":
         return GPT(CFG)
@@ -41,6 +41,13 @@ def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
                                        num_hidden_layers=CFG.num_layers, num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=16, max_position_embeddings=CFG.seq_len, attn_implementation="sdpa")
         return transformers.Qwen3ForCausalLM(cfg)
+    if kind == "neox":  # one fused q/k/v projection, each head's q, k and v side by side (its own TP plan: colwise)
+        cfg = transformers.GPTNeoXConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_dim, intermediate_size=128,
+                                         num_hidden_layers=CFG.num_layers, num_attention_heads=4,
+                                         max_position_embeddings=CFG.seq_len, hidden_dropout=0.0, attention_dropout=0.0,
+                                         attention_bias=False,  # (a key bias: a rounding-noise gradient)
+                                         attn_implementation="sdpa")
+        return transformers.GPTNeoXForCausalLM(cfg)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=CFG.vocab_size, n_embd=CFG.hidden_dim, n_layer=CFG.num_layers,
                                       n_head=4, n_positions=CFG.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,

@@ -44,6 +44,8 @@ SCENARIOS = {
         # a norm over one head's width (Qwen3's q_norm / k_norm): its gradient summed over the TP ranks
         "qwen3-tp": {"model": "qwen3", "plan": {"tp": 2, "micro_batch_size": 8}},
         "qwen3-tp-sp": {"model": "qwen3", "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}},
+        # a fused q/k/v interleaved per head, split as the model's own plan says (a plain column shard)
+        "neox-tp": {"model": "neox", "plan": {"tp": 2, "micro_batch_size": 8}},
         # inside train_step the loss is vocab-parallel: the head's logits stay split over the vocabulary
         **{f"{m}-tp-train-step": {"model": m, "train_step": True, "plan": {"tp": 2, "micro_batch_size": 4,
                                                                           "grad_accum": 2}}
