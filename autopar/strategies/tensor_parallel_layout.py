@@ -240,7 +240,7 @@ def _norms_on_split_heads(named: dict[str, nn.Module], pair: TPPair,
     """The norms inside an attention module narrower than the hidden size: those over one head's width (Qwen3's,
     Gemma 3's q_norm / k_norm), and the names of those over several heads (OLMo 2's k_norm under grouped-query
     attention). Under TP each rank applies a per-head norm's whole weight to its own heads, so its gradient of
-    that weight sums its own heads only: `_sum_grads_over_tp` completes it (hf-sweep-dist, 2026-12-06: gemma3,
+    that weight sums its own heads only: tensor_parallel's `_sum_grads_over_tp` completes it (hf-sweep-dist, 2026-12-06: gemma3,
     apertus, exaone4, afmoe trained apart under tp=2 before it). A norm over several heads would need its
     statistics from heads on other ranks."""
     per_head, across = [], []
@@ -258,11 +258,11 @@ def _norms_on_split_heads(named: dict[str, nn.Module], pair: TPPair,
 
 def _unsplit_param_between_split_layers(named: dict[str, nn.Module], layout: TPLayout) -> str | None:
     """A parameter of a submodule of an attention or MLP module that holds no weight matrix (not a Linear or
-    convolution layer) and is no norm (those are `_norms_on_split_heads`' and sequence parallelism's), or None: Apertus's xIELU
-    activation between the MLP's column and row layers, whose gradient each rank would sum over its own share of
-    the activations only (hf-sweep-dist, 2026-12-06: apertus trained apart under tp=2). Where in the module it acts
-    the trace does not say, so it is refused, not summed. The module's own parameters are not looked at: a layer
-    scale there (ConvNeXt's, BEiT's) multiplies the row layer's whole output."""
+    convolution layer) and is no norm (the norms: `_norms_on_split_heads` and sequence parallelism), or None:
+    Apertus's xIELU activation between the MLP's column and row layers, whose gradient each rank would sum over its
+    own share of the activations only (hf-sweep-dist, 2026-12-06: apertus trained apart under tp=2). Where in the
+    module it acts the trace does not say, so it is refused, not summed. The module's own parameters are not looked
+    at: a layer scale there (ConvNeXt's, BEiT's) multiplies the row layer's whole output."""
     split = {id(t) for pair in layout.pairs for n in (*pair.colwise, pair.rowwise) if n in named
              for t in named[n].parameters()}
     for pair in layout.pairs:
@@ -281,9 +281,10 @@ def _unsplit_param_between_split_layers(named: dict[str, nn.Module], layout: TPL
 def tensor_parallel_refusal(model: nn.Module, profile: ModelProfile) -> str | None:
     """Why tensor parallelism cannot split `model` correctly at any degree (one line), or None: no layers to
     split, a 0-d parameter (FSDP2 keeps it out of its sharding as a plain replicated tensor, autopar.strategies.
-    fsdp; beside the tensor-parallel DTensors its gradient is not checked), or a per-head tensor of an attention
-    module that the split layers do not cover, or a fused nn.Linear projection of q, k and v (whose layout the
-    trace does not show)."""
+    fsdp; beside the tensor-parallel DTensors its gradient is not checked), a fused nn.Linear projection whose
+    layout neither the trace nor the model's own plan shows, a norm over several heads' width, a per-head tensor of
+    an attention module that the split layers do not cover, or a learned parameter between the split layers that
+    is no layer's and no norm's (`_unsplit_param_between_split_layers`)."""
     try:
         layout = tp_layout(model, profile)
     except PlanError as exc:
