@@ -13,7 +13,11 @@ drifts). One JSON line per run, and a summary line per example with the ratio of
 
 The plain loop is the user's loop without the framework: forward, loss, backward, the framework's optimizer
 (Lightning: the module's AdamW; HF: the optimizer the Trainer builds from its arguments), zero_grad. It does
-not clip gradients or step a learning-rate schedule, which the Trainer does: that is the framework's cost.
+not clip gradients or step a learning-rate schedule, which the Trainer does: that is the framework's cost. For
+the HF example a third run, `loop_like_trainer`, adds what the Trainer does by default each step (clipping the
+gradients' norm to 1.0, `max_grad_norm`, and testing the loss for nan/inf on the host, `logging_nan_inf_filter`, a
+device synchronisation): the summary's `ratio_like_trainer` says how much of the gap those two are (issue 12: the
+Trainer at 0.93x the plain loop on the H200, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -91,9 +95,11 @@ def _run(cmd: list[str], timeout_s: float) -> dict[str, Any]:
 def run_pair(s: Setting, work: Path, round_index: int, timeout_s: float) -> list[dict[str, Any]]:
     plan = work / f"{s.example}_plan.yaml"
     choose = not plan.exists()
-    order = ("example", "loop") if round_index % 2 == 0 else ("loop", "example")
+    order: tuple[str, ...] = ("example", "loop") if round_index % 2 == 0 else ("loop", "example")
     if choose:
         order = ("example", "loop")  # the example chooses the plan the loop then runs
+    if s.example == "hf":
+        order = (*order, "loop_like_trainer")
     records = []
     for kind in order:
         record = work / f"{s.example}_{kind}_{round_index}.json"
@@ -103,6 +109,8 @@ def run_pair(s: Setting, work: Path, round_index: int, timeout_s: float) -> list
             cmd = [sys.executable, "-m", "bench.integrations_h200", "--loop", s.example, "--plan", str(plan),
                    "--record", str(record), "--loop-args", json.dumps(list(s.args)),
                    "--warmup", str(s.warmup_steps), "--measure-steps", str(s.steps)]
+            if kind == "loop_like_trainer":
+                cmd.append("--like-trainer")
         rec: dict[str, Any] = {"example": s.example, "run": kind, "round": round_index, "command": " ".join(cmd),
                                **_run(cmd, timeout_s)}
         if record.exists():
@@ -180,7 +188,8 @@ def _to(batch: Any, device: torch.device) -> Any:
     return batch.to(device, non_blocking=True)
 
 
-def loop(name: str, plan_path: str, record: str, argv: list[str], warmup: int, steps: int) -> None:
+def loop(name: str, plan_path: str, record: str, argv: list[str], warmup: int, steps: int, *,
+         like_trainer: bool = False) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     module, a = _example_args(name, argv)
     model, loader, loss_fn, make_optimizer = (_lightning_job if name == "lightning" else _hf_job)(module, a, device)
@@ -196,6 +205,9 @@ def loop(name: str, plan_path: str, record: str, argv: list[str], warmup: int, s
         out = model(**batch) if isinstance(batch, dict) else model(batch)
         loss = out.loss if loss_fn is None else loss_fn(out, batch)
         loss.backward()
+        if like_trainer:  # the Trainer's defaults: max_grad_norm=1.0, logging_nan_inf_filter=True
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            bool(torch.isnan(loss) or torch.isinf(loss))
         opt.step()
         opt.zero_grad(set_to_none=True)
         step_s = timer.step_done() or step_s
@@ -214,12 +226,16 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for example in sorted({r["example"] for r in records}):
         rates = {kind: [r["measured"]["tokens_per_s"] for r in records
                         if r["example"] == example and r["run"] == kind and r.get("measured")]
-                 for kind in ("example", "loop")}
+                 for kind in ("example", "loop", "loop_like_trainer")}
         row: dict[str, Any] = {"example": example, "summary": True, "example_tokens_per_s": rates["example"],
                                "loop_tokens_per_s": rates["loop"]}
         if rates["example"] and rates["loop"]:
             ratio = statistics.median(rates["example"]) / statistics.median(rates["loop"])
             row.update(ratio=round(ratio, 4), within_5pct=ratio >= 0.95)
+        if rates["example"] and rates["loop_like_trainer"]:
+            row.update(loop_like_trainer_tokens_per_s=rates["loop_like_trainer"],
+                       ratio_like_trainer=round(statistics.median(rates["example"])
+                                                / statistics.median(rates["loop_like_trainer"]), 4))
         out.append(row)
     return out
 
@@ -237,9 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--record", help=argparse.SUPPRESS)
     ap.add_argument("--loop-args", default="[]", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--like-trainer", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.loop:
-        loop(args.loop, args.plan, args.record, json.loads(args.loop_args), args.warmup, args.measure_steps)
+        loop(args.loop, args.plan, args.record, json.loads(args.loop_args), args.warmup, args.measure_steps,
+             like_trainer=args.like_trainer)
         return 0
     if not args.out:
         ap.error("--out is required")
