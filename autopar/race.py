@@ -218,6 +218,26 @@ def _reserve_over_peak(step: Callable[[], None], model: nn.Module, device: torch
     return torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
 
 
+def _median(times: list[float]) -> float | None:
+    return sorted(times)[len(times) // 2] if times else None
+
+
+def _choice(has_compiled: bool, eager_s: float | None, compiled_s: float | None,
+            errors: dict[bool, str]) -> tuple[bool, str]:
+    """Whether to keep the compiled forward, and why (one line): compile unless eager is EAGER_MARGIN faster or
+    the compiled step did not run."""
+    if not has_compiled:
+        return False, "the plan does not compile: its eager step measured"
+    if compiled_s is None and eager_s is not None:
+        return False, f"the compiled step did not run ({errors.get(True, 'on another rank')}): kept eager"
+    if eager_s is None or compiled_s is None:
+        return True, (f"eager did not run ({errors.get(False, 'on another rank')}): kept compile"
+                      if compiled_s is not None else "neither mode ran here: kept the plan's compile")
+    if eager_s < compiled_s * (1 - EAGER_MARGIN):
+        return False, f"eager is {compiled_s / eager_s:.2f}x faster: kept eager"
+    return True, f"compile is {eager_s / compiled_s:.2f}x faster: kept compile"
+
+
 def _drop_grads(model: nn.Module, device: torch.device) -> None:
     """After a step that raised (out of memory): its gradients and the allocator's cache go."""
     for p in model.parameters():
@@ -296,6 +316,17 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                 break
             if r == 0:  # the first round has timed each mode: the later rounds last MIN_ROUND_S at least
                 per_round = _later_round_steps(per_round, [m[0] for m in measured.values()], len(modes), device)
+        eager_s, compiled_s = (_slowest(_median(measured.get(mode, [])), device) for mode in (False, True))
+        keep, why = _choice(has_compiled, eager_s, compiled_s, errors)
+        if keep:
+            use_compiled(model, True)
+        elif has_compiled:
+            forget_compiled(model)
+        kept_s = compiled_s if keep else eager_s
+        reserve = None
+        if device.type == "cuda" and kept_s is not None:
+            n = min(RESERVE_STEPS, max(1, int(RESERVE_BUDGET_S / kept_s)))
+            reserve = _reserve_over_peak(step, model, device, steps=n)
     finally:
         kept.restore(model)
         # The caching allocator keeps what both modes' steps used (two layouts of activations: 2x the reserved
@@ -303,40 +334,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         batch = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def median_of(compiled: bool) -> float | None:
-        times = sorted(measured.get(compiled, []))
-        return times[len(times) // 2] if times else None
-
-    eager_s = _slowest(median_of(False), device)
-    compiled_s = _slowest(median_of(True), device)
     warm_s = warm.get(True, 0.0)
-    if not has_compiled:
-        keep, why = False, "the plan does not compile: its eager step measured"
-    elif compiled_s is None and eager_s is not None:
-        keep, why = False, f"the compiled step did not run ({errors.get(True, 'on another rank')}): kept eager"
-    elif eager_s is None or compiled_s is None:
-        keep, why = True, (f"eager did not run ({errors.get(False, 'on another rank')}): kept compile"
-                           if compiled_s is not None else "neither mode ran here: kept the plan's compile")
-    elif eager_s < compiled_s * (1 - EAGER_MARGIN):
-        keep, why = False, f"eager is {compiled_s / eager_s:.2f}x faster: kept eager"
-    else:
-        keep, why = True, f"compile is {eager_s / compiled_s:.2f}x faster: kept compile"
-    if keep:
-        use_compiled(model, True)
-    elif has_compiled:
-        forget_compiled(model)
-    reserve = None
-    if device.type == "cuda" and (compiled_s if keep else eager_s) is not None:
-        batch = real_batch(first_rows(sample, rows)[0], device)  # (the step's; freed above)
-        try:
-            kept_s = compiled_s if keep else eager_s
-            n = min(RESERVE_STEPS, max(1, int(RESERVE_BUDGET_S / kept_s)))
-            reserve = _reserve_over_peak(step, model, device, steps=n)
-        finally:
-            batch = None
-            kept.restore(model)
-            torch.cuda.empty_cache()
     measuring_s = _slowest(time.perf_counter() - start - warm_s, device) or 0.0
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
                        kept_compiled=keep, why=why, measuring_s=measuring_s,

@@ -79,10 +79,9 @@ def _col_forward(module: nn.Module, mesh: DeviceMesh, kind: str, x: torch.Tensor
     # Megatron's f: identity forward, all-reduce of the input's gradient in backward (gathered along the
     # sequence first under sequence parallelism: all-gather forward, reduce-scatter backward).
     if isinstance(x, DTensor):
-        full = x.redistribute(mesh, [Replicate()])
+        x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
     else:
-        full = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-    x_local = full.to_local(grad_placements=[Partial()])
+        x_local = _summing_grad(x, mesh)
     weight = module.weight.to_local()
     bias = module.bias.to_local() if module.bias is not None else None
     if kind == "linear":
@@ -119,29 +118,20 @@ def _apply_local_rowwise(module: nn.Module, mesh: DeviceMesh, *, kind: str, sequ
     module.forward = functools.partial(_row_forward, module, mesh, kind, sequence_parallel)
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """Megatron's f on a weight every rank holds whole but applies to its own share of the heads: identity
-    forward; backward sums the gradient over the tensor-parallel ranks (each rank's holds its heads' part)."""
+def _summing_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Megatron's f: `x` as it is in forward; in backward its gradient summed over the TP ranks (each rank's holds its
+    own share of the heads' or features' part): a replicated DTensor seen locally with a partial gradient."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        ctx.mesh = mesh
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        from torch.distributed import _functional_collectives as funcol
-
-        summed = funcol.all_reduce(grad.contiguous(), "sum", ctx.mesh)
-        return (summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed), None
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def _summing_forward(module: nn.Module, mesh: DeviceMesh, forward: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.nn.utils.stateless import _reparametrize_module
 
-    # The module's own forward, reading its parameters through _SumGradOverTP (the parameters FSDP has in place
+    # The module's own forward, reading its parameters through _summing_grad (the parameters FSDP has in place
     # at this call; the state dict's names unchanged).
-    weights = {name: _SumGradOverTP.apply(p, mesh) for name, p in module.named_parameters(recurse=False)}
+    weights = {name: _summing_grad(p, mesh) for name, p in module.named_parameters(recurse=False)}
     with _reparametrize_module(module, weights):
         return forward(*args, **kwargs)
 

@@ -308,9 +308,12 @@ class _QKNormAttention(_BiasedAttention):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (p(x).view(b, s, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q), self._norm_k(k)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+    def _norm_k(self, k: torch.Tensor) -> torch.Tensor:
+        return self.k_norm(k)
 
 
 def test_a_norm_over_one_head_s_width_is_not_refused_its_gradient_is_summed_over_the_ranks():
@@ -332,12 +335,8 @@ class _CrossHeadNormAttention(_QKNormAttention):
         super().__init__(hidden, heads, seq)
         self.k_norm = nn.RMSNorm(2 * self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, -1, self.head_dim) for p in (self.q_proj, self.k_proj, self.v_proj))
-        k = self.k_norm(k.reshape(b, s, -1, 2 * self.head_dim)).view_as(k)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+    def _norm_k(self, k: torch.Tensor) -> torch.Tensor:  # two heads at a time
+        return self.k_norm(k.reshape(*k.shape[:2], -1, 2 * self.head_dim)).view_as(k)
 
 
 def test_a_norm_over_several_heads_is_refused_no_rank_holds_its_heads_whole():
