@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import warnings
@@ -29,11 +30,13 @@ from .planning import (base_profile, bf16_variants, calibration_for, check_trace
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .race import measured_prediction, race_compile
+from .safe_plan import safe_plan, untraced_message
 from .search import DropKind, largest_tensor_hint, search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
 from .strategies.tensor_parallel import tensor_parallel_refusal
+from .strategies.tensor_parallel_trial import tensor_parallel_trial
 from .topology import Topology
 
 __all__ = ["wrap", "plan", "applied", "plan_of", "data_shard"]
@@ -94,52 +97,14 @@ def plan(
             profile, variants = profile_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, lazy=True)
     except TraceError as exc:
         structure = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
-        safe = _safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)
-        warnings.warn("autopar: " + _untraced_message(structure, safe, exc), stacklevel=2)
+        safe = safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)
+        warnings.warn("autopar: " + untraced_message(structure, safe, exc), stacklevel=2)
         return safe
     with phase(f"choosing among the plans for {world_size} process(es) (cost model)"):
         chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
                          variants=variants, loop=chosen_loop, tp_refusal=tensor_parallel_refusal(model, profile))
     return chosen.replace(prediction={**(chosen.prediction or {}),
                                       "planning_s": round(time.perf_counter() - started, 2)})
-
-
-def _safe_plan(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int) -> Plan:
-    """The plan for a model the cost model cannot plan (not traced): pure data parallelism (FSDP2 over every
-    process when there are several), no checkpointing, no compile, bf16 where the GPUs have it, else fp32."""
-    if global_batch_size % world_size:
-        raise PlanError(f"the global batch of {global_batch_size} samples does not split over {world_size} "
-                        f"data-parallel ranks: use a global batch divisible by {world_size}.")
-    bf16 = topology.is_gpu and topology.device.supports("bf16")
-    return Plan(dp_shard=world_size, micro_batch_size=global_batch_size // world_size,
-                precision="bf16" if bf16 else "fp32", compile=False, model_fingerprint=profile.fingerprint,
-                topology_fingerprint=topology.fingerprint())
-
-
-def _untraced_message(profile: ModelProfile, safe: Plan, exc: TraceError) -> str:
-    """Why a model got a safe plan, what the plan is and what that costs: said once, on rank 0."""
-    cause = exc.__cause__
-    why = str(exc) if cause is None else f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-    parallel = f"FSDP2 over {safe.dp_shard} processes" if safe.dp_shard > 1 else "one process"
-    precision = "fp32" if safe.precision != "bf16" else (
-        "bf16 (FSDP2's mixed precision)" if safe.uses_fsdp else "bf16 autocast")
-    return (f"one training step of {profile.model_class} could not be traced on fake tensors "
-            f"({why}), so the cost model could not choose a plan. Applying a safe "
-            f"plan from the model's structure instead: {parallel}, micro-batch {safe.micro_batch_size}, "
-            f"{precision}, no checkpointing, no compile. It has no prediction (memory and speed were not "
-            "estimated): it may run slower than a chosen plan, or out of memory where a chosen one would "
-            "checkpoint or shard further. To have a plan chosen, make the step traceable (" + _trace_hint(why)
-            + "), or pass wrap a plan (autopar.Plan or a YAML file).")
-
-
-def _trace_hint(why: str) -> str:
-    """What to change for the trace to run, by its failure."""
-    if "FakeTensor" in why:  # a real tensor met the fake ones: from outside the sample and the model's state
-        return ("the step used a real tensor that is neither in the sample nor a parameter or buffer of the "
-                "model: a loss_fn that captures its targets, or a tensor the model keeps as a plain attribute; "
-                "take the targets from the sample in loss_fn(output, sample), and register the model's tensors "
-                "as buffers")
-    return "a forward that reads tensor values, such as `if labels.max() >= vocab`, cannot be traced"
 
 
 def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
@@ -291,14 +256,36 @@ def wrap(
                          loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
                          race=races,
                          loss_fn=loss_fn, hook=hook, given=plan is not None and global_batch_size is None,
-                         cache_key=cache_key if chosen_here else None)
+                         cache_key=cache_key if chosen_here else None,
+                         redecide=functools.partial(_decide, model, sample, profile, topo, plan=None, force=force,
+                                                    loss_fn=loss_fn, blocks=blocks, world_size=world.size,
+                                                    global_batch_size=global_batch, loop=chosen_loop,
+                                                    untraced=untraced, say=say) if chosen_here else None)
+
+
+def _tp_trial_everywhere(model: nn.Module, sample: Any, plan: Plan, profile: ModelProfile, mesh: Any, *,
+                         loss_fn: Callable | None) -> str | None:
+    """Collective: why `plan`'s tensor parallelism does not run `model` (tensor_parallel_trial, on every rank:
+    rank 0's reason, or the rank that failed), or None where it runs on every rank."""
+    why = tensor_parallel_trial(model, sample, plan, profile, mesh["tp"], device=_dist.local_device(),
+                                loss_fn=loss_fn)
+    _, failed = _dist.min_max(1 if why is not None else 0)
+    if not failed:
+        return None
+    if why is not None and _dist.world().rank != 0:
+        get_logger().warning("autopar: rank %d: %s", _dist.world().rank, why)
+    where = why if why is not None else "its trial step raised on another rank (that rank logs why)"
+    return f"tensor parallelism (tp={plan.tp}) does not run {profile.model_class}: {where}"
 
 
 def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, profile: ModelProfile, topo: Topology, *,
                   world: _dist.World, global_batch: int, loop: Loop | None, chosen_loop: Loop,
                   init_fn: Callable | None, force: bool, say: bool, race: bool, loss_fn: Callable | None,
-                  hook: WrapHook, given: bool = False, cache_key: Any = None) -> nn.Module:
-    """wrap's steps 3-5 on every rank: check rank 0's plan, apply it, measure it where asked, cache wrap's choice."""
+                  hook: WrapHook, given: bool = False, cache_key: Any = None,
+                  redecide: Callable[..., _Decision] | None = None) -> nn.Module:
+    """wrap's steps 3-7 on every rank: check rank 0's plan, try its tensor parallelism, apply it, measure it where
+    asked, cache wrap's choice. `redecide(tp_failed=why)` (rank 0; wrap's own choice only): the plan chosen again where its
+    tensor parallelism does not run the model."""
     chosen = _broadcast(decision)
     # 3. Checks before anything is changed: processes, batch, model, hardware.
     if given:  # the sample is one data-parallel rank's batch
@@ -307,10 +294,27 @@ def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, pro
            loop=loop)
     if decision is not None and decision.warning:  # rank 0, also when not verbose
         get_logger().warning("%s", decision.warning)
+    # 4. Tensor parallelism tried on a meta copy over the job's own mesh, on fake tensors, before the model is
+    #    touched (autopar.strategies.tensor_parallel_trial): a split the model's code does not run is refused where
+    #    the plan was given, and chosen again without tensor parallelism where wrap chose it.
+    mesh = build_mesh(chosen, _dist.device_type())
+    if chosen.tp > 1:
+        why = _tp_trial_everywhere(model, sample, chosen, profile, mesh, loss_fn=loss_fn)
+        if why is not None:
+            if redecide is None:
+                raise PlanError(f"{why}: pass a plan with tp=1 (data parallelism runs the model as it is).")
+            if world.rank == 0:
+                get_logger().warning("autopar: %s; choosing again without tensor parallelism.", why)
+            decision = redecide(tp_failed=why) if world.rank == 0 else None
+            chosen = _broadcast(decision)
+            if chosen.tp > 1:  # (the search drops every tensor-parallel plan it is told does not run)
+                raise PlanError(f"{why}, and the plan chosen again has tp={chosen.tp}: pass a plan with tp=1.")
+            _check(chosen, profile, topo, model=model, world_size=world.size, global_batch_size=global_batch,
+                   force=force, loop=loop)
+            mesh = build_mesh(chosen, _dist.device_type())
     if say:
         _log_choice(chosen, profile, topo, decision, chosen_loop)
-    # 4. Apply, and keep what was applied on the model.
-    mesh = build_mesh(chosen, _dist.device_type())
+    # 5. Apply, and keep what was applied on the model.
     before = list(model.parameters())  # as the user built it
     state = apply_plan(model, chosen, profile, topo, mesh=mesh, device=_dist.local_device(), init_fn=init_fn)
     # An optimizer built before wrap holds the parameters the plan replaced (FSDP, TP, a meta model's): its first
@@ -321,7 +325,7 @@ def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, pro
         for note in state.notes:
             get_logger().info("%s", note)
     attach(model, state)
-    # 5. Measure what the formulas miss, and compile only where it pays: a plan autopar chose has its step timed
+    # 6. Measure what the formulas miss, and compile only where it pays: a plan autopar chose has its step timed
     #    on this device (one that compiles, eager and compiled, the faster kept).
     if race and chosen.pp == 1:
         state = _race(model, sample, state, loss_fn=loss_fn, say=say)
@@ -329,7 +333,7 @@ def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, pro
     if chosen.tp > 1 and chosen.pp == 1:  # TP peers must read one batch: checked at the first forward (PP: train_step)
         check_peers_on_first_forward(model, data_rank=state.data_shard.rank, device=state.device,
                                      degrees="tensor-parallel")
-    # 6. The cost model's choice, as measured, goes to wrap's cache (rank 0), for the next wrap of this model and job.
+    # 7. The cost model's choice, as measured, goes to wrap's cache (rank 0), for the next wrap of this model and job.
     if cache_key is not None and decision is not None and decision.source == "chosen by the cost model":
         _store_wrap_choice(chosen, cache_key, profile, topo, global_batch=global_batch, loop=chosen_loop)
     hook.applied(model, chosen, profile)
@@ -497,19 +501,22 @@ SAFE_SOURCE = "a safe plan from the model's structure, not chosen by the cost mo
 
 def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology, *, plan: Any, force: bool,
             loss_fn: Callable | None, blocks: Any, world_size: int, global_batch_size: int,
-            loop: Loop, untraced: TraceError | None = None, say: bool = False) -> _Decision:
+            loop: Loop, untraced: TraceError | None = None, say: bool = False,
+            tp_failed: str | None = None) -> _Decision:
     """Rank 0: the given plan (loaded and checked against the model), else a plan tuned for this model,
     hardware, batch and torch (autopar tune's cache), else the cost model's choice; for a model whose step
-    could not be traced (`untraced`), a safe plan from its structure, with the warning that says why."""
+    could not be traced (`untraced`), a safe plan from its structure, with the warning that says why.
+    `tp_failed`: why a tensor-parallel plan did not run the model (the trial of `_apply_chosen`): the cost model
+    chooses again without tensor parallelism (the plan cache, which gave that plan or none, is not asked again)."""
     try:
         if plan is not None:
             return _Decision(_load_plan(plan, profile, world_size, force), "given")
         if untraced is not None:
-            safe = _safe_plan(profile, topo, world_size=world_size, global_batch_size=global_batch_size)
-            return _Decision(safe, SAFE_SOURCE, warning=_untraced_message(profile, safe, untraced))
+            safe = safe_plan(profile, topo, world_size=world_size, global_batch_size=global_batch_size)
+            return _Decision(safe, SAFE_SOURCE, warning=untraced_message(profile, safe, untraced))
         # A tampered cache file raises (CacheError, with the remedy); a stale one is ignored, logged.
         hit, note = cached_plan_for(profile, topo, world_size=world_size, global_batch_size=global_batch_size,
-                                    loop=loop)
+                                    loop=loop) if tp_failed is None else (None, None)
         if hit is not None:
             return _Decision(hit, "from the plan cache", note)
         # One process runs FSDP's bf16 weights only when it offloads: that trace is made when such a plan wins.
@@ -517,7 +524,7 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
         with phase("tracing the bf16 steps on fake tensors", say=say, key="bf16_tracing"):
             variants = bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
                                      precisions=precisions)
-        tp_refusal = tensor_parallel_refusal(model, profile)
+        tp_refusal = tp_failed or tensor_parallel_refusal(model, profile)
 
         def choose() -> Plan:  # reads `variants` as it is now
             return _choose(profile, topo, world_size=world_size, global_batch_size=global_batch_size,

@@ -116,7 +116,7 @@ def apply_plan(
     layout = None
     if plan.tp > 1:
         assert mesh is not None, "a tensor-parallel plan runs on several processes"
-        ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else _last_blocks(blocks)
+        ends = [profile.blocks[s[-1]].name for s in runtime.stage_blocks.values()] if runtime else last_blocks(blocks)
         layout = apply_tensor_parallel(model, mesh["tp"], profile=profile, blocks=blocks,
                                        sequence_parallel=plan.sequence_parallel, stage_ends=ends)
         notes += [f"tensor parallel: {n}" for n in layout.notes]
@@ -172,7 +172,7 @@ def _disable_kv_caches(model: nn.Module) -> bool:
     return any(turned)
 
 
-def _last_blocks(blocks: list[tuple[str, nn.Module]]) -> list[str]:
+def last_blocks(blocks: list[tuple[str, nn.Module]]) -> list[str]:
     """The last block of each container (an encoder's and a decoder's, each tower's): where the hidden states
     leave a stack of blocks, so sequence parallelism gathers them again there."""
     last: dict[str, str] = {}

@@ -1,0 +1,151 @@
+"""Whether a tensor-parallel plan runs the model, found before the model is touched.
+
+The layout (autopar.strategies.tensor_parallel_layout) refuses what it can see: fused projections of unknown layout,
+norms over several heads, per-head tensors the split leaves whole. What it cannot see is the forward's own code: a
+reshape to the model's full head count or width kept under a name autopar does not divide (XGLM's, TrOCR's
+`embed_dim`), an in-place op on a view of a DTensor's local tensor (Falcon's, CTRL's), an in-place scatter on a
+sharded tensor (Llama 4's router), a learned tensor of the hidden width between the split layers (ConvNeXt V2's
+GRN). Applied for real, such a plan raised at the first step, after wrap had already split the model
+(hf-sweep-dist, 2026-12-06: 16 of 205 architectures under tp=2).
+
+`tensor_parallel_trial` applies the plan's tensor parallelism to a meta-device copy of the model over the job's own
+tensor-parallel mesh and runs one training step's forward and backward on a one-sample batch on fake tensors:
+DTensor's sharding propagation and every shape check run as on the device, while no memory is used and no
+collective sends anything (under FakeTensorMode, the functional collectives' fake kernels run). What raises there
+raises on the device, and is reported in one line, with the line of the model's code it came from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import itertools
+import logging
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from .._util.batch import call_model, default_loss, map_tensors, sample_batch_size
+from ..plans import Plan
+from ..profile import ModelProfile, iter_block_modules
+from ..profile.shadow import InputShadows
+from .apply import last_blocks
+from .materialize import materialize
+from .tensor_parallel import apply_tensor_parallel
+
+#: What fake tensors cannot answer (a read of a value the weights computed): the trial concludes nothing.
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+#: Frames of these packages are the machinery, not the model's code: the error's line is the last frame outside them.
+_MACHINERY = ("/torch/", "/autopar/", "/functorch/")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers are meta tensors of the same shapes and dtypes (nothing of
+    their values is copied: a copy of a 70B model costs its module objects only)."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _where(exc: BaseException) -> str:
+    """The model's line the error came from ("modeling_xglm.py:123 in forward"), or "" where every frame is torch's."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not any(part in f.filename.replace("\\", "/") for part in _MACHINERY)]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" at {last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def tensor_parallel_trial(model: nn.Module, sample: Any, plan: Plan, profile: ModelProfile, tp_mesh: Any, *,
+                          device: torch.device,
+                          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> str | None:
+    """Why `plan`'s tensor parallelism does not run `model`'s training step (one line), or None where it runs.
+
+    A meta copy of `model` (`meta_copy`) is split over `tp_mesh` (`apply_tensor_parallel`, as the plan asks,
+    sequence parallelism included), materialised on fake tensors, and one forward (under the plan's autocast) and
+    backward of the sample's first row run there. Where that raises, the same step of an unsplit copy is the
+    control: a step that fails on fake tensors without tensor parallelism too (a kernel whose fake version is
+    stricter than the device's: grouped_mm's in fp32 on a CPU; a read of a value the weights computed) concludes
+    nothing, and gives None, as does a model `copy.deepcopy` refuses: its plan is applied and its first step says
+    the rest. The model, the sample and the random streams are not touched."""
+    try:
+        rows = sample_batch_size(sample)
+    except Exception:  # no tensor with a batch dimension: the sample runs whole
+        rows = None
+    first = map_tensors(lambda t: t[:1] if rows is not None and t.dim() and t.shape[0] == rows else t, sample)
+
+    def step(split: bool) -> BaseException | None:
+        try:
+            trial = meta_copy(model)
+        except Exception as exc:  # nothing to conclude: the real first step says it
+            return exc
+        if split:
+            blocks = list(iter_block_modules(trial, profile))
+            apply_tensor_parallel(trial, tp_mesh, profile=profile, blocks=blocks,
+                                  sequence_parallel=plan.sequence_parallel, stage_ends=last_blocks(blocks))
+        return _fake_step(trial, first, device=device, bf16=plan.precision.startswith("bf16"), loss_fn=loss_fn)
+
+    try:
+        error = step(split=True)
+    except Exception as exc:  # splitting raised (a layout refusal is check_plan's, before this)
+        return f"splitting it raised {_one_line(exc)}{_where(exc)}"
+    if error is None or isinstance(error, _DATA_DEPENDENT) or step(split=False) is not None:
+        return None
+    return f"its first forward and backward raised {_one_line(error)}{_where(error)}"
+
+
+def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool,
+               loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> BaseException | None:
+    """Run meta-device `model`'s forward (under bf16 autocast where asked) and backward on `batch` on fake tensors
+    of `device` (the batch's values kept for the step's reads of them, as the profile's trace has them); what it
+    raised, or None."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rng = torch.get_rng_state()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    shadows = InputShadows()
+    try:
+        with fake, shadows, _quiet("torch._subclasses.fake_tensor"):  # it logs the traceback of the error raised here
+            materialize(model, device, init_fn=lambda _module: None)
+            fakes = map_tensors(functools.partial(_fake_like, device=device, shadows=shadows), batch)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                output = call_model(model, fakes)
+                loss = loss_fn(output, fakes) if loss_fn is not None else default_loss(output)
+            loss.backward()
+    except Exception as exc:
+        return exc
+    finally:
+        torch.set_rng_state(rng)
+    return None
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _fake_like(t: torch.Tensor, *, device: torch.device, shadows: InputShadows) -> torch.Tensor:
+    """A fake tensor of `t`'s shape and dtype on `device` (call under the FakeTensorMode), `t`'s values kept in
+    `shadows` (none for a meta tensor)."""
+    fake = torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
+    shadows.add(fake, t)
+    return fake
