@@ -53,7 +53,10 @@ from bench._common import host_op_us, kernel_kind, results_path
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
-MODES = ("hand", "hand_compile", "wrap", "rewrap", "plan_eager", "plan_compile")
+MODES = ("hand", "hand_compile", "hand_bf16", "wrap", "rewrap", "plan_eager", "plan_compile")
+#: "hand_bf16": the other hand recipe, the model's weights cast to bf16 (`model.to(torch.bfloat16)`; no autocast, no
+#: fp32 master weights; eager): matmuls autocast does not reach (a custom op's, e.g. an MoE's experts in
+#: transformers' grouped_mm fallback) run in bf16 there; not an autopar plan, so not in the must-show's "best".
 #: "rewrap": a fresh copy of the model wrapped again after "wrap" in the same process (same model and job):
 #: wrap's own cache (autopar/wrap_cache.py) then gives the plan, and `wrap_s` is the cached start-up (no steps are
 #: timed: they are "wrap"'s).
@@ -392,6 +395,8 @@ class Measurement:
             sample = real_sample(self.family, self.opts)
             model = build_on_device(self.family, self.opts)
             rec["parameters"] = sum(p.numel() for p in model.parameters())
+            # dynamo's graphs from here: wrap's race compiles the plan before the steps (its failed compiles too)
+            graphs_before = compile_counts()
             if mode in ("wrap", "rewrap", *PLAN_MODES):
                 step = self._wrap(model, sample, rec, mode)
             else:
@@ -399,9 +404,6 @@ class Measurement:
             if mode == "rewrap":  # its start-up alone: the steps (and their compile warm-up) are "wrap"'s
                 rec.update(status="ok", wall_s=round(time.perf_counter() - t0, 2))
                 return rec
-            # counted from here: the graphs the steps compile (torch.compile is lazy), not the capture planning
-            # asks dynamo for (autopar.profile.graphs: it counts as a graph in dynamo's counters)
-            graphs_before = compile_counts()
             rec.update(time_steps(step, self.opts))
             rec.update({k: v - graphs_before[k] for k, v in compile_counts().items()})
             rec.update(memory(self.opts))
@@ -427,6 +429,13 @@ class Measurement:
         return None
 
     def _hand(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
+        if mode == "hand_bf16":  # the weights and the sample's floating tensors in bf16
+            model.to(torch.bfloat16)
+            rec.update(plan_short="bf16 weights by hand", parameter_dtypes=sorted({str(p.dtype) for p in model.parameters()}))
+            opt, rec["optimizer"] = adamw(model, self.opts.lr, fused=True)
+            cast = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                    for k, v in sample.items()}
+            return Step(model, self.family, cast, opt, autocast_device=None)
         compiled = ONE_GPU_MODES[mode]
         if self.opts.hand_predictions:
             rec.update(self.predictor.fields(hand_plan(rec["batch"], compiled=compiled)))

@@ -112,3 +112,16 @@ def test_the_report_shows_wrap_s_cost_model_before_it_measured():
     assert "## wrap's cost model before it measured" in text
     assert "| f | 100.0 | 80.0 | -20.0% | 95.0 | 10.00 | 12.00 | +20.0% | 8.00 |" in text
     assert "before it measured" not in report([_rec("wrap", 0.1)])  # older records: no section
+
+
+def test_hand_bf16_trains_the_model_with_its_weights_in_bf16(tmp_path):
+    """The other hand recipe (`model.to(torch.bfloat16)`, no autocast): it trains, and every parameter is bf16."""
+    out = tmp_path / "zoo.jsonl"
+    proc = _run("--device", "cpu", "--size", "tiny", "--families", "mlp", "--steps", "2", "--warmup", "1",
+                "--modes", "hand_bf16", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rec,) = _records(out)
+    assert rec["status"] == "ok" and rec["mode"] == "hand_bf16" and rec["plan_short"] == "bf16 weights by hand"
+    assert rec["parameter_dtypes"] == ["torch.bfloat16"]
+    assert rec["step_s"] > 0 and rec["loss"] == rec["loss"]  # a finite loss
+
