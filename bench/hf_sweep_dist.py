@@ -78,9 +78,48 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--arch-timeout-s", type=float, default=180.0, help="a launch is killed after this")
     p.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/hf_sweep_dist.jsonl)")
     p.add_argument("--report", default=None, help="print the Markdown table of a results file and exit")
+    p.add_argument("--trial-only", action="store_true",
+                   help="run autopar's tensor-parallel trial of each plan (autopar.strategies.tensor_parallel_trial) "
+                        "instead of training: does it pass what trains, and refuse what raises?")
     p.add_argument("--rank-child", nargs=4, default=None, metavar=("TASK", "ARCH", "PLAN", "OUT"),
                    help=argparse.SUPPRESS)
     return p
+
+
+#: Set by --trial-only for the ranks: each runs autopar's tensor-parallel trial of the plan and records its verdict.
+TRIAL_ONLY_ENV = "AUTOPAR_SWEEP_TRIAL_ONLY"
+
+
+def local_of(batches: list[dict[str, Any]], dp: int, rank: int) -> list[dict[str, Any]]:
+    """This rank's batches: a data-parallel rank's rows, every tensor-parallel rank the whole batch."""
+    data_rank = rank if dp > 1 else 0
+    return [_rows(b, data_rank * BATCH, (data_rank + 1) * BATCH) if dp > 1 else b for b in batches]
+
+
+def _trial(model: Any, local: list[dict[str, Any]], fields: dict[str, int]) -> tuple[str, dict[str, Any]]:
+    """autopar.strategies.tensor_parallel_trial of the plan on this model (every rank; rank 0 records): status
+    trial_passed, trial_refused (its line), refused (the layout's checks, before the trial) or autopar_failed."""
+    import torch
+
+    import autopar
+    from autopar.errors import AutoparError
+    from autopar.profile import profile_model
+    from autopar.strategies.apply import check_plan
+    from autopar.strategies.mesh import build_mesh
+    from autopar.strategies.tensor_parallel_trial import tensor_parallel_trial
+    from autopar.topology import Topology
+
+    plan = autopar.Plan(**fields)
+    try:
+        profile = profile_model(model, local[0], warn=False)
+        check_plan(plan, profile, Topology.cpu(plan.world_size), world_size=plan.world_size, model=model)
+    except AutoparError as exc:
+        return "refused", {"error": _error(exc)}
+    except Exception as exc:
+        return "autopar_failed", {"stage": "profile", "error": _error(exc)}
+    why = tensor_parallel_trial(model, local[0], plan, profile, build_mesh(plan, "cpu")["tp"],
+                                device=torch.device("cpu"))
+    return ("trial_passed", {}) if why is None else ("trial_refused", {"error": why})
 
 
 def _error(exc: BaseException) -> str:
@@ -201,6 +240,9 @@ def rank_main(task: str, arch: str, kind: str, out: str) -> None:
         batches = [make_sample(task, model, batch=BATCH * dp) for _ in range(STEPS)]
     except Exception as exc:
         return done("build_failed", error=_error(exc))
+    if os.environ.get(TRIAL_ONLY_ENV) == "1":  # --trial-only: the tensor-parallel trial alone, nothing trained
+        status, fields = _trial(model, local_of(batches, dp, rank), fields)
+        return done(status, **fields)
     try:
         runs = []
         for shards in (1, max(dp, 2)):  # the global batch at once; in the ranks' shares (or halves), accumulated
@@ -214,8 +256,7 @@ def rank_main(task: str, arch: str, kind: str, out: str) -> None:
     import autopar
     from autopar.errors import AutoparError
 
-    data_rank = rank if dp > 1 else 0
-    local = [_rows(b, data_rank * BATCH, (data_rank + 1) * BATCH) if dp > 1 else b for b in batches]
+    local = local_of(batches, dp, rank)
     stage = "wrap"
     try:
         t0 = time.perf_counter()
@@ -244,11 +285,13 @@ def rank_main(task: str, arch: str, kind: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def launch(task: str, arch: str, kind: str, world_size: int, timeout_s: float) -> dict[str, Any]:
+def launch(task: str, arch: str, kind: str, world_size: int, timeout_s: float, *,
+           trial_only: bool = False) -> dict[str, Any]:
     """One torchrun launch of `world_size` ranks; the record rank 0 wrote, or what went wrong."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rec.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", AUTOPAR_CACHE_DIR=str(Path(tmp) / "c"))
+        env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", AUTOPAR_CACHE_DIR=str(Path(tmp) / "c"),
+                   **{TRIAL_ONLY_ENV: "1" if trial_only else "0"})
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
                "-m", "bench.hf_sweep_dist", "--rank-child", task, arch, kind, str(out)]
         start = time.perf_counter()
@@ -290,7 +333,8 @@ def _jobs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
 
 
 NOT_AUTOPARS = ("build_failed", "model_failed")
-STATUSES = ("ok", "refused", "mismatch", "autopar_failed", "timeout", "crashed", *NOT_AUTOPARS)
+STATUSES = ("ok", "refused", "mismatch", "autopar_failed", "timeout", "crashed", "trial_passed", "trial_refused",
+            *NOT_AUTOPARS)
 
 
 def report(path: str) -> str:
@@ -336,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     head = stamp(" ".join(["python -m bench hf-sweep-dist", *given]))
     with open(out, "a") as f:
         for task, arch, kind in _jobs(args):
-            rec = {**launch(task, arch, kind, args.world_size, args.arch_timeout_s), **head}
+            rec = {**launch(task, arch, kind, args.world_size, args.arch_timeout_s, trial_only=args.trial_only),
+                   **head}
             f.write(json.dumps(rec) + "\n")
             f.flush()
             print(f"{task} {arch} {kind}: {rec['status']} {rec.get('error', '')[:120]}", flush=True)
