@@ -36,7 +36,8 @@ from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
 from .strategies.tensor_parallel import tensor_parallel_refusal
-from .strategies.tensor_parallel_trial import tensor_parallel_trial
+from .strategies.tensor_parallel_trial import (tensor_parallel_trial, tp_does_not_run,
+                                                   trial_in_fake_group)
 from .topology import Topology
 
 __all__ = ["wrap", "plan", "applied", "plan_of", "data_shard"]
@@ -100,9 +101,17 @@ def plan(
         safe = safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)
         warnings.warn("autopar: " + untraced_message(structure, safe, exc), stacklevel=2)
         return safe
+    refusal = tensor_parallel_refusal(model, profile)
     with phase(f"choosing among the plans for {world_size} process(es) (cost model)"):
         chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
-                         variants=variants, loop=chosen_loop, tp_refusal=tensor_parallel_refusal(model, profile))
+                         variants=variants, loop=chosen_loop, tp_refusal=refusal)
+    if chosen.tp > 1 and refusal is None:  # tried as wrap tries it, in a fake process group of the plan's size
+        why = trial_in_fake_group(model, sample, chosen, profile, loss_fn=loss_fn)
+        if why is not None:
+            why = tp_does_not_run(chosen, profile, why)
+            warnings.warn(f"autopar: {why}; choosing again without tensor parallelism.", stacklevel=2)
+            chosen = _choose(profile, topo, world_size=world_size, global_batch_size=global_batch,
+                             variants=variants, loop=chosen_loop, tp_refusal=why)
     return chosen.replace(prediction={**(chosen.prediction or {}),
                                       "planning_s": round(time.perf_counter() - started, 2)})
 
@@ -274,8 +283,8 @@ def _tp_trial_everywhere(model: nn.Module, sample: Any, plan: Plan, profile: Mod
         return None
     if why is not None and _dist.world().rank != 0:
         get_logger().warning("autopar: rank %d: %s", _dist.world().rank, why)
-    where = why if why is not None else "its trial step raised on another rank (that rank logs why)"
-    return f"tensor parallelism (tp={plan.tp}) does not run {profile.model_class}: {where}"
+    return tp_does_not_run(plan, profile,
+                           why if why is not None else "its trial step raised on another rank (that rank logs why)")
 
 
 def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, profile: ModelProfile, topo: Topology, *,

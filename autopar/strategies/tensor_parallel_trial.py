@@ -36,6 +36,7 @@ from ..profile import ModelProfile, iter_block_modules
 from ..profile.shadow import InputShadows
 from .apply import last_blocks
 from .materialize import materialize
+from .mesh import build_mesh
 from .tensor_parallel import apply_tensor_parallel
 
 #: What fake tensors cannot answer (a read of a value the weights computed): the trial concludes nothing.
@@ -105,6 +106,34 @@ def tensor_parallel_trial(model: nn.Module, sample: Any, plan: Plan, profile: Mo
     if error is None or isinstance(error, _DATA_DEPENDENT) or step(split=False) is not None:
         return None
     return f"its first forward and backward raised {_one_line(error)}{_where(error)}"
+
+
+def tp_does_not_run(plan: Plan, profile: ModelProfile, why: str) -> str:
+    """The one line of a refusal: which degree, which model, what the trial found."""
+    return f"tensor parallelism (tp={plan.tp}) does not run {profile.model_class}: {why}"
+
+
+def trial_in_fake_group(model: nn.Module, sample: Any, plan: Plan, profile: ModelProfile, *,
+                        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> str | None:
+    """`tensor_parallel_trial` for planning in one process (autopar.plan): over the tensor-parallel mesh of a fake
+    process group of the plan's world size (torch's, as autopar.exact uses: its collectives do nothing), removed
+    after. None where it cannot run here: a process group already exists (wrap tries the plan over the job's own),
+    or this torch has no fake process group."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return None
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except Exception:  # pragma: no cover - depends on the torch build
+        return None
+    dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
+    try:
+        mesh = build_mesh(plan, "cpu")
+        return tensor_parallel_trial(model, sample, plan, profile, mesh["tp"], device=torch.device("cpu"),
+                                     loss_fn=loss_fn)
+    finally:
+        dist.destroy_process_group()
 
 
 def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool,

@@ -48,3 +48,50 @@ def test_a_model_that_runs_under_tensor_parallelism_passes(record):
 
 def test_a_step_reading_a_computed_value_concludes_nothing(record):
     assert record["trial_reads"] is None
+
+
+# ---- planning in one process (autopar.plan): the trial over a fake process group of the plan's size -------------
+def test_the_trial_runs_in_a_fake_group_when_planning_in_one_process(one_plain_process):
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models.gpt import lm_loss
+    from autopar.profile import profile_model
+    from autopar.strategies.tensor_parallel_trial import trial_in_fake_group
+    from tests._training import batch
+    from tests.strategies._tp_trial_worker import TP_PLAN, WidthAttention, gpt
+
+    rows, plan = batch(0), autopar.Plan(**TP_PLAN)
+    reasons = {}
+    for name, attention in (("width", WidthAttention), ("plain", None)):
+        model = gpt(attention)
+        reasons[name] = trial_in_fake_group(model, rows, plan, profile_model(model, rows, loss_fn=lm_loss, warn=False),
+                                            loss_fn=lm_loss)
+        assert not dist.is_initialized()  # the fake group is gone after
+    assert reasons["plain"] is None
+    assert reasons["width"].startswith("its first forward and backward raised RuntimeError: shape")
+    assert "_tp_trial_worker.py:" in reasons["width"]
+
+
+def test_autopar_plan_chooses_again_without_tensor_parallelism(one_plain_process, monkeypatch):
+    import autopar
+    import autopar.api as api
+    from autopar.models.gpt import lm_loss
+    from tests._training import batch
+    from tests.strategies._tp_trial_worker import TP_PLAN, WidthAttention, gpt
+
+    real = api._choose
+    refusals = []
+
+    def tp_first(*args, tp_refusal=None, **kwargs):  # the cost model's choice, were it tp=2
+        refusals.append(tp_refusal)
+        if tp_refusal is None:
+            return autopar.Plan(**TP_PLAN)
+        return real(*args, tp_refusal=tp_refusal, **kwargs)
+
+    monkeypatch.setattr(api, "_choose", tp_first)
+    with pytest.warns(UserWarning, match=r"tensor parallelism \(tp=2\) does not run GPT: .*; choosing again without"):
+        chosen = autopar.plan(gpt(WidthAttention), sample=batch(0), topology="2xH100-SXM", loss_fn=lm_loss,
+                              global_batch_size=8, loop="accumulates")
+    assert chosen.tp == 1
+    assert refusals[0] is None and refusals[1].startswith("tensor parallelism (tp=2) does not run GPT: its first")
