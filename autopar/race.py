@@ -46,8 +46,10 @@ MIN_ROUND_S = 0.25
 MAX_ROUND_STEPS = 50
 #: Steps of the kept mode run after the race from an emptied cache, to read the allocator's reserve over the peak.
 RESERVE_STEPS = 3
-#: Seconds those steps may take: fewer for a long step (one at least).
+#: Seconds those steps may take: fewer for a long step (two at least, while two take under RESERVE_MAX_S: a
+#: training loop's reserve grows at its second step, the first with the optimizer's state resident).
 RESERVE_BUDGET_S = 1.5
+RESERVE_MAX_S = 4.0
 
 
 @dataclass(frozen=True)
@@ -203,19 +205,37 @@ def _loss_of(output: Any, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor
     return loss_fn(output, batch) if loss_fn is not None else default_loss(output)
 
 
-def _reserve_over_peak(step: Callable[[], None], model: nn.Module, device: torch.device, *, steps: int) -> int | None:
+def reserve_steps(step_s: float) -> int:
+    """How many steps `_reserve_over_peak` runs for a step of `step_s` seconds."""
+    least = 2 if 2 * step_s <= RESERVE_MAX_S else 1
+    return min(RESERVE_STEPS, max(least, int(RESERVE_BUDGET_S / step_s)))
+
+
+def _reserve_over_peak(step: Callable[..., None], model: nn.Module, device: torch.device, *, steps: int) -> int | None:
     """Bytes the caching allocator reserves beyond the allocated peak over `steps` steps from an emptied cache (None
-    where a step raised: out of memory)."""
+    where a step raised: out of memory). As in a training loop, the optimizer's state (AdamW's: two tensors of each
+    trainable parameter's shape and dtype) is made after the first step's backward, while its gradients are alive,
+    and is held through the later steps: the blocks it takes out of the cache are what the next forward's
+    activations no longer find there (gemma on an H100: 0.16 GiB reserved over the race's steps without it, 4.04 GiB
+    over the training loop's, with 18.7 GiB of state; bench/results/zoo_h100_wrap_2026-12-06e.jsonl)."""
+    held: list[torch.Tensor] = []
+
+    def optimizer_state() -> None:
+        if not held:
+            held.extend(torch.zeros_like(p) for p in model.parameters() if p.requires_grad for _ in range(2))
+
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
         for _ in range(steps):
-            step()
+            step(optimizer_state)
         _sync(device)
+        return torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
     except Exception:  # torch.OutOfMemoryError: the reserve stays modelled
         _drop_grads(model, device)
         return None
-    return torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
+    finally:
+        held.clear()
 
 
 def _median(times: list[float]) -> float | None:
@@ -263,12 +283,14 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     batch = real_batch(batch, device)
     kept = _Kept(model, device)
 
-    def step() -> None:
+    def step(after_backward: Callable[[], None] | None = None) -> None:
         # The output goes before backward, as in a training loop that keeps only the loss (Hugging Face's Trainer,
         # Lightning, torchtitan's `del pred`): kept, a language model's logits stayed through backward and the race's
         # peak was theirs above the training loop's (gpt2 +1.5 GiB, +11.8% predicted, H200 2026-12-06).
         loss = _loss_of(call_model(model, batch), batch, loss_fn)
         loss.backward()
+        if after_backward is not None:  # where a loop's optimizer step runs, its gradients alive
+            after_backward()
         for p in model.parameters():
             p.grad = None
 
@@ -325,8 +347,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         kept_s = compiled_s if keep else eager_s
         reserve = None
         if device.type == "cuda" and kept_s is not None:
-            n = min(RESERVE_STEPS, max(1, int(RESERVE_BUDGET_S / kept_s)))
-            reserve = _reserve_over_peak(step, model, device, steps=n)
+            reserve = _reserve_over_peak(step, model, device, steps=reserve_steps(kept_s))
     finally:
         kept.restore(model)
         # The caching allocator keeps what both modes' steps used (two layouts of activations: 2x the reserved

@@ -278,3 +278,54 @@ def test_the_race_s_step_drops_the_model_s_output_before_backward():
     model.fc1.weight.register_hook(lambda g: alive_in_backward.append(outputs[-1]() is not None))
     race_compile(model, torch.randn(8, 16), device=torch.device("cpu"), loss_fn=loss_fn, warmup=1, steps=3)
     assert alive_in_backward and not any(alive_in_backward)
+
+
+def test_the_reserve_is_read_with_the_optimizer_state_held_from_the_first_backward(monkeypatch):
+    """_reserve_over_peak makes AdamW's state (two tensors of each trainable parameter's shape) where a loop's first
+    optimizer step does, after backward with the gradients alive, holds it through the later steps, and lets it go
+    after; the reserve is the allocator's reserved peak over its allocated peak."""
+    import weakref
+
+    from autopar import race as race_mod
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].bias.requires_grad_(False)  # frozen: no state of its own
+    for name, value in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
+                        ("max_memory_reserved", lambda device=None: 10 << 20),
+                        ("max_memory_allocated", lambda device=None: 7 << 20)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    made: list[weakref.ref] = []
+    real_zeros_like = torch.zeros_like
+
+    def zeros_like(t, *args, **kwargs):
+        out = real_zeros_like(t, *args, **kwargs)
+        made.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(torch, "zeros_like", zeros_like)
+    alive_at_start, grads_when_made = [], []
+
+    def step(after_backward=None):
+        alive_at_start.append(sum(r() is not None for r in made))
+        model(torch.ones(1, 4)).sum().backward()
+        before = len(made)
+        after_backward()
+        if len(made) > before:
+            grads_when_made.append(all(p.grad is not None for p in model.parameters() if p.requires_grad))
+        for p in model.parameters():
+            p.grad = None
+
+    reserve = race_mod._reserve_over_peak(step, model, torch.device("cpu"), steps=3)
+    assert reserve == 3 << 20
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(made) == 2 * len(trainable) and grads_when_made == [True]  # made once, at the first backward
+    assert alive_at_start == [0, len(made), len(made)]  # held through the later steps
+    assert all(r() is None for r in made)  # and let go after
+
+
+def test_reserve_steps_are_two_at_least_for_a_step_that_allows_it():
+    from autopar.race import RESERVE_STEPS, reserve_steps
+
+    assert reserve_steps(0.01) == RESERVE_STEPS
+    assert reserve_steps(1.0) == 2  # the second step is the first with the optimizer's state resident
+    assert reserve_steps(3.0) == 1  # two would take over RESERVE_MAX_S
