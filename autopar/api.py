@@ -466,6 +466,9 @@ def _from_wrap_cache(model: nn.Module, sample: Any, key: Any, *, topology: Topol
     traced = {name: plan_text.get(f"traced_{name}") for name in ("flops", "forward_flops")}
     if all(isinstance(v, (int, float)) and v >= 0 for v in traced.values()):  # the step's FLOPs, as traced then
         profile = dataclasses.replace(profile, **{k: float(v) for k, v in traced.items()})
+    weights = plan_text.get("traced_bf16_weights")
+    if isinstance(weights, str) and weights:  # the weights the autocast forward gives in bf16, as traced then
+        profile = dataclasses.replace(profile, bf16_weights=tuple(weights.split(",")))
     decision = None
     if found is not None:
         plan, stored_at = found
@@ -485,8 +488,10 @@ def _store_wrap_choice(plan: Plan, key: Any, profile: ModelProfile, topo: Topolo
     try:
         tuned = plan_cache_key(profile, topo, global_batch_size=global_batch, loop=loop).digest()
         # the traced FLOPs go with it: a cache hit reads the model's structure only, and MFU needs them
+        # and the weights autocast does not reach, which the autocast forward gives in bf16 (strategies.precision)
         plan = plan.replace(prediction={**(plan.prediction or {}), "traced_flops": float(profile.flops),
-                                        "traced_forward_flops": float(profile.forward_flops)})
+                                        "traced_forward_flops": float(profile.forward_flops),
+                                        "traced_bf16_weights": ",".join(profile.bf16_weights)})
         wrap_cache.store(plan, key, tuned_key=tuned)
     except (CacheError, OSError) as exc:
         warnings.warn(f"autopar: wrap's choice was not cached ({exc}); the next wrap of this model plans afresh.",

@@ -144,6 +144,7 @@ def profile_model(
         allocator_reserve_bytes=t.allocator_reserve_bytes,
         allocator_replay_on_cuda=t.allocator_replay_on_cuda,
         traced_with_weight_values=valued,
+        bf16_weights=t.bf16_weights,
         **shape_facts(model, units if repeated else []),
     )
 
@@ -183,15 +184,21 @@ _REAL_WEIGHTS_AGAIN = ("traced with the weights' own values beside the fake tens
 
 
 def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str, *,
-            real_weights: bool = False) -> tuple[Trace, CompiledSaved | None]:
+            real_weights: bool = False, bf16_weights: tuple[str, ...] = ()) -> tuple[Trace, CompiledSaved | None]:
     """One traced step in `precision`, with the probe that partitions its autograd graph as torch.compile
-    would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`)."""
+    would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`). Under bf16 autocast, a step
+    whose matmuls read trainable weights in fp32 (autocast does not reach them) is traced again with those weights
+    given in bf16, as autopar's autocast gives them (autopar.strategies.precision)."""
     probe = CompiledSavedProbe(loss_fn, len(units))
-    step = StepTrace(model, sample, units, loss_fn=probe, precision=precision, real_weights=real_weights)
+    step = StepTrace(model, sample, units, loss_fn=probe, precision=precision, real_weights=real_weights,
+                     bf16_weights=bf16_weights)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
     with probe.hooked(units):
         t = step.run()
+    if precision == "bf16" and t.fp32_matmul_weights and not bf16_weights:
+        return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
+                       bf16_weights=t.fp32_matmul_weights)
     return t, probe.result()
 
 

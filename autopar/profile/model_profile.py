@@ -172,6 +172,9 @@ class ModelProfile:
     traced_with_weight_values: bool = False  # whether the step was traced with the weights' values beside the fake
     # tensors (it reads values they compute): a trace of it in another precision goes there at once
     largest_transient_where: str = ""  # where the step made its largest tensor ("the forward of block model.layers.0")
+    bf16_weights: tuple[str, ...] = ()  # trainable weights a matmul read in fp32 under bf16 autocast (autocast did not
+    # reach it: a custom op's, an MoE's grouped GEMM), which autopar's autocast gives the forward in bf16 and this
+    # bf16 trace did (autopar.strategies.precision); empty for other precisions
 
     def __post_init__(self) -> None:
         assert self.num_params > 0 and self.sample_batch_size > 0, "profile of an empty model or batch"
@@ -282,7 +285,7 @@ class ModelProfile:
         values["op_groups"] = tuple(_op_group(g) for g in values.get("op_groups", ()))
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
         values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))
-        for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names"):
+        for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names", "bf16_weights"):
             if name in values:
                 values[name] = tuple(values[name])
         if values.get("block_input_shape") is not None:

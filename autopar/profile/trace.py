@@ -61,6 +61,10 @@ class Trace:
     # of this step (autopar.profile.allocator.replay_steps); None: not replayed
     allocator_replay_on_cuda: bool = False  # whether that step dispatched as CUDA does (a fake CUDA device)
     largest_where: str = ""  # where the largest tensor was made: "the forward of block NAME", "the loss's backward"
+    # under autocast: the trainable weights a forward matmul read in float32 (autocast did not reach it), and those
+    # this trace gave the step in bf16 (`StepTrace(bf16_weights=...)`), as autopar's autocast gives them
+    fp32_matmul_weights: tuple[str, ...] = ()
+    bf16_weights: tuple[str, ...] = ()
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -102,8 +106,8 @@ class StepTrace:
     each block saves for backward; a StepWatcher and a FlopCounterMode watch the ops. `run()` once."""
 
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
-                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, real_weights: bool = False
-                 ) -> None:
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, real_weights: bool = False,
+                 bf16_weights: tuple[str, ...] = ()) -> None:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
@@ -132,6 +136,10 @@ class StepTrace:
         self.watcher = StepWatcher({storage_key(t) for t in self.state.values()},
                                    {tuple(t.shape) for t in self.state.values() if t.dim() >= 2},
                                    len(units), self.running_block, compile_masks=CompileMasks(self.shadows))
+        if precision == "bf16":  # which trainable weights a matmul reads in fp32 under autocast (StepWatcher)
+            self.watcher.autocast_weights = {storage_key(t): name for name, t in self.state.items()
+                                             if isinstance(t, torch.Tensor) and t.requires_grad}
+        self.bf16_weights = tuple(bf16_weights) if precision == "bf16" else ()
         self._block_of = {id(m): i for i, (_, m) in enumerate(units)}
         self._stack: list[int] = []  # blocks whose forward is running, innermost last
         self._finished = 0  # blocks whose forward has finished (outermost calls)
@@ -167,6 +175,9 @@ class StepTrace:
             # The model's tensors stay swapped for their fake copies through backward as well: a forward that
             # checkpoints (torch.utils.checkpoint) runs its modules again there, and must find the fake ones.
             tensors = {**_per_slot(self.model, self.state), **self.attributes}
+            for name in self.bf16_weights:  # as autopar's autocast gives them to the forward (strategies.precision)
+                if name in tensors:
+                    tensors[name] = tensors[name].to(torch.bfloat16)
             return functional_call(_Swapped(self.model, self._forward_backward),
                                    {f"model.{name}": t for name, t in tensors.items()}, (), {},
                                    tie_weights=False, strict=False)
@@ -233,7 +244,8 @@ class StepTrace:
             live_frontier=w.live.frontier(gradients),
             allocator_reserve_bytes=self._allocator_replay(gradients).reserve_bytes,
             allocator_replay_on_cuda=self.on_cuda,
-            largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "")
+            largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "",
+            fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights)
 
     def _where(self, scope: int, backward: bool) -> str:
         """Words for a scope of the watcher (a block's index, or BEFORE, AFTER, LOSS) and a pass."""

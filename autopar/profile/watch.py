@@ -274,6 +274,10 @@ class StepWatcher(TorchDispatchMode):
         self._backward_started = False
         self.fusion = FusionModel()
         self.live = LiveMemory()  # the bytes alive op by op: the eager step's peak (autopar.profile.live)
+        # Under autocast (set by the trace: trainable parameters' storages by name), the trainable weights a forward
+        # matmul read in float32: autocast did not reach it (a custom op's, an MoE's grouped GEMM)
+        self.autocast_weights: dict[Any, str] = {}
+        self.fp32_matmul_weights: set[str] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
@@ -281,6 +285,8 @@ class StepWatcher(TorchDispatchMode):
         tensors_in, tensors_out = _tensors((args, kwargs)), _tensors(out)
         scope = self._scope(tensors_in)
         inputs = [storage_key(t) for t in tensors_in]
+        if self.autocast_weights and self.forward:
+            self._fp32_matmul(func, tensors_in, inputs)
         from_weights = bool(inputs) and all(k in self.weight_storages for k in inputs)
         allocated = self._allocated(func, inputs, tensors_out, from_weights, scope)
         if self.forward:
@@ -297,6 +303,12 @@ class StepWatcher(TorchDispatchMode):
         else:
             self._count_unallocated(func, scope, tensors_in, tensors_out, inputs, from_weights)
         return out
+
+    def _fp32_matmul(self, func: Any, tensors_in: list[torch.Tensor], inputs: list[Any]) -> None:
+        """A forward matmul that reads a trainable weight in float32 under autocast: the weight's name noted."""
+        name = func.overloadpacket.__name__
+        if (name in _GEMMS or name in _GROUPED) and _dtype_of(tensors_in) == "float32":
+            self.fp32_matmul_weights.update(self.autocast_weights[k] for k in inputs if k in self.autocast_weights)
 
     def _count_unallocated(self, func: Any, scope: int, tensors_in: list[torch.Tensor],
                            tensors_out: list[torch.Tensor], inputs: list[Any], from_weights: bool) -> None:

@@ -157,8 +157,13 @@ def apply_plan(
                    outer_units=outer)
     elif runtime is not None and not _has_meta(model):  # (tensor-parallel plans always take FSDP's branch)
         model.to(device)
+    cast = profile.bf16_weights if plan.precision == "bf16" and not use_fsdp and runtime is None else ()
+    if cast:
+        notes.append(f"precision: {len(cast)} weight(s) that autocast does not reach ({cast[0]}"
+                     f"{', ...' if len(cast) > 1 else ''}: a matmul on no autocast list reads them) are given to the "
+                     "forward in bf16, as autocast gives a Linear's; their parameters stay fp32")
     with later:
-        _finish(model, plan, blocks, runtime, mesh, device, init_fn, compile_backend, use_fsdp, compiled)
+        _finish(model, plan, blocks, runtime, mesh, device, init_fn, compile_backend, use_fsdp, compiled, cast)
     return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
                    data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
                    notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
@@ -193,8 +198,9 @@ def _has_meta(model: nn.Module) -> bool:
 
 def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: DeviceMesh | None, device: torch.device,
             init_fn: Callable[[nn.Module], None] | None, compile_backend: str | None, use_fsdp: bool,
-            compiled: list[str]) -> None:
-    """Steps 7 to 9 (under the exact check's FakeTensorMode, when there is one)."""
+            compiled: list[str], bf16_weights: tuple[str, ...] = ()) -> None:
+    """Steps 7 to 9 (under the exact check's FakeTensorMode, when there is one). `bf16_weights`: the weights autocast
+    does not reach, which the autocast forward gives the model in bf16 (ModelProfile.bf16_weights)."""
     # 7. Materialise a meta-device model; then every data-parallel replica takes the first one's values (FSDP2
     #    does not synchronise them: ranks seeded differently would keep different replicas forever).
     materialize(model, torch.device("cpu") if plan.cpu_offload else device, init_fn)
@@ -212,7 +218,7 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
         if plan.compiles_whole_model:
             compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
         if runtime is None:
-            apply_autocast(model, precision=plan.precision, device_type=device.type)
+            apply_autocast(model, precision=plan.precision, device_type=device.type, weights=bf16_weights)
         else:  # each pipeline stage's forward runs under autocast
             runtime.autocast = (device.type, plan.precision)
     # 9. Pipeline: gates and schedule.
