@@ -14,7 +14,7 @@ from autopar.layout import check_pipeline, pairs_from_calls, pipeline_refusal, s
 from autopar.models.gpt import Block, lm_loss, synthetic_tokens
 from autopar.plans import Plan
 from autopar.profile import MatmulCall, ModelProfile, find_blocks, iter_block_modules, profile_model
-from autopar.strategies.apply import _last_blocks, check_plan
+from autopar.strategies.apply import check_plan, last_blocks
 from autopar.strategies.tensor_parallel import tp_layout
 from tests.profile._helpers import SMALL, _gpt, _mlp
 
@@ -408,8 +408,8 @@ def test_a_fused_projection_is_split_as_the_model_s_own_plan_says():
 def test_sequence_parallel_gathers_after_each_stack():
 
     names = ["e.0", "e.1", "d.0", "d.1", "d.2"]
-    assert _last_blocks([(n, None) for n in names]) == ["e.1", "d.2"]
-    assert _last_blocks([("h.0", None), ("h.1", None)]) == ["h.1"]
+    assert last_blocks([(n, None) for n in names]) == ["e.1", "d.2"]
+    assert last_blocks([("h.0", None), ("h.1", None)]) == ["h.1"]
 
 
 class _Bottleneck(nn.Module):

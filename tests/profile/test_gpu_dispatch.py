@@ -155,9 +155,11 @@ def test_fake_kernels_take_grouped_mm_only_in_bf16_also_on_a_fake_cuda_device():
                               offs=torch.empty(4, dtype=torch.int32, device=device))
 
 
-def test_a_model_with_fp32_grouped_gemms_is_traced_in_fp32_and_under_autocast():
+def test_a_model_with_fp32_grouped_gemms_is_traced_in_fp32_and_in_bf16_for_bf16_plans():
     """The fake kernel refuses fp32 grouped GEMMs (above); the trace's stand-in (flops.fp32_grouped_mm) runs
-    them, so a GPU's fp32 experts are traced as they run: fp32 records, fp32 bytes, the same FLOPs."""
+    them, so a GPU's fp32 experts are traced as they run: fp32 records, fp32 bytes, the same FLOPs. Autocast does
+    not reach them; the bf16 trace names their weights and gives them in bf16, as a bf16 plan's forward does
+    (autopar.strategies.precision)."""
     model, x = GroupedExperts(), torch.randn(B, SQ, 32)
     p = profile_model(model, x, warn=False)
     assert p.profile_precision == "fp32" and p.traced and not any("could not be traced" in n for n in p.notes)
@@ -167,9 +169,10 @@ def test_a_model_with_fp32_grouped_gemms_is_traced_in_fp32_and_under_autocast():
     assert p.flops == 5 * 2 * tokens * 32 * 64 + 2 * tokens * 32 * 4
     profile, variants = profile_variants(model, x, Topology.from_spec("1xH200"), warn=False)
     assert set(variants) == {"bf16", "bf16-pure"}
+    assert variants["bf16"].bf16_weights == ("down", "up")
     grouped = [r for g in variants["bf16"].op_groups for r in g.ops if r.kind == "grouped_gemm"]
-    if grouped:  # the profile carries its op records (autocast leaves the experts' GEMMs in the weights' fp32)
-        assert {r.dtype for r in grouped} == {"float32"}
+    if grouped:  # the profile carries its op records: the experts' GEMMs in bf16, as wrap's forward runs them
+        assert {r.dtype for r in grouped} == {"bfloat16"}
 
 
 def test_it_is_planned_in_bf16_where_the_hardware_has_bf16():
