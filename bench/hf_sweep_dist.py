@@ -343,15 +343,17 @@ def report(path: str) -> str:
     first = next(iter(rows.values()), {})
     commits = collections.Counter(str(r.get("commit", "?"))[:7] for r in rows.values())
     commands = collections.Counter(str(r.get("command", "?")) for r in rows.values())
+    # the trial's statuses (--trial-only) where a record has one
+    shown = [s for s in STATUSES if not s.startswith("trial_") or any(r["status"] == s for r in rows.values())]
     out = [f"# hf-sweep-dist: {len(rows)} runs, {first.get('world_size')} gloo ranks, {first.get('date', '?')[:10]}",
            "", f"{first.get('device', '?')}, torch {first.get('torch', '?')}, transformers "
            f"{first.get('transformers', '?')}; the latest record of each run, by the code that made it: "
            + ", ".join(f"{c} ({n})" for c, n in commits.most_common()) + "; commands: "
            + "; ".join(f"`{c}` ({n})" for c, n in commands.most_common()), "",
-           "| plan | " + " | ".join(STATUSES) + " |", "| --- |" + " ---: |" * len(STATUSES)]
+           "| plan | " + " | ".join(shown) + " |", "| --- |" + " ---: |" * len(shown)]
     counts = collections.Counter((r["plan_kind"], r["status"]) for r in rows.values())
     for kind in dict.fromkeys(r["plan_kind"] for r in rows.values()):
-        out.append(f"| {kind} | " + " | ".join(str(counts[(kind, s)]) for s in STATUSES) + " |")
+        out.append(f"| {kind} | " + " | ".join(str(counts[(kind, s)]) for s in shown) + " |")
     out += ["", "| task | arch | plan | status | what |", "| --- | --- | --- | --- | --- |"]
     for (task, arch, kind), r in sorted(rows.items()):
         if r["status"] in ("ok", *NOT_AUTOPARS):

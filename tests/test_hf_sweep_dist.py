@@ -67,3 +67,16 @@ def test_the_report_counts_statuses_per_plan_and_lists_what_is_autopars(tmp_path
             "2.0e-07), worst gradient w 50.0x its bound |") in text
     assert "| causal-lm | a | tp | refused | wrap PlanError: 3 heads do not split over 2 ranks |" in text
     assert "| vision | c |" not in text
+
+
+def test_the_report_shows_the_trials_statuses_where_there_are_some(tmp_path):
+    head = {"date": "2026-12-06T00:00:00", "device": "cpu", "torch": "t", "transformers": "x", "command": "c",
+            "commit": "abcdef0", "world_size": 2}
+    rows = [{"task": "causal-lm", "arch": "a", "plan_kind": "tp", "status": "trial_passed"},
+            {"task": "causal-lm", "arch": "b", "plan_kind": "tp", "status": "trial_refused",
+             "error": "its first forward and backward raised RuntimeError: shape"}]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
+    text = hf_sweep_dist.report(str(path))
+    assert "| trial_passed | trial_refused |" in text and "| tp | 0 | 0 | 0 | 0 | 0 | 0 | 1 | 1 | 0 | 0 |" in text
+    assert "| causal-lm | b | tp | trial_refused | its first forward and backward raised RuntimeError: shape |" in text
