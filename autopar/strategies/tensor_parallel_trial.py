@@ -6,7 +6,7 @@ reshape to the model's full head count or width kept under a name autopar does n
 `embed_dim`), an in-place op on a view of a DTensor's local tensor (Falcon's, CTRL's), an in-place scatter on a
 sharded tensor (Llama 4's router), a learned tensor of the hidden width between the split layers (ConvNeXt V2's
 GRN). Applied for real, such a plan raised at the first step, after wrap had already split the model
-(hf-sweep-dist, 2026-12-06: 16 of 205 architectures under tp=2).
+(hf-sweep-dist, 2026-12-06: 17 of 206 runs under tp=2).
 
 `tensor_parallel_trial` applies the plan's tensor parallelism to a meta-device copy of the model over the job's own
 tensor-parallel mesh and runs one training step's forward and backward on a one-sample batch on fake tensors:
