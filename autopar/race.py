@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._util.batch import call_model, default_loss, map_tensors, sample_batch_size
+from ._util.batch import call_model, default_loss, first_rows, map_tensors
 from .plans import Plan
 from .strategies.compile import compiled_modules, forget_compiled, use_compiled
 
@@ -96,19 +96,6 @@ def real_batch(sample: Any, device: torch.device) -> Any:
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
     return map_tensors(one, sample)
-
-
-def first_rows(sample: Any, rows: int | None) -> tuple[Any, int | None]:
-    """The first `rows` samples of `sample` (its tensors cut along dim 0 where they hold the sample's count), or
-    `sample` itself where rows is None or not fewer than it holds; and how many samples that is (None: the sample
-    has no tensor with a batch dimension, and runs as it is)."""
-    try:
-        size = sample_batch_size(sample)
-    except Exception:  # no tensor with a batch dimension: run it as it is
-        return sample, None
-    if rows is None or rows >= size:
-        return sample, size
-    return map_tensors(lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == size else t, sample), rows
 
 
 class _Kept:

@@ -59,6 +59,19 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     return batch
 
 
+def first_rows(sample: Any, rows: int | None) -> tuple[Any, int | None]:
+    """The first `rows` samples of `sample` (its tensors cut along dim 0 where they hold the sample's count), or
+    `sample` itself where rows is None or not fewer than it holds; and how many samples that is (None: the sample
+    has no tensor with a batch dimension, and runs as it is)."""
+    try:
+        size = sample_batch_size(sample)
+    except Exception:  # no tensor with a batch dimension: run it as it is
+        return sample, None
+    if rows is None or rows >= size:
+        return sample, size
+    return map_tensors(lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == size else t, sample), rows
+
+
 def split_sample(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """(args, kwargs) of a sample as autopar passes it: model(x), model(*tuple) or model(**dict)."""
     if isinstance(sample, Mapping):

@@ -119,7 +119,7 @@ class StepTrace:
         # position table) are swapped for fake copies too, on the device they are on, as the real step reads them.
         self.attributes, attribute_reals = _fake_attributes(model, self.fake_mode, device)
         self.shadows = InputShadows()  # the sample's values, for the step's reads of them (labels.max())
-        self.sample = _fake_sample(sample, self.fake_mode, device, pure, self.shadows)
+        self.sample = fake_sample(sample, self.fake_mode, device, pure, self.shadows)
         if real_weights:  # the weights' values too: a step whose control flow reads what they compute (build.py)
             for name, real in list(model.named_parameters(remove_duplicate=False)) + list(
                     model.named_buffers(remove_duplicate=False)):
@@ -160,7 +160,7 @@ class StepTrace:
     def run(self) -> Trace:
         """The step, and what it measured; TraceError where the model cannot run it on fake tensors."""
         try:
-            with self._hooked(), _quiet_fake_kernel_errors():
+            with self._hooked(), quiet_fake_kernel_errors():
                 forward_flops = self._step()
         except ProfileError:
             raise
@@ -336,7 +336,7 @@ class _DropErrors(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_fake_kernel_errors() -> Iterator[None]:
+def quiet_fake_kernel_errors() -> Iterator[None]:
     log, drop = logging.getLogger(FakeTensorMode.__module__), _DropErrors()
     log.addFilter(drop)
     try:
@@ -431,7 +431,7 @@ def _as_returned(output: Any, precision: str) -> Any:
     return to_fp32_outputs(output) if precision == "bf16-pure" else autocast_outputs(output)
 
 
-def _fake_sample(sample: Any, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None,
+def fake_sample(sample: Any, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None,
                  shadows: InputShadows) -> Any:
     """The sample with every tensor a fake one on `device` (floating ones in `dtype` when given), its real
     value kept in `shadows`."""

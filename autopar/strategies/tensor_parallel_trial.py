@@ -17,11 +17,8 @@ raises on the device, and is reported in one line, with the line of the model's 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import itertools
-import logging
 import traceback
 from typing import Any, Callable
 
@@ -30,10 +27,11 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from .._util.batch import call_model, default_loss, map_tensors, sample_batch_size
+from .._util.batch import call_model, default_loss, first_rows
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..profile.shadow import InputShadows
+from ..profile.trace import fake_sample, quiet_fake_kernel_errors
 from .apply import last_blocks
 from .materialize import materialize
 from .mesh import build_mesh
@@ -83,11 +81,7 @@ def tensor_parallel_trial(model: nn.Module, sample: Any, plan: Plan, profile: Mo
     stricter than the device's: grouped_mm's in fp32 on a CPU; a read of a value the weights computed) concludes
     nothing, and gives None, as does a model `copy.deepcopy` refuses: its plan is applied and its first step says
     the rest. The model, the sample and the random streams are not touched."""
-    try:
-        rows = sample_batch_size(sample)
-    except Exception:  # no tensor with a batch dimension: the sample runs whole
-        rows = None
-    first = map_tensors(lambda t: t[:1] if rows is not None and t.dim() and t.shape[0] == rows else t, sample)
+    first, _ = first_rows(sample, 1)
 
     def step(split: bool, fewer: bool) -> BaseException | None:
         try:
@@ -169,17 +163,17 @@ def trial_in_fake_group(model: nn.Module, sample: Any, plan: Plan, profile: Mode
 def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool,
                loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> BaseException | None:
     """Run meta-device `model`'s forward (under bf16 autocast where asked) and backward on `batch` on fake tensors
-    of `device` (the batch's values kept for the step's reads of them, as the profile's trace has them); what it
-    raised, or None."""
+    of `device` (the batch's values kept for the step's reads of them, as the profile's trace has them: its
+    `fake_sample`); what it raised, or None."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rng = torch.get_rng_state()
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     shadows = InputShadows()
     try:
-        with fake, shadows, _quiet("torch._subclasses.fake_tensor"):  # it logs the traceback of the error raised here
+        fakes = fake_sample(batch, fake, device, None, shadows)  # the batch's values kept for the step's reads
+        with fake, shadows, quiet_fake_kernel_errors():
             materialize(model, device, init_fn=lambda _module: None)
-            fakes = map_tensors(functools.partial(_fake_like, device=device, shadows=shadows), batch)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 output = call_model(model, fakes)
                 loss = loss_fn(output, fakes) if loss_fn is not None else default_loss(output)
@@ -189,22 +183,3 @@ def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool
     finally:
         torch.set_rng_state(rng)
     return None
-
-
-@contextlib.contextmanager
-def _quiet(logger: str):
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def _fake_like(t: torch.Tensor, *, device: torch.device, shadows: InputShadows) -> torch.Tensor:
-    """A fake tensor of `t`'s shape and dtype on `device` (call under the FakeTensorMode), `t`'s values kept in
-    `shadows` (none for a meta tensor)."""
-    fake = torch.empty(tuple(t.shape), dtype=t.dtype, device=device)
-    shadows.add(fake, t)
-    return fake
