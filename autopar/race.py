@@ -342,8 +342,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         batch = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    warm_s = warm.get(True, 0.0)
-    measuring_s = _slowest(time.perf_counter() - start - warm_s, device) or 0.0
+    own_warm_s = warm.get(True, 0.0)
+    measuring_s = _slowest(time.perf_counter() - start - own_warm_s, device) or 0.0
+    warm_s = _slowest(own_warm_s, device) or 0.0  # the slowest rank's, so every rank's note reads the same
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
                        kept_compiled=keep, why=why, measuring_s=measuring_s,
                        eager_peak_bytes=_slowest(peaks.get(False), device),
