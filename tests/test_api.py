@@ -557,10 +557,14 @@ def test_wrap_hugging_face_llama_with_selective_checkpointing():
     _, ref_loss, ref_grads = run(None)
     model, loss, grads = run(Plan(micro_batch_size=2, checkpointing="selective"))
     assert autopar.applied(model).checkpointed == ("model.layers.0", "model.layers.1")
-    assert model.config.use_cache is False
+    assert model.config.use_cache is True and out_cache(model, sample) is None  # off in training forwards only
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
     for n in ref_grads:
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def out_cache(model, sample):
+    return model(**sample).past_key_values
 
 
 # ---- the plan cache in wrap ---------------------------------------------------------------------------

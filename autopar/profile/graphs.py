@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .._util.batch import call_model, map_tensors
+from .._util.kv_cache import kv_cache_off_while
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _explained(model: nn.Module, sample: Any, device: torch.device, max_reasons:
     try:
         # (dynamo's own logging of the breaks is not the user's to read: the profile's note says it once)
         quiet = torch._dynamo.config.patch(verbose=False, suppress_errors=False)
-        with torch.no_grad(), warnings.catch_warnings(), quiet, _state_kept(model, device):
+        with torch.no_grad(), warnings.catch_warnings(), quiet, _state_kept(model, device), kv_cache_off_while(model):
             warnings.simplefilter("ignore")
             out = torch._dynamo.explain(lambda s: call_model(model, s))(inputs)
     except Exception:  # dynamo could not run the forward here: unknown, not a verdict on compile

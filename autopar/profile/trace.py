@@ -16,6 +16,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from .._util.batch import autocast_outputs, default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs
+from .._util.kv_cache import kv_cache_off_while
 from ..errors import ProfileError, TraceError
 from .allocator import ReplayedSteps, replay_steps
 from .blocks import is_matmul_layer
@@ -187,7 +188,8 @@ class StepTrace:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack):
             with self.autocast, self.cuda_policy:
                 args, kwargs = split_sample(self.sample)
-                output = self.model(*args, **kwargs)
+                with kv_cache_off_while(self.model):  # as wrap runs it (strategies/apply.py, step 4)
+                    output = self.model(*args, **kwargs)
                 self.watcher.in_loss = True
                 self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
                 output = _as_returned(output, self.precision)  # in the loss's scope

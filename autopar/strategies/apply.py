@@ -31,18 +31,19 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._util.dist import ensure_single_process_group, world
+from .._util.kv_cache import kv_cache_off_in_training
 from ..errors import PlanError
 from ..layout import sequence_parallel_refusal
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
-from .checkpointing import apply_checkpointing, disable_kv_cache
+from .checkpointing import apply_checkpointing
 from .compile import apply_compile
 from .fsdp import apply_fsdp
 from .materialize import materialize
 from .mesh import data_shard, dp_mesh
 from .pipeline import _PassThrough, apply_pipeline_split, build_schedule, check_pipeline, install_stage_gates
-from .precision import apply_autocast
+from .precision import apply_autocast, present_weights
 from .replicas import broadcast_replicas
 from .state import Applied
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
@@ -130,11 +131,14 @@ def apply_plan(
                      "them before wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)")
         if world().rank == 0:
             warnings.warn("autopar: " + notes[-1], stacklevel=3)
-    # 4. Activation checkpointing.
+    # 4. Activation checkpointing, the key/value cache off in training forwards first (a checkpointed layer's
+    #    replay and a layer compiled on its own in step 5 both go wrong with it; _util/kv_cache.py).
+    if kv_cache_off_in_training(model):
+        notes.append("training forwards run without the model's key/value cache (use_cache=False where the call "
+                     "leaves it unset; eval forwards, generate and config.use_cache unchanged): in training it is "
+                     "only written, a checkpointed layer's replay would append to it, and a layer compiled on its "
+                     "own would be compiled again for every layer")
     checkpointed = apply_checkpointing(blocks, mode=plan.checkpointing, every=plan.checkpoint_every)
-    if checkpointed and _disable_kv_caches(model):
-        notes.append("checkpointing: turned the model's key/value cache off (config.use_cache = False), "
-                     "as Hugging Face does under its own gradient checkpointing.")
     # 5. torch.compile: per block when FSDP or the pipeline wraps the blocks, else the whole model's forward
     #    (in step 8, after the move and before autocast, which then wraps the compiled forward from outside).
     use_fsdp = plan.uses_fsdp
@@ -157,7 +161,8 @@ def apply_plan(
                    outer_units=outer)
     elif runtime is not None and not _has_meta(model):  # (tensor-parallel plans always take FSDP's branch)
         model.to(device)
-    cast = profile.bf16_weights if plan.precision == "bf16" and not use_fsdp and runtime is None else ()
+    # (under FSDP its bf16 param_dtype casts every weight; a pipeline rank casts those of its stages)
+    cast = tuple(present_weights(model, profile.bf16_weights)) if plan.precision == "bf16" and not use_fsdp else ()
     if cast:
         notes.append(f"precision: {len(cast)} weight(s) that autocast does not reach ({cast[0]}"
                      f"{', ...' if len(cast) > 1 else ''}: a matmul on no autocast list reads them) are given to the "
@@ -167,14 +172,6 @@ def apply_plan(
     return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
                    data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
                    notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
-
-
-def _disable_kv_caches(model: nn.Module) -> bool:
-    """disable_kv_cache on every module with a config of its own: an encoder-decoder's stacks hold copies of
-    the model's config (T5), and a decoder stack's cache would skip its cross-attention keys and values in a
-    checkpointed block's recomputation."""
-    turned = [disable_kv_cache(module) for module in model.modules()]
-    return any(turned)
 
 
 def last_blocks(blocks: list[tuple[str, nn.Module]]) -> list[str]:
@@ -220,7 +217,7 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
         if runtime is None:
             apply_autocast(model, precision=plan.precision, device_type=device.type, weights=bf16_weights)
         else:  # each pipeline stage's forward runs under autocast
-            runtime.autocast = (device.type, plan.precision)
+            runtime.autocast, runtime.bf16_weights = (device.type, plan.precision), bf16_weights
     # 9. Pipeline: gates and schedule.
     if runtime is not None:
         install_stage_gates(model, runtime)

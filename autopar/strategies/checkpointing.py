@@ -104,20 +104,6 @@ def _checkpointed_forward(forward: Callable[..., Any], context_fn: Callable[[], 
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def disable_kv_cache(model: nn.Module) -> bool:
-    """Turn off a Hugging Face model's key/value cache; returns whether it was on.
-
-    A checkpointed attention layer runs its forward twice; with the cache on, the second run appends its
-    keys and values to the cache the first run filled, and the shapes no longer match. Hugging Face turns
-    the cache off under its own gradient checkpointing for the same reason. Outputs do not change.
-    """
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
-        return True
-    return False
-
-
 def apply_checkpointing(blocks: Sequence[tuple[str, nn.Module]], *, mode: str, every: int = 1) -> list[str]:
     """Checkpoint blocks 0, every, 2*every, ... in `mode` ("full" or "selective"); returns their names."""
     if mode == "none":

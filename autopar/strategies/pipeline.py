@@ -37,6 +37,7 @@ from ..errors import PlanError
 from ..layout import MULTI_STAGE, block_costs, check_pipeline, split_stages, stage_ids  # noqa: F401 (re-exported)
 from ..plans import Plan
 from ..profile import ModelProfile
+from .precision import weights_cast
 
 # ---------------------------------------------------------------------------------------------------
 # Running one stage of the user's model
@@ -123,6 +124,7 @@ class PipelineRuntime:
     stages: list["PipelineStageModule"] = field(default_factory=list)
     schedule: Any = None
     autocast: tuple[str, str] | None = None  # (device type, precision) when stages run under autocast
+    bf16_weights: tuple[str, ...] = ()  # under bf16 autocast: the weights it does not reach, read in bf16
     device: torch.device = torch.device("cpu")
     boundary_dtype: torch.dtype = torch.float32  # activations between stages
 
@@ -162,7 +164,9 @@ class PipelineStageModule(nn.Module):
         device_type, precision = rt.autocast or ("cpu", "fp32")
         try:
             args, kwargs = split_sample(sample)
-            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            bf16 = precision == "bf16"
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16), \
+                    weights_cast(rt.model, rt.bf16_weights if bf16 else (), torch.bfloat16):
                 output = rt.model(*args, **kwargs)
         except _StageExit as done:
             return done.hidden

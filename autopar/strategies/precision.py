@@ -63,18 +63,25 @@ class AutocastForward:
         self.weights = tuple(weights) if model is not None else ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(self.device_type, dtype=self.dtype), self._cast_weights():
+        with torch.autocast(self.device_type, dtype=self.dtype), weights_cast(self.model, self.weights, self.dtype):
             output = self.__wrapped__(*args, **kwargs)
         return autocast_outputs(output)
 
-    def _cast_weights(self) -> Any:
-        if not self.weights:
-            return contextlib.nullcontext()
-        from torch.nn.utils.stateless import _reparametrize_module
 
-        assert self.model is not None
-        cast = {name: self.model.get_parameter(name).to(self.dtype) for name in self.weights}
-        return _reparametrize_module(self.model, cast)
+def weights_cast(model: nn.Module | None, weights: Sequence[str], dtype: torch.dtype) -> Any:
+    """A context in which `model`'s forward reads the parameters named in `weights` through copies in `dtype` (their
+    gradients reach the parameters); a no-op without weights. AutocastForward's, and a pipeline stage's."""
+    if model is None or not weights:
+        return contextlib.nullcontext()
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(model, {name: model.get_parameter(name).to(dtype) for name in weights})
+
+
+def present_weights(model: nn.Module, weights: Sequence[str]) -> list[str]:
+    """Those of `weights` that are trainable floating parameters of `model` (a pipeline rank holds its stages')."""
+    present = {name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()}
+    return [n for n in weights if n in present]
 
 
 def apply_autocast(model: nn.Module, *, precision: str, device_type: str, weights: Sequence[str] = ()) -> None:
@@ -83,6 +90,5 @@ def apply_autocast(model: nn.Module, *, precision: str, device_type: str, weight
     keeps its type and names, and its forward its signature."""
     if precision == "fp32":
         return
-    present = {name for name, p in model.named_parameters() if p.requires_grad and p.is_floating_point()}
     model.forward = AutocastForward(model.forward, device_type=device_type, dtype=compute_dtype(precision),
-                                    model=model, weights=[n for n in weights if n in present])
+                                    model=model, weights=present_weights(model, weights))

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._util.batch import call_model, default_loss, first_rows
+from .._util.kv_cache import kv_cache_off_while
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..profile.shadow import InputShadows
@@ -175,7 +176,8 @@ def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool
         with fake, shadows, quiet_fake_kernel_errors():
             materialize(model, device, init_fn=lambda _module: None)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                output = call_model(model, fakes)
+                with kv_cache_off_while(model):  # as wrap runs it (apply.py, step 4)
+                    output = call_model(model, fakes)
                 loss = loss_fn(output, fakes) if loss_fn is not None else default_loss(output)
             loss.backward()
     except Exception as exc:

@@ -230,8 +230,10 @@ def test_live_measure_follows_the_batch():
 
 
 # ---- a Hugging Face model ------------------------------------------------------------------------------
-def _llama_loss_and_grads(mode, **call_kwargs):
+def _llama_loss_and_grads(mode, *, cache_hook=False, **call_kwargs):
     transformers = pytest.importorskip("transformers")
+    from autopar._util.kv_cache import kv_cache_off_in_training
+
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
@@ -241,6 +243,8 @@ def _llama_loss_and_grads(mode, **call_kwargs):
     keys = list(model.state_dict())
     done = apply_checkpointing(list(model.model.layers.named_children()), mode=mode)
     assert list(model.state_dict()) == keys and len(done) == (0 if mode == "none" else 2)
+    if cache_hook:
+        assert kv_cache_off_in_training(model) == ["", "model"]
     out = model(input_ids=ids, labels=ids, **call_kwargs)
     out.loss.backward()
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -267,34 +271,16 @@ def test_llama_full_checkpointing_with_the_default_call(llama_baseline):
     _assert_same(_llama_loss_and_grads("full"), llama_baseline)
 
 
-def test_llama_selective_checkpointing_needs_the_kv_cache_off(llama_baseline, monkeypatch):
+def test_llama_selective_checkpointing_needs_the_kv_cache_off(llama_baseline):
     """With the cache on (the default call), the recomputed layer appends to the cache the first run
     filled and selective checkpointing's replay no longer matches (in the transformers versions whose
-    cache is filled during a training forward, e.g. 5.24; 5.17 did not fill it): disable_kv_cache (which
-    apply_plan calls) turns it off on the config, after which the default call works."""
-    transformers = pytest.importorskip("transformers")
-    from autopar.strategies.checkpointing import disable_kv_cache
-
+    cache is filled during a training forward, e.g. 5.24; 5.17 did not fill it): with the hook apply_plan
+    puts on the model (kv_cache_off_in_training) the default call runs without the cache, and matches."""
     try:
         _llama_loss_and_grads("selective")
     except RuntimeError as exc:  # the failure the cache causes, where it does
         assert "encountered during backward" in str(exc)
-    real_init = transformers.LlamaForCausalLM.__init__
-
-    def init_without_cache(self, config):
-        real_init(self, config)
-        assert disable_kv_cache(self) is True and self.config.use_cache is False
-        assert disable_kv_cache(self) is False  # already off
-
-    monkeypatch.setattr(transformers.LlamaForCausalLM, "__init__", init_without_cache)
-    _assert_same(_llama_loss_and_grads("selective"), llama_baseline)
-
-
-def test_disable_kv_cache_ignores_models_without_a_cache():
-    from autopar.strategies.checkpointing import disable_kv_cache
-
-    assert disable_kv_cache(_model()) is False  # GPT's config has no use_cache
-    assert disable_kv_cache(nn.Linear(2, 2)) is False
+    _assert_same(_llama_loss_and_grads("selective", cache_hook=True), llama_baseline)
 
 
 # ---- BatchNorm's running statistics --------------------------------------------------------------------

@@ -89,3 +89,29 @@ def test_a_second_wrap_from_wraps_cache_gives_them_in_bf16_too(monkeypatch):
     (first_cached, first), (second_cached, second) = names
     assert first_cached is None and second_cached  # the second from wrap's cache
     assert sorted(first) == _experts(build_model(fam, "tiny")) and second == first
+
+
+def test_a_pipeline_stage_reads_its_own_experts_in_bf16(tmp_path):
+    """Two bf16 pipeline stages without FSDP (each stage's forward under autocast): each rank's expert modules read
+    their weights in bf16, the parameters and their gradients stay fp32, and the step's loss is one process's
+    under wrap's autocast forward (which reads them in bf16 too), within bf16 rounding."""
+    import json
+
+    from tests.distributed._launch import torchrun
+
+    fam, model, sample = _mixtral()
+    torchrun("tests/distributed/_pipeline_bf16_worker.py", 2, [str(tmp_path)], cache_dir=tmp_path / "cache")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    held = [sorted(r["seen"]) for r in ranks]
+    assert held == [["model.layers.0.mlp.experts"], ["model.layers.1.mlp.experts"]]  # one layer a stage
+    for r in ranks:
+        assert all(dtypes and set(dtypes) == {"torch.bfloat16"} for dtypes in r["seen"].values()), r["seen"]
+        assert r["experts"] and set(map(tuple, r["experts"].values())) == {("torch.float32", "torch.float32")}
+        assert any("autocast does not reach" in n for n in r["notes"]), r["notes"]
+    plan = autopar.Plan(micro_batch_size=2, grad_accum=2, precision="bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.wrap(model, sample=sample, plan=plan, topology="1xH200", loss_fn=fam.loss_fn, verbose=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = autopar.train_step(model, opt, fam.loss_fn)(sample)
+    assert ranks[0]["loss"] == ranks[1]["loss"] == pytest.approx(float(loss), rel=2e-2)
