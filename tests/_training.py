@@ -24,7 +24,8 @@ LR = 3e-3
 
 
 def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
-    """The built-in GPT, or a tiny Hugging Face Llama (GQA), Qwen3 (GQA, q/k norms over a head's width), GPT-NeoX
+    """The built-in GPT, or a tiny Hugging Face Llama (GQA), Qwen3 (GQA, q/k norms over a head's width), OLMo 2 (GQA,
+    q/k norms over all heads' width), GPT-NeoX
     (q/k/v fused per head) or GPT-2 (Conv1D, fused qkv, tied head)."""
     torch.manual_seed(seed)
     if kind == "gpt":
@@ -41,6 +42,12 @@ def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
                                        num_hidden_layers=CFG.num_layers, num_attention_heads=4, num_key_value_heads=2,
                                        head_dim=16, max_position_embeddings=CFG.seq_len, attn_implementation="sdpa")
         return transformers.Qwen3ForCausalLM(cfg)
+    if kind == "olmo2":  # q_norm / k_norm over all heads of q, of k (split with their projections under TP)
+        cfg = transformers.Olmo2Config(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_dim, intermediate_size=128,
+                                       num_hidden_layers=CFG.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=CFG.seq_len, attn_implementation="sdpa",
+                                       pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        return transformers.Olmo2ForCausalLM(cfg)
     if kind == "neox":  # one fused q/k/v projection, each head's q, k and v side by side (its own TP plan: colwise)
         cfg = transformers.GPTNeoXConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_dim, intermediate_size=128,
                                          num_hidden_layers=CFG.num_layers, num_attention_heads=4,

@@ -21,11 +21,12 @@ from .blocks import find_blocks, is_matmul_layer, iter_block_modules
 from .build import profile_model
 from .extrapolate import extrapolate_profile
 from .flops import flash_like_attention, flash_like_sdpa
-from .model_profile import BlockProfile, MatmulCall, ModelProfile, model_fingerprint
+from .model_profile import BlockProfile, MatmulCall, ModelProfile, NormCall, model_fingerprint
 
 __all__ = [
     "BlockProfile",
     "MatmulCall",
+    "NormCall",
     "ModelProfile",
     "extrapolate_profile",
     "find_blocks",

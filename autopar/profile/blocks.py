@@ -309,6 +309,11 @@ def iter_block_modules(model: nn.Module, profile: ModelProfile) -> Iterable[tupl
         yield block.name, named[block.name]
 
 
+def is_norm_layer(module: nn.Module) -> bool:
+    """A norm layer: nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, or any module whose class name ends in "Norm"."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or type(module).__name__.endswith("Norm")
+
+
 def is_matmul_layer(module: nn.Module) -> str | None:
     """"linear" for nn.Linear, "conv1d" for Hugging Face's Conv1D (transposed weight), else None."""
     if isinstance(module, nn.Linear):

@@ -130,6 +130,7 @@ def profile_model(
         graph_breaks=None if counted is None else counted.num_breaks,
         graph_breaks_in_blocks=in_blocks,
         matmul_calls=t.matmul_calls,
+        norm_calls=t.norm_calls,
         block_input=t.block_input,
         block_input_shape=t.block_input_shape,
         block_num_args=t.block_num_args,

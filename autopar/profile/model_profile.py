@@ -45,6 +45,17 @@ class MatmulCall:
     input_id: int  # calls with one input_id read the same tensor (e.g. q, k and v projections)
     in_features: int
     out_features: int
+    output_id: int = -1  # the input_id a later call reading this call's output (or a view of it) has; -1: unknown
+
+
+@dataclass(frozen=True)
+class NormCall:
+    """One call of a norm layer (a module whose class name ends in "Norm", nn.LayerNorm) in the traced step: which
+    tensor it normalized (a MatmulCall's output_id where it read a projection's output) and its weight's width."""
+
+    name: str  # fully qualified module name
+    input_id: int
+    width: int  # its weight's last dim (0: no weight)
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,7 @@ class ModelProfile:
     profile_precision: str  # "fp32", "bf16" (autocast) or "bf16-pure" (bf16 weights, as FSDP's mixed precision)
     traced: bool = True  # False: structure only (trace=False), FLOPs and bytes unknown (zero)
     matmul_calls: tuple[MatmulCall, ...] = ()  # Linear-like calls in order (empty when not traced)
+    norm_calls: tuple[NormCall, ...] = ()  # norm calls in the blocks, in order (empty when not traced)
     op_groups: tuple[OpGroup, ...] = ()  # every op of the step by kind, shape and dtype (empty when not traced)
     value_reads: int = 0  # reads of tensor values in the model's forward (`.item()`, `bool()`, ops shaped by
     # values: autopar.profile.shadow): where torch.compile's graph breaks (dynamo cannot trace past them)
@@ -263,6 +275,7 @@ class ModelProfile:
         d["tied_params"] = [list(g) for g in self.tied_params]
         d["notes"] = list(self.notes)
         d["matmul_calls"] = [asdict(c) for c in self.matmul_calls]
+        d["norm_calls"] = [asdict(c) for c in self.norm_calls]
         d["op_groups"] = [asdict(g) for g in self.op_groups]
         return d
 
@@ -282,6 +295,7 @@ class ModelProfile:
                                  for b in values.get("blocks", ()))
         values["matmul_calls"] = tuple(c if isinstance(c, MatmulCall) else MatmulCall(**c)
                                        for c in values.get("matmul_calls", ()))
+        values["norm_calls"] = tuple(c if isinstance(c, NormCall) else NormCall(**c) for c in values.get("norm_calls", ()))
         values["op_groups"] = tuple(_op_group(g) for g in values.get("op_groups", ()))
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
         values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))

@@ -5,6 +5,7 @@ tensor, Linear-like calls, how blocks are called and which modules run around th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -19,12 +20,12 @@ from .._util.batch import autocast_outputs, default_loss, first_tensor, map_tens
 from .._util.kv_cache import kv_cache_off_while
 from ..errors import ProfileError, TraceError
 from .allocator import ReplayedSteps, replay_steps
-from .blocks import is_matmul_layer
+from .blocks import is_matmul_layer, is_norm_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa, flop_formulas
 from .hf_masks import CompileMasks
 from .live import Frontier
-from .model_profile import MatmulCall, OpGroup
+from .model_profile import MatmulCall, NormCall, OpGroup
 from .shadow import InputShadows
 from .watch import BEFORE, LOSS, StepWatcher, storage_key
 
@@ -45,6 +46,7 @@ class Trace:
     saved_hidden_bytes: tuple[int, ...]  # per block, of saved_bytes: tensors shaped like the hidden states
     selective_bytes: tuple[int, ...]  # per block: matmul and attention outputs in the forward
     matmul_calls: tuple[MatmulCall, ...] = ()
+    norm_calls: tuple[NormCall, ...] = ()
     block_input: str | None = None
     block_input_shape: tuple[int, ...] | None = None
     block_num_args: int = 1
@@ -147,11 +149,13 @@ class StepTrace:
         self._counted: set[Any] = set()  # storages already counted as saved
         self._input_ids: dict[Any, int] = {}  # storage of a Linear-like call's input -> its input_id
         self._matmul_names: dict[int, str] = {}
+        self._norm_names: dict[int, str] = {}
         self._outer_names: dict[int, str] = {}
         self.saved_bytes = [0] * len(units)
         self.saved_hidden_bytes = [0] * len(units)
         self.saved_outside_bytes = 0
         self.matmul_calls: list[MatmulCall] = []
+        self.norm_calls: list[NormCall] = []
         self.first_call: _BlockCall | None = None
         self.output_arity: int | None = None
         self.before: list[str] = []
@@ -216,6 +220,10 @@ class StepTrace:
             if is_matmul_layer(m):
                 self._matmul_names[id(m)] = name
                 handles.append(m.register_forward_pre_hook(self.on_matmul))
+                handles.append(m.register_forward_hook(self.on_matmul_output))
+            elif is_norm_layer(m):
+                self._norm_names[id(m)] = name
+                handles.append(m.register_forward_pre_hook(self.on_norm))
             if name and list(m.parameters(recurse=False)) and \
                     not any(name.startswith(u + ".") or name == u for u, _ in self.units):
                 self._outer_names[id(m)] = name
@@ -238,7 +246,7 @@ class StepTrace:
             largest_bytes=w.largest_bytes, largest_op=w.largest_op,
             saved_hidden_bytes=tuple(self.saved_hidden_bytes), selective_bytes=tuple(w.selective_bytes),
             num_ops=w.num_ops, traffic_bytes=w.traffic_bytes, weight_traffic_bytes=w.weight_traffic_bytes,
-            matmul_calls=tuple(self.matmul_calls), op_groups=w.op_groups(),
+            matmul_calls=tuple(self.matmul_calls), norm_calls=tuple(self.norm_calls), op_groups=w.op_groups(),
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
@@ -297,6 +305,23 @@ class StepTrace:
         input_id = self._input_ids.setdefault(storage_key(args[0]), len(self._input_ids))
         self.matmul_calls.append(MatmulCall(name=self._matmul_names[id(module)], kind=kind, input_id=input_id,
                                             in_features=int(in_f), out_features=int(out_f)))
+
+    def on_matmul_output(self, module: nn.Module, _args: Any, output: Any) -> None:
+        """The id a later call reading this Linear-like call's output (or a view of it) has (MatmulCall.output_id)."""
+        last = self.matmul_calls[-1] if self.matmul_calls else None
+        if isinstance(output, torch.Tensor) and last is not None and last.name == self._matmul_names[id(module)]:
+            output_id = self._input_ids.setdefault(storage_key(output), len(self._input_ids))
+            self.matmul_calls[-1] = dataclasses.replace(last, output_id=output_id)
+
+    def on_norm(self, module: nn.Module, args: Any) -> None:
+        """Records a norm's call inside the blocks: which tensor it read (tensor parallelism splits a norm that reads
+        a split projection's output whole), its weight's width."""
+        if not self._stack or not args or not isinstance(args[0], torch.Tensor):
+            return
+        weight = getattr(module, "weight", None)
+        width = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() >= 1 else 0
+        input_id = self._input_ids.setdefault(storage_key(args[0]), len(self._input_ids))
+        self.norm_calls.append(NormCall(name=self._norm_names[id(module)], input_id=input_id, width=width))
 
     def on_outer_module(self, module: nn.Module, _args: Any) -> None:
         """A module with parameters of its own outside the blocks: before the first block or after the last."""

@@ -43,7 +43,7 @@ from ..layout import TPPair
 from ..profile import ModelProfile
 # what TP splits and the checks (re-exported: autopar's layers and the tests import them from here)
 from .tensor_parallel_layout import (_HEAD_ATTRS, _KV_HEAD_ATTRS, _WIDTH_ATTRS, TPLayout, _norms_on_split_heads,
-                                     check_tensor_parallel, tensor_parallel_refusal, tp_layout)
+                                     check_tensor_parallel, norms_on_split_outputs, tensor_parallel_refusal, tp_layout)
 
 __all__ = ["TPLayout", "TPPair", "apply_tensor_parallel", "check_tensor_parallel", "loss_parallel_scope",
            "tensor_parallel_refusal", "tp_layout"]
@@ -136,6 +136,40 @@ def _summing_forward(module: nn.Module, mesh: DeviceMesh, forward: Any, *args: A
         return forward(*args, **kwargs)
 
 
+def _split_norm_forward(module: nn.Module, mesh: DeviceMesh, width: int, forward: Any, x: torch.Tensor,
+                        *args: Any, **kwargs: Any) -> Any:
+    """The norm's own forward on this rank's share `x` of a width-`width` row, with the whole row's mean square: `x`
+    scaled by c = sqrt(whole / own mean square) has its own mean square equal to the whole row's, so the norm's
+    output over c is the whole norm's share (exactly, for an RMS norm: tensor_parallel_layout.rms_norm_like). The
+    sum of squares is all-reduced (its gradient too, in backward); the weight is this rank's shard."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    squares = x.float().pow(2).sum(-1, keepdim=True)
+    # all-reduced; in backward each rank's gradient of the sum is its own part, summed over the ranks in turn
+    whole = DTensor.from_local(squares, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()])
+    own, whole = squares / x.shape[-1], whole.to_local(grad_placements=[Partial()]) / width
+    # A share of exact zeros (a padding token's row, zero on every rank) keeps c = 1, its gradient finite: the
+    # unselected side of a `where` must be finite too, or its zero gradient times an infinite one is NaN.
+    some = own > 0
+    c = torch.sqrt(torch.where(some, whole, 1.0) / torch.where(some, own, 1.0))
+    weights = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in module.named_parameters(recurse=False)}
+    with _reparametrize_module(module, weights):
+        out = forward((x.float() * c).to(x.dtype), *args, **kwargs)
+    return (out.float() / c).to(out.dtype)
+
+
+def _apply_split_norm(module: nn.Module, mesh: DeviceMesh, width: int) -> None:
+    """Split a norm that reads a column-split projection's whole output (OLMo 2's q_norm, k_norm) with it: its weight
+    sharded as the projection's output features are, its statistic summed over the ranks (_split_norm_forward)."""
+    from torch.distributed.tensor import Shard
+
+    _distribute(module, "weight", mesh, Shard(0))
+    if tuple(getattr(module, "normalized_shape", ())) == (width,):  # nn.RMSNorm's: the width it normalizes here
+        module.normalized_shape = (width // mesh.size(),)
+    module.forward = functools.partial(_split_norm_forward, module, mesh, width, module.forward)
+
+
 def _sum_grads_over_tp(module: nn.Module, mesh: DeviceMesh) -> None:
     """Complete the gradients of `module`'s own parameters (a q/k norm over one head's width) over the TP ranks."""
     module.forward = functools.partial(_summing_forward, module, mesh, module.forward)
@@ -206,6 +240,9 @@ def apply_tensor_parallel(
                 _divide_attrs(module, tp, profile)
             for norm in _norms_on_split_heads(named, pair, profile)[0]:
                 _sum_grads_over_tp(norm, tp_mesh)
+        for norm in norms_on_split_outputs(pair, profile):  # (attention's or the MLP's)
+            if norm in named:
+                _apply_split_norm(named[norm], tp_mesh, int(named[norm].weight.shape[0]))
     if sequence_parallel:
         for norm in layout.norms:
             if in_blocks(norm):

@@ -189,8 +189,51 @@ def tp_layout(model: nn.Module, profile: ModelProfile) -> TPLayout:
     if len(covered) < len(block_names):
         notes.append(f"{len(block_names) - len(covered)} of {len(block_names)} blocks have nothing to split")
     emb, head, tied = _embedding_and_head(model, profile)
-    return TPLayout(pairs=tuple(pairs), norms=_norms(model, block_names, hidden), embedding=emb, head=head,
-                    tied_head=tied, source=source, notes=tuple(notes))
+    split = {n for pair in pairs for n in norms_on_split_outputs(pair, profile)}  # not sequence-parallel: split
+    return TPLayout(pairs=tuple(pairs), norms=tuple(n for n in _norms(model, block_names, hidden) if n not in split),
+                    embedding=emb, head=head, tied_head=tied, source=source, notes=tuple(notes))
+
+
+def norms_on_split_outputs(pair: TPPair, profile: ModelProfile) -> list[str]:
+    """The norms that read one of the pair's column layers' whole output, as the trace recorded them (OLMo 2's q_norm
+    and k_norm: each over all heads of its projection): tensor parallelism splits them with it (tensor_parallel's
+    `_apply_split_norm`: each rank normalizes its share with the statistics of the whole width). Not for a fused
+    layer (its output holds several parts), and none where the trace did not record norm calls."""
+    if pair.chunks != 1 or not profile.norm_calls:
+        return []
+    widths = {c.output_id: c.out_features for c in profile.matmul_calls if c.name in pair.colwise and c.output_id >= 0}
+    names: list[str] = []
+    for call in profile.norm_calls:
+        if widths.get(call.input_id) == call.width and call.name not in names:
+            names.append(call.name)
+    return names
+
+
+def rms_norm_like(module: nn.Module) -> bool:
+    """Whether `module` computes an RMS norm over its input's last dim with a per-channel scale (`a * x / sqrt(mean(x
+    ** 2) + eps)`, `a` its weight or 1 + its weight): what `_apply_split_norm` needs, as two random inputs show on a
+    copy (meta weights given random values). A LayerNorm (its mean subtracted) is not."""
+    import copy
+
+    width = getattr(module, "weight", None)
+    if not isinstance(width, torch.Tensor) or width.dim() != 1:
+        return False
+    probe = copy.deepcopy(module)
+    if any(t.is_meta for t in [*probe.parameters(), *probe.buffers()]):
+        probe = probe.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for p in probe.parameters():
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+            x = torch.randn(2, 3, width.shape[0], generator=gen)
+            x[1] = x[1] * 3 + 0.5
+            y = probe.float()(x)
+        r = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        scale = y / r
+    except Exception:  # a norm that cannot run on its own like this
+        return False
+    return bool(torch.allclose(scale, scale[0, :1].expand_as(scale), rtol=1e-3, atol=1e-4))
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -245,9 +288,12 @@ def _norms_on_split_heads(named: dict[str, nn.Module], pair: TPPair,
     statistics from heads on other ranks."""
     per_head, across = [], []
     heads = _head_widths(named, pair, profile)
+    split = norms_on_split_outputs(pair, profile)
     for owner_name, owner in named[pair.parent].named_modules():
         widths = {t.shape[-1] for t in owner.parameters(recurse=False) if t.dim() >= 1}
         if not _is_norm(owner) or not widths or not profile.hidden_dim or max(widths) >= profile.hidden_dim:
+            continue
+        if ".".join(n for n in (pair.parent, owner_name) if n) in split:  # split with its projection
             continue
         if widths <= heads:
             per_head.append(owner)
@@ -308,6 +354,11 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
                 "parts (query, key and value, or gate and up: each whole in turn, or interleaved per head or "
                 "channel), and a wrong guess trains wrongly without an error: set tp=1")
     named = dict(model.named_modules())
+    unlike = next((n for pair in layout.pairs for n in norms_on_split_outputs(pair, profile)
+                   if n in named and not rms_norm_like(named[n])), None)
+    if unlike is not None:
+        return (f"tensor parallelism would split the width that {unlike} normalizes (it reads a split projection's "
+                "whole output), and autopar splits only RMS norms, whose statistic it sums over the ranks: set tp=1")
     across = next((n for pair, _ in _attentions(named, layout) for n in _norms_on_split_heads(named, pair, profile)[1]),
                   None)
     if across is not None:

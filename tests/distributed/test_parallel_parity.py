@@ -44,6 +44,9 @@ SCENARIOS = {
         # a norm over one head's width (Qwen3's q_norm / k_norm): its gradient summed over the TP ranks
         "qwen3-tp": {"model": "qwen3", "plan": {"tp": 2, "micro_batch_size": 8}},
         "qwen3-tp-sp": {"model": "qwen3", "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}},
+        # norms over all heads of q and of k (OLMo 2's): split with their projections, their statistic all-reduced
+        "olmo2-tp": {"model": "olmo2", "plan": {"tp": 2, "micro_batch_size": 8}},
+        "olmo2-tp-sp": {"model": "olmo2", "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}},
         # a fused q/k/v interleaved per head, split as the model's own plan says (a plain column shard)
         "neox-tp": {"model": "neox", "plan": {"tp": 2, "micro_batch_size": 8}},
         # inside train_step the loss is vocab-parallel: the head's logits stay split over the vocabulary
@@ -68,6 +71,7 @@ SCENARIOS = {
         **{f"{m}-fsdp-x-tp": {"model": m, "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4}}
            for m in ("gpt", "llama")},
         "qwen3-fsdp-x-tp": {"model": "qwen3", "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4}},
+        "olmo2-fsdp-x-tp": {"model": "olmo2", "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4}},
         "llama-fsdp-x-tp-sp-selective": {"model": "llama", "plan": {"dp_shard": 2, "tp": 2, "micro_batch_size": 4,
                                                                    "sequence_parallel": True,
                                                                    "checkpointing": "selective"}},

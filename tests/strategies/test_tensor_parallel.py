@@ -345,6 +345,62 @@ def test_a_norm_over_several_heads_is_refused_no_rank_holds_its_heads_whole():
         check_tensor_parallel(model, _profile("gpt", model), 2)
 
 
+class _WholeWidthNormAttention(_QKNormAttention):
+    """OLMo 2's q_norm and k_norm: each over its projection's whole output (all heads), before the heads are viewed.
+    `norm` makes them (nn.RMSNorm: split with the projections; nn.LayerNorm: refused)."""
+
+    def __init__(self, hidden: int, heads: int, seq: int, norm=nn.RMSNorm) -> None:
+        super().__init__(hidden, heads, seq)
+        self.q_norm, self.k_norm = norm(hidden), norm(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k = self.q_norm(self.q_proj(x)), self.k_norm(self.k_proj(x))
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, self.v_proj(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_norms_over_a_split_projection_s_whole_output_are_split_with_it_as_the_trace_shows():
+    """The trace records which tensor each norm read (NormCall.input_id, a projection's MatmulCall.output_id): the
+    q and k norms read q_proj's and k_proj's whole outputs, so tensor parallelism splits them with those (their
+    statistic all-reduced: tests/distributed/test_parallel_parity.py's olmo2 scenarios train as one process), and
+    sequence parallelism leaves them to that; a LayerNorm there is refused (only RMS norms are split)."""
+    from autopar.strategies.tensor_parallel_layout import norms_on_split_outputs
+
+    model = _gpt_with(lambda: _WholeWidthNormAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    profile = _profile("gpt", model)
+    assert tensor_parallel_refusal(model, profile) is None
+    layout = check_tensor_parallel(model, profile, 2)
+    attention = next(p for p in layout.pairs if p.attention and p.parent == "blocks.0.attn")
+    mlp = next(p for p in layout.pairs if not p.attention and p.parent.startswith("blocks.0."))
+    assert norms_on_split_outputs(attention, profile) == ["blocks.0.attn.q_norm", "blocks.0.attn.k_norm"]
+    assert norms_on_split_outputs(mlp, profile) == []
+    assert not any(n.endswith(("q_norm", "k_norm")) for n in layout.norms)
+    ln = _gpt_with(lambda: _WholeWidthNormAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len, norm=nn.LayerNorm))
+    with pytest.raises(PlanError, match=re.escape("split the width that blocks.0.attn.q_norm normalizes")):
+        check_tensor_parallel(ln, _profile("gpt", ln), 2)
+
+
+def test_rms_norm_like_tells_an_rms_norm_from_a_layer_norm_also_on_meta():
+    from autopar.strategies.tensor_parallel_layout import rms_norm_like
+
+    class OnePlusWeight(nn.Module):  # Gemma's RMS norm: (1 + weight) as its scale
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(width))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + self.weight)
+
+    assert rms_norm_like(nn.RMSNorm(8)) and rms_norm_like(OnePlusWeight(8))
+    with torch.device("meta"):
+        on_meta = nn.RMSNorm(8)
+    assert rms_norm_like(on_meta)
+    assert not rms_norm_like(nn.LayerNorm(8)) and not rms_norm_like(nn.LayerNorm(8, bias=False))
+    assert not rms_norm_like(nn.RMSNorm(8, elementwise_affine=False))  # no weight to split
+
+
 class _FusedPerHeadAttention(_BiasedAttention):
     """One nn.Linear computing q, k and v interleaved per head (GPT-NeoX's query_key_value): (.., heads, 3 x
     head_dim), each head's q, k and v side by side, which a shard of [q | k | v] would split wrongly."""
