@@ -8,6 +8,7 @@ the same split and the same pairs that the strategies apply.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -180,6 +181,7 @@ class TPPair:
     replicated: tuple[str, ...] = ()  # colwise layers reading a tensor from outside the block (cross-attention's
     #                                   keys and values of the encoder's output): whole on every rank, also
     #                                   under sequence parallelism
+    parts_layout: str = ""  # a fused colwise layer's: "whole" (its parts in turn), "interleaved" (per head), "" unknown
 
     @property
     def parent(self) -> str:
@@ -213,8 +215,37 @@ def _outside_inputs(profile: ModelProfile) -> frozenset[int]:
     return frozenset(shared)
 
 
+def fused_parts_layout(call: MatmulCall, parts: int, num_heads: int | None) -> str:
+    """How a fused projection's `parts` (q, k and v; gate and up) lie in its output, as the trace saw the model take
+    the output apart (MatmulCall.consumer): "whole" (each part whole in turn, [q | k | v]: cut along the last dim
+    into pieces of one part's width, or viewed with the parts outermost), "interleaved" (per head: viewed with the
+    heads outermost, each head's parts side by side), or "" (not seen)."""
+    op, _, rest = call.consumer.partition(" ")
+    width = call.out_features
+    if parts < 2 or width % parts:
+        return ""
+    if op == "split":
+        dim, _, widths = rest.partition(" ")
+        pieces = [int(w) for w in widths.split(",") if w]
+        return "whole" if dim == "-1" and pieces and all(w == width // parts for w in pieces) else ""
+    if op == "view":
+        shape = [int(d) for d in rest.split(",") if d]
+        suffix: list[int] = []
+        for d in reversed(shape):  # the trailing dims the last one was cut into
+            suffix.insert(0, d)
+            if math.prod(suffix) >= width:
+                break
+        if math.prod(suffix) != width or len(suffix) < 2 or suffix[0] == num_heads == parts:
+            return ""
+        if suffix[0] == parts:
+            return "whole"
+        if num_heads and suffix[0] == num_heads:
+            return "interleaved"
+    return ""
+
+
 def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str, str] | None, *,
-                     outside: frozenset[int] = frozenset()) -> list[TPPair]:
+                     outside: frozenset[int] = frozenset(), num_heads: int | None = None) -> list[TPPair]:
     """Pair column groups with their row layer in call order, within one block's calls.
 
     A group is the column layers reading one input, joined by those reading a tensor from `outside` the block
@@ -255,10 +286,17 @@ def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str
         # heads; else the parts lie whole one after another ([q | k | v]: a strided shard, `chunks`). Not for a layer
         # of two parts: MiniCPM5-MoE's q_gate_proj is one beside k and v projections its plan does not split
         # ("unit_colwise"), which a plain shard of the queries alone trained apart (hf-sweep-dist, 2026-12-06).
-        plain = hf_plan is not None and hf_plan.get(group[0].name) == "colwise" and parts >= 3
+        # The trace's own view of the parts (`fused_parts_layout`: how the model cuts the output) wins over that;
+        # not where a layer left out of the group reads the same input (MiniCPM5-MoE's k and v projections beside
+        # its fused queries and gates, whole on every rank under its plan): the heads' pairing is then unknown.
+        alone = not any(c.input_id == first.input_id and c not in group for c in calls)
+        seen = fused_parts_layout(group[0], parts, num_heads) if parts > 1 and alone else ""
+        plain = seen == "interleaved" or (not seen and hf_plan is not None
+                                          and hf_plan.get(group[0].name) == "colwise" and parts >= 3)
         pairs.append(TPPair(colwise=tuple(c.name for c in group), rowwise=row.name,
                             kinds=tuple(c.kind for c in group) + (row.kind,), chunks=1 if plain else parts,
                             attention=len(group) >= 3 or parts >= 3,
-                            replicated=tuple(c.name for c in group if c.input_id in outside)))
+                            replicated=tuple(c.name for c in group if c.input_id in outside),
+                            parts_layout=seen or ("interleaved" if plain else "")))
         i = j + 1
     return pairs

@@ -460,7 +460,8 @@ def _tp_pairs(profile: ModelProfile) -> tuple[int, int]:
         return (0, 0)
 
     prefix = profile.blocks[0].name + "."
-    pairs = pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)], profile.hidden_dim, None)
+    pairs = pairs_from_calls([c for c in profile.matmul_calls if c.name.startswith(prefix)], profile.hidden_dim, None,
+                             num_heads=profile.num_heads)
     return (len(pairs), sum(len(p.colwise) for p in pairs))
 
 

@@ -107,7 +107,8 @@ def _tp_splits(profile: ModelProfile, tp: int) -> tuple[TPSplit, TPSplit]:
         return TPSplit(), TPSplit()
     prefix = profile.blocks[0].name + "." if profile.blocks else "\0"
     calls = [c for c in profile.matmul_calls if c.name.startswith(prefix)]
-    pairs = pairs_from_calls(calls, profile.hidden_dim, None) if profile.hidden_dim and calls else []
+    pairs = pairs_from_calls(calls, profile.hidden_dim, None, num_heads=profile.num_heads) \
+        if profile.hidden_dim and calls else []
     features = {c.name: (c.in_features, c.out_features) for c in calls}
     colwise = frozenset(features[n] for p in pairs for n in p.colwise)
     rowwise = frozenset(features[p.rowwise] for p in pairs)

@@ -46,6 +46,7 @@ class MatmulCall:
     in_features: int
     out_features: int
     output_id: int = -1  # the input_id a later call reading this call's output (or a view of it) has; -1: unknown
+    consumer: str = ""  # the first op on its output ("view 2,16,4,3,8", "split -1", ...): how a fused one is cut
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,8 @@ class StepTrace:
             largest_bytes=w.largest_bytes, largest_op=w.largest_op,
             saved_hidden_bytes=tuple(self.saved_hidden_bytes), selective_bytes=tuple(w.selective_bytes),
             num_ops=w.num_ops, traffic_bytes=w.traffic_bytes, weight_traffic_bytes=w.weight_traffic_bytes,
-            matmul_calls=tuple(self.matmul_calls), norm_calls=tuple(self.norm_calls), op_groups=w.op_groups(),
+            matmul_calls=tuple(dataclasses.replace(c, consumer=w.consumers.get(i, "")) for i, c in enumerate(
+                self.matmul_calls)), norm_calls=tuple(self.norm_calls), op_groups=w.op_groups(),
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
@@ -312,6 +313,7 @@ class StepTrace:
         if isinstance(output, torch.Tensor) and last is not None and last.name == self._matmul_names[id(module)]:
             output_id = self._input_ids.setdefault(storage_key(output), len(self._input_ids))
             self.matmul_calls[-1] = dataclasses.replace(last, output_id=output_id)
+            self.watcher.watch_consumers[storage_key(output)] = len(self.matmul_calls) - 1
 
     def on_norm(self, module: nn.Module, args: Any) -> None:
         """Records a norm's call inside the blocks: which tensor it read (tensor parallelism splits a norm that reads

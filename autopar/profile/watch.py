@@ -45,6 +45,28 @@ _COMPUTE = frozenset((*_GEMMS, *_GROUPED, _GROUPED_BACKWARD, "convolution", "con
                       *_ATTENTION_BACKWARD))
 
 
+
+_VIEWS = ("view", "_unsafe_view", "reshape")
+_SPLITS = ("split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes", "unbind", "slice", "narrow")
+
+
+def _consumer(func: Any, args: Any, kwargs: dict, tensors_out: list[torch.Tensor]) -> str:
+    """The first op that read a Linear-like call's output, in words: "view" and the shape it made ("view 2,16,4,3,16"),
+    a split or slice, the dim it cut (counted from the end) and its pieces' widths there ("split -1 64,64,64"), else
+    the op's name."""
+    name = func.overloadpacket.__name__
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if name in _VIEWS and tensors_out:
+        return "view " + ",".join(str(int(d)) for d in tensors_out[0].shape)
+    if name in _SPLITS and source is not None:
+        at = 1 if name in ("unbind", "slice", "narrow") else 2  # where the op's schema has its dim
+        dim = kwargs.get("dim", args[at] if len(args) > at else 0)
+        dim = int(dim) if isinstance(dim, int) else 0
+        dim = dim - source.dim() if dim >= 0 else dim
+        widths = ",".join(str(int(t.shape[dim])) for t in tensors_out if t.dim() >= -dim)
+        return f"split {dim} {widths}"
+    return name
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -278,6 +300,11 @@ class StepWatcher(TorchDispatchMode):
         # matmul read in float32: autocast did not reach it (a custom op's, an MoE's grouped GEMM)
         self.autocast_weights: dict[Any, str] = {}
         self.fp32_matmul_weights: set[str] = set()
+        # Set by the trace: a Linear-like call's output storage -> the call's index; the first op that reads it is
+        # described in `consumers` (index -> "view 2,16,4,3,8", "split -1", ...): how the model takes a fused
+        # projection's output apart (tensor parallelism's layout, autopar.layout.fused_parts_layout)
+        self.watch_consumers: dict[Any, int] = {}
+        self.consumers: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
@@ -285,6 +312,11 @@ class StepWatcher(TorchDispatchMode):
         tensors_in, tensors_out = _tensors((args, kwargs)), _tensors(out)
         scope = self._scope(tensors_in)
         inputs = [storage_key(t) for t in tensors_in]
+        if self.watch_consumers and self.forward and func.namespace != "prim" and \
+                func.overloadpacket.__name__ not in ("detach", "alias"):  # (the trace's own calls)
+            for key in inputs:
+                if key in self.watch_consumers:
+                    self.consumers[self.watch_consumers.pop(key)] = _consumer(func, args, kwargs or {}, tensors_out)
         if self.autocast_weights and self.forward:
             self._fp32_matmul(func, tensors_in, inputs)
         from_weights = bool(inputs) and all(k in self.weight_storages for k in inputs)

@@ -110,7 +110,8 @@ def _pairs_from_names(model: nn.Module, block_names: Sequence[str]) -> list[TPPa
                 kinds = tuple(is_matmul_layer(named[c]) for c in col_names) + (is_matmul_layer(named[row_name]),)
                 chunks = 3 if cols == ("c_attn",) else 1
                 pairs.append(TPPair(colwise=col_names, rowwise=row_name, kinds=kinds, chunks=chunks,
-                                    attention=len(cols) >= 3 or chunks == 3))
+                                    attention=len(cols) >= 3 or chunks == 3,
+                                    parts_layout="whole" if chunks == 3 else ""))  # (GPT-2's c_attn: [q | k | v])
                 break
     return pairs
 
@@ -175,7 +176,8 @@ def tp_layout(model: nn.Module, profile: ModelProfile) -> TPLayout:
         outside = outside_inputs(profile)  # per block: cross-attention reads the encoder's output
         for block in block_names:
             calls = [c for c in profile.matmul_calls if c.name.startswith(block + ".")]
-            pairs += pairs_from_calls(calls, hidden or 0, hf_expanded or None, outside=outside)
+            pairs += pairs_from_calls(calls, hidden or 0, hf_expanded or None, outside=outside,
+                                      num_heads=profile.num_heads)
     else:
         source = "names"
         pairs = _pairs_from_names(model, block_names)
@@ -344,12 +346,14 @@ def _refusal(model: nn.Module, profile: ModelProfile, layout: TPLayout) -> str |
         return (f"tensor parallelism would leave the 0-d parameter{'s' if len(scalars) > 1 else ''} "
                 f"{', '.join(scalars[:3])} of {profile.model_class} a plain tensor beside the tensor-parallel "
                 "DTensors, which autopar does not support: set tp=1 (data parallelism handles it)")
-    fused = next((pair.colwise[0] for pair in layout.pairs if pair.chunks > 1 and pair.kinds[0] == "linear"), None)
+    fused = next((pair.colwise[0] for pair in layout.pairs
+                  if pair.chunks > 1 and pair.kinds[0] == "linear" and pair.parts_layout != "whole"), None)
     if fused is not None:
         # GPT-2's Conv1D computes [q | k | v], each over all heads (split by a strided shard); a fused nn.Linear may
         # interleave them per head instead (GPT-NeoX's, CodeGen's, Persimmon's), which the strided shard splits
-        # wrongly, and the trace does not say which (hf-sweep-dist, 2026-12-06: gpt_neox, codegen, fuyu trained
-        # 0.2-0.5% off one process under tp=2, silently)
+        # wrongly (hf-sweep-dist, 2026-12-06: gpt_neox, codegen, fuyu trained 0.2-0.5% off one process under tp=2,
+        # silently). Where the trace saw how the model cuts the output (autopar.layout.fused_parts_layout), that
+        # decides; else this refusal.
         return (f"tensor parallelism cannot tell how {profile.model_class}'s fused projection {fused} lays out its "
                 "parts (query, key and value, or gate and up: each whole in turn, or interleaved per head or "
                 "channel), and a wrong guess trains wrongly without an error: set tp=1")

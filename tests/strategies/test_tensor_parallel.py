@@ -88,7 +88,7 @@ def _gpt2_pairs() -> tuple[TPPair, ...]:
     for i in range(L):
         b = f"transformer.h.{i}"
         out.append(TPPair(colwise=(f"{b}.attn.c_attn",), rowwise=f"{b}.attn.c_proj", kinds=("conv1d", "conv1d"),
-                          chunks=3, attention=True))
+                          chunks=3, attention=True, parts_layout="whole"))
         out.append(TPPair(colwise=(f"{b}.mlp.c_fc",), rowwise=f"{b}.mlp.c_proj", kinds=("conv1d", "conv1d"),
                           chunks=1, attention=False))
     return tuple(out)
@@ -417,12 +417,86 @@ class _FusedPerHeadAttention(_BiasedAttention):
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
-def test_a_fused_linear_projection_of_q_k_v_is_refused_its_layout_is_not_known():
-    model = _gpt_with(lambda: _FusedPerHeadAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+class _FusedWholeAttention(_FusedPerHeadAttention):
+    """One nn.Linear computing [q | k | v], each over all heads (MPT's Wqkv, Phi-3's qkv_proj), cut by a chunk."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in self.query_key_value(x).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class _FusedUnseenAttention(_FusedPerHeadAttention):
+    """The fused output scaled before it is cut: the trace does not see how its parts lie."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x) * 1.0
+        q, k, v = qkv.view(b, s, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("attention,layout,chunks", [(_FusedPerHeadAttention, "interleaved", 1),
+                                                     (_FusedWholeAttention, "whole", 3)])
+def test_a_fused_linear_projection_is_split_as_the_trace_saw_it_cut(attention, layout, chunks):
+    """The trace records the first op on each projection's output (MatmulCall.consumer): a view with the heads
+    outermost says its parts are interleaved per head (a plain column shard holds whole heads); a chunk of the last
+    dim into parts says [q | k | v] (a strided shard). tests/distributed/test_parallel_parity.py trains GPT-NeoX
+    (interleaved) and GPT-2 (whole) under tp=2 as one process; hf-sweep-dist the transformers models."""
+    model = _gpt_with(lambda: attention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    profile = _profile("gpt", model)
+    call = next(c for c in profile.matmul_calls if c.name == "blocks.0.attn.query_key_value")
+    assert call.consumer == ("view 2,32,4,48" if layout == "interleaved" else f"split -1 {CFG.hidden_dim},"
+                             f"{CFG.hidden_dim},{CFG.hidden_dim}")
+    pair = next(p for p in check_tensor_parallel(model, profile, 2).pairs if p.parent == "blocks.0.attn")
+    assert (pair.parts_layout, pair.chunks) == (layout, chunks)
+
+
+def test_a_fused_linear_projection_is_refused_where_the_trace_did_not_see_how_it_is_cut():
+    model = _gpt_with(lambda: _FusedUnseenAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
     profile = _profile("gpt", model)
     with pytest.raises(PlanError, match=re.escape("cannot tell how GPT's fused projection "
                                                   "blocks.0.attn.query_key_value lays out its parts (query, key and value")):
         check_tensor_parallel(model, profile, 2)
+
+
+def test_a_fused_layer_beside_unsplit_readers_of_its_input_keeps_an_unknown_layout():
+    """MiniCPM5-MoE: its plan splits the fused queries-and-gates layer but not the k and v projections, which read
+    the same input; a plain shard of the queries alone trained apart (hf-sweep-dist 2026-12-06), so the trace's
+    view of the cut does not decide there: the pair's layout stays unknown (refused for an nn.Linear)."""
+    from autopar.layout import pairs_from_calls
+    from autopar.profile import MatmulCall
+
+    def call(name, input_id, out, consumer=""):
+        return MatmulCall(name=name, kind="linear", input_id=input_id, in_features=64, out_features=out,
+                          consumer=consumer)
+
+    calls = [call("k", 0, 16), call("v", 0, 16), call("qg", 0, 128, "view 2,16,4,32"), call("o", 1, 64)]
+    plan = {"qg": "colwise", "k": "unit_colwise", "v": "unit_colwise", "o": "rowwise"}
+    (pair,) = pairs_from_calls(calls, 64, plan, num_heads=4)
+    assert (pair.colwise, pair.chunks, pair.parts_layout) == (("qg",), 2, "")
+    (alone,) = pairs_from_calls(calls[2:], 64, None, num_heads=4)
+    assert (alone.chunks, alone.parts_layout) == (1, "interleaved")
+
+
+def test_fused_parts_layout_reads_the_cut():
+    from autopar.layout import fused_parts_layout
+    from autopar.profile import MatmulCall
+
+    def call(consumer, out=192):
+        return MatmulCall(name="qkv", kind="linear", input_id=0, in_features=64, out_features=out, consumer=consumer)
+
+    assert fused_parts_layout(call("view 2,16,4,3,16"), 3, 4) == "interleaved"  # Bloom's, Persimmon's
+    assert fused_parts_layout(call("view 2,16,4,48"), 3, 4) == "interleaved"  # GPT-NeoX's
+    assert fused_parts_layout(call("view 2,16,3,4,16"), 3, 4) == "whole"
+    assert fused_parts_layout(call("split -1 64,64,64"), 3, 4) == "whole"  # a chunk
+    assert fused_parts_layout(call("split -1 64"), 3, 4) == "whole"  # Phi-3's slice of the queries
+    assert fused_parts_layout(call("split -1 16,16,16,16,16,16,16,16,16,16,16,16"), 3, 4) == ""  # per head
+    assert fused_parts_layout(call("split -2 64,64,64"), 3, 4) == ""
+    assert fused_parts_layout(call("view 2,16,3,64"), 3, 3) == ""  # 3 heads of 3 parts: which is which
+    assert fused_parts_layout(call("mul"), 3, 4) == "" and fused_parts_layout(call(""), 3, 4) == ""
 
 
 def test_a_zero_dim_parameter_is_refused():
