@@ -43,7 +43,8 @@ from ..layout import TPPair
 from ..profile import ModelProfile
 # what TP splits and the checks (re-exported: autopar's layers and the tests import them from here)
 from .tensor_parallel_layout import (_HEAD_ATTRS, _KV_HEAD_ATTRS, _WIDTH_ATTRS, TPLayout, _norms_on_split_heads,
-                                     check_tensor_parallel, norms_on_split_outputs, tensor_parallel_refusal, tp_layout)
+                                     check_tensor_parallel, norms_on_split_outputs, per_head_params, tensor_parallel_refusal,
+                                     tp_layout)
 
 __all__ = ["TPLayout", "TPPair", "apply_tensor_parallel", "check_tensor_parallel", "loss_parallel_scope",
            "tensor_parallel_refusal", "tp_layout"]
@@ -170,6 +171,23 @@ def _apply_split_norm(module: nn.Module, mesh: DeviceMesh, width: int) -> None:
     module.forward = functools.partial(_split_norm_forward, module, mesh, width, module.forward)
 
 
+def _local_params_forward(module: nn.Module, names: Sequence[str], forward: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    with _reparametrize_module(module, {n: getattr(module, n).to_local() for n in names}):
+        return forward(*args, **kwargs)
+
+
+def _apply_per_head_params(module: nn.Module, names: Sequence[str], mesh: DeviceMesh) -> None:
+    """Split `module`'s parameters `names`, one entry per head along their last dim, with the heads (T5's relative
+    attention bias): each rank's shard is its own heads' values, which the module's forward reads locally."""
+    from torch.distributed.tensor import Shard
+
+    for name in names:
+        _distribute(module, name, mesh, Shard(getattr(module, name).dim() - 1))
+    module.forward = functools.partial(_local_params_forward, module, tuple(names), module.forward)
+
+
 def _sum_grads_over_tp(module: nn.Module, mesh: DeviceMesh) -> None:
     """Complete the gradients of `module`'s own parameters (a q/k norm over one head's width) over the TP ranks."""
     module.forward = functools.partial(_summing_forward, module, mesh, module.forward)
@@ -240,6 +258,11 @@ def apply_tensor_parallel(
                 _divide_attrs(module, tp, profile)
             for norm in _norms_on_split_heads(named, pair, profile)[0]:
                 _sum_grads_over_tp(norm, tp_mesh)
+            owners: dict[int, tuple[nn.Module, list[str]]] = {}
+            for owner, name in per_head_params(named, pair, profile):
+                owners.setdefault(id(owner), (owner, []))[1].append(name)
+            for owner, names in owners.values():
+                _apply_per_head_params(owner, names, tp_mesh)
         for norm in norms_on_split_outputs(pair, profile):  # (attention's or the MLP's)
             if norm in named:
                 _apply_split_norm(named[norm], tp_mesh, int(named[norm].weight.shape[0]))

@@ -259,6 +259,7 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
             values = [getattr(module, a, None) for a in _HEAD_ATTRS]
             heads |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
         split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
+        split |= {id(getattr(owner, name)) for owner, name in per_head_params(named, pair, profile)}
         for owner_name, owner in parent.named_modules():
             if _is_norm(owner):  # a norm over a head's width acts per head (its gradient: _sum_grads_over_tp)
                 continue
@@ -267,6 +268,26 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
                     full = ".".join(n for n in (pair.parent, owner_name, name) if n)
                     return full, tuple(t.shape)
     return None
+
+
+def per_head_params(named: dict[str, nn.Module], pair: TPPair, profile: ModelProfile) -> list[tuple[nn.Module, str]]:
+    """The trainable parameters of an attention module (its own, or an nn.Embedding's inside it) with one entry per
+    query head along their last dim (T5's relative attention bias, GPT-OSS's attention
+    sinks, Swin's relative position bias table): (owner module, parameter name). Tensor parallelism splits them
+    along that dim with the heads (tensor_parallel's `_apply_per_head_param`), so each rank holds its own heads'
+    values. Per-head buffers, and tensors with one entry per key/value head, stay refused."""
+    if not pair.attention or pair.parent not in named or not profile.num_heads:
+        return []
+    split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
+    out = []
+    for owner_name, owner in named[pair.parent].named_modules():
+        if owner_name and not isinstance(owner, nn.Embedding):  # the attention's own, or a lookup table's
+            continue
+        for name, t in owner.named_parameters(recurse=False):
+            if id(t) not in split and t.requires_grad and t.is_floating_point() and t.dim() >= 1 \
+                    and t.shape[-1] == profile.num_heads:
+                out.append((owner, name))
+    return out
 
 
 def _head_widths(named: dict[str, nn.Module], pair: TPPair, profile: ModelProfile) -> set[int]:

@@ -284,8 +284,29 @@ def _gpt_with(make_attention=None, **extra_params) -> nn.Module:
     return model
 
 
-def test_a_per_head_bias_the_split_layers_do_not_cover_is_refused():
+class _BufferBiasedAttention(_BiasedAttention):
+    """The same bias kept as a buffer: not a parameter tensor parallelism splits."""
+
+    def __init__(self, hidden: int, heads: int, seq: int) -> None:
+        super().__init__(hidden, heads, seq)
+        bias = self.relative_bias.detach()
+        del self.relative_bias
+        self.register_buffer("relative_bias", bias)
+
+
+def test_a_per_head_parameter_is_split_with_the_heads_and_a_per_head_buffer_is_refused():
+    """A learned tensor with one entry per head along its last dim (T5's relative attention bias, GPT-OSS's sinks)
+    is split along it with the heads (hf-sweep-dist: T5-like models train under tp=2 as one process); a buffer is
+    not split, so it is refused: each rank would add every head's values to its own share of the heads."""
+    from autopar.strategies.tensor_parallel_layout import per_head_params
+
     model = _gpt_with(lambda: _BiasedAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
+    profile = _profile("gpt", model)
+    assert tensor_parallel_refusal(model, profile) is None
+    named = dict(model.named_modules())
+    pair = next(p for p in check_tensor_parallel(model, profile, 2).pairs if p.parent == "blocks.0.attn")
+    assert per_head_params(named, pair, profile) == [(named["blocks.0.attn"], "relative_bias")]
+    model = _gpt_with(lambda: _BufferBiasedAttention(CFG.hidden_dim, CFG.num_heads, CFG.seq_len))
     profile = _profile("gpt", model)
     why = tensor_parallel_refusal(model, profile)
     assert why is not None and "blocks.0.attn.relative_bias" in why and why.endswith("set tp=1")
