@@ -25,7 +25,7 @@ LR = 3e-3
 
 def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
     """The built-in GPT, or a tiny Hugging Face Llama (GQA), Qwen3 (GQA, q/k norms over a head's width), OLMo 2 (GQA,
-    q/k norms over all heads' width), GPT-NeoX
+    q/k norms over all heads' width), GLM (a fused gate/up projection), GPT-NeoX
     (q/k/v fused per head) or GPT-2 (Conv1D, fused qkv, tied head)."""
     torch.manual_seed(seed)
     if kind == "gpt":
@@ -48,6 +48,13 @@ def make_model(kind: str = "gpt", seed: int = 0) -> nn.Module:
                                        max_position_embeddings=CFG.seq_len, attn_implementation="sdpa",
                                        pad_token_id=0, bos_token_id=0, eos_token_id=0)
         return transformers.Olmo2ForCausalLM(cfg)
+    if kind == "glm":  # one fused gate_up_proj, cut by a chunk of its last dim (the trace reads it: a strided shard)
+        cfg = transformers.GlmConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_dim, intermediate_size=128,
+                                     num_hidden_layers=CFG.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                                     head_dim=16, max_position_embeddings=CFG.seq_len, attn_implementation="sdpa",
+                                     attention_bias=False,  # (a key bias: a rounding-noise gradient, as GPT-NeoX's)
+                                     pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        return transformers.GlmForCausalLM(cfg)
     if kind == "neox":  # one fused q/k/v projection, each head's q, k and v side by side (its own TP plan: colwise)
         cfg = transformers.GPTNeoXConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_dim, intermediate_size=128,
                                          num_hidden_layers=CFG.num_layers, num_attention_heads=4,

@@ -2,7 +2,7 @@
 
 Each scenario trains for 10 AdamW steps on 2 or 4 gloo processes - the built-in GPT, a tiny Hugging Face
 Llama (grouped-query attention, RMSNorm, rotary positions), Qwen3 (the same with a norm over each head's width on
-q and k) or a tiny Hugging Face GPT-2 (Conv1D layers, one
+q and k), OLMo 2 (norms over all heads of q and of k), GLM (one fused gate/up projection) or a tiny Hugging Face GPT-2 (Conv1D layers, one
 fused q/k/v projection, head tied to the embedding) - and is compared with one plain-PyTorch process
 training the same model on the full batch (fp32):
 
@@ -47,6 +47,8 @@ SCENARIOS = {
         # norms over all heads of q and of k (OLMo 2's): split with their projections, their statistic all-reduced
         "olmo2-tp": {"model": "olmo2", "plan": {"tp": 2, "micro_batch_size": 8}},
         "olmo2-tp-sp": {"model": "olmo2", "plan": {"tp": 2, "micro_batch_size": 8, "sequence_parallel": True}},
+        # a fused gate/up projection whose cut the trace saw (a chunk of the last dim: a strided shard)
+        "glm-tp": {"model": "glm", "plan": {"tp": 2, "micro_batch_size": 8}},
         # a fused q/k/v interleaved per head, split as the model's own plan says (a plain column shard)
         "neox-tp": {"model": "neox", "plan": {"tp": 2, "micro_batch_size": 8}},
         # inside train_step the loss is vocab-parallel: the head's logits stay split over the vocabulary
