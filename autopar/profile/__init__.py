@@ -17,7 +17,7 @@ FLOP formulas and the flash-like SDPA stand-in), cuda_autocast (CUDA autocast's 
 
 from __future__ import annotations
 
-from .blocks import find_blocks, is_matmul_layer, iter_block_modules
+from .blocks import find_blocks, is_matmul_layer, is_norm_layer, iter_block_modules
 from .build import profile_model
 from .extrapolate import extrapolate_profile
 from .flops import flash_like_attention, flash_like_sdpa
@@ -33,6 +33,7 @@ __all__ = [
     "flash_like_attention",
     "flash_like_sdpa",
     "is_matmul_layer",
+    "is_norm_layer",
     "iter_block_modules",
     "model_fingerprint",
     "profile_model",

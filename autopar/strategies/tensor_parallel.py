@@ -43,8 +43,8 @@ from ..layout import TPPair
 from ..profile import ModelProfile
 # what TP splits and the checks (re-exported: autopar's layers and the tests import them from here)
 from .tensor_parallel_layout import (_HEAD_ATTRS, _KV_HEAD_ATTRS, _WIDTH_ATTRS, TPLayout, _norms_on_split_heads,
-                                     check_tensor_parallel, norms_on_split_outputs, per_head_params, tensor_parallel_refusal,
-                                     tp_layout)
+                                     check_tensor_parallel, norms_on_split_outputs, per_head_params,
+                                     tensor_parallel_refusal, tp_layout)
 
 __all__ = ["TPLayout", "TPPair", "apply_tensor_parallel", "check_tensor_parallel", "loss_parallel_scope",
            "tensor_parallel_refusal", "tp_layout"]

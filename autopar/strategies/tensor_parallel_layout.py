@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..errors import PlanError
 from ..layout import TPPair, outside_inputs, pairs_from_calls
-from ..profile import ModelProfile, is_matmul_layer
+from ..profile import ModelProfile, is_matmul_layer, is_norm_layer
 from .fsdp import unshardable_params
 
 # Attributes of an attention module that count heads or head-sized widths; under TP each rank holds
@@ -122,9 +122,7 @@ def _norms(model: nn.Module, block_names: Sequence[str], hidden: int | None) -> 
         if not any(name.startswith(b + ".") for b in block_names):
             continue
         weight = getattr(module, "weight", None)
-        is_norm = isinstance(module, (nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))) or \
-            type(module).__name__.endswith("Norm")
-        if is_norm and isinstance(weight, torch.Tensor) and weight.dim() == 1 and \
+        if is_norm_layer(module) and isinstance(weight, torch.Tensor) and weight.dim() == 1 and \
                 (hidden is None or weight.shape[0] == hidden) and not list(module.children()):
             out.append(name)
     return tuple(out)
@@ -238,10 +236,6 @@ def rms_norm_like(module: nn.Module) -> bool:
     return bool(torch.allclose(scale, scale[0, :1].expand_as(scale), rtol=1e-3, atol=1e-4))
 
 
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
-
-
 def _attentions(named: dict[str, nn.Module], layout: TPLayout) -> list[tuple[TPPair, nn.Module]]:
     """Each attention pair of the layout with the module that holds it (of `named`, the model's modules by name:
     on this pipeline stage)."""
@@ -261,7 +255,7 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
         split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
         split |= {id(getattr(owner, name)) for owner, name in per_head_params(named, pair, profile)}
         for owner_name, owner in parent.named_modules():
-            if _is_norm(owner):  # a norm over a head's width acts per head (its gradient: _sum_grads_over_tp)
+            if is_norm_layer(owner):  # a norm over a head's width acts per head (its gradient: _sum_grads_over_tp)
                 continue
             for name, t in [*owner.named_parameters(recurse=False), *owner.named_buffers(recurse=False)]:
                 if id(t) not in split and t.is_floating_point() and t.dim() >= 1 and t.shape[-1] in heads:
@@ -314,7 +308,7 @@ def _norms_on_split_heads(named: dict[str, nn.Module], pair: TPPair,
     split = norms_on_split_outputs(pair, profile)
     for owner_name, owner in named[pair.parent].named_modules():
         widths = {t.shape[-1] for t in owner.parameters(recurse=False) if t.dim() >= 1}
-        if not _is_norm(owner) or not widths or not profile.hidden_dim or max(widths) >= profile.hidden_dim:
+        if not is_norm_layer(owner) or not widths or not profile.hidden_dim or max(widths) >= profile.hidden_dim:
             continue
         if ".".join(n for n in (pair.parent, owner_name) if n) in split:  # split with its projection
             continue
@@ -339,7 +333,7 @@ def _unsplit_param_between_split_layers(named: dict[str, nn.Module], layout: TPL
             continue
         for owner_name, owner in named[pair.parent].named_modules():
             own = list(owner.named_parameters(recurse=False))
-            if not owner_name or _is_norm(owner) or any(t.dim() > 1 for _, t in own):  # (a layer with a weight)
+            if not owner_name or is_norm_layer(owner) or any(t.dim() > 1 for _, t in own):  # (a layer with a weight)
                 continue
             for name, t in own:
                 if id(t) not in split and t.requires_grad:

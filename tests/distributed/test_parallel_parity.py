@@ -2,8 +2,8 @@
 
 Each scenario trains for 10 AdamW steps on 2 or 4 gloo processes - the built-in GPT, a tiny Hugging Face
 Llama (grouped-query attention, RMSNorm, rotary positions), Qwen3 (the same with a norm over each head's width on
-q and k), OLMo 2 (norms over all heads of q and of k), GLM (one fused gate/up projection) or a tiny Hugging Face GPT-2 (Conv1D layers, one
-fused q/k/v projection, head tied to the embedding) - and is compared with one plain-PyTorch process
+q and k), OLMo 2 (norms over all heads of q and of k), GLM (one fused gate/up projection) or a tiny Hugging Face
+GPT-2 (Conv1D layers, one fused q/k/v projection, head tied to the embedding) - and is compared with one plain-PyTorch process
 training the same model on the full batch (fp32):
 
 - the first step's gradients, every tensor: ||g - g_ref|| <= 1e-5 ||g_ref|| (+1e-9 for the tensors whose
