@@ -67,11 +67,10 @@ def kv_cache_off_in_training(model: nn.Module) -> list[str]:
     return hooked
 
 
-def remove_kv_cache_hooks(model: nn.Module) -> None:
-    """Undo kv_cache_off_in_training."""
+def remove_kv_cache_hooks(model: nn.Module, *, keep: frozenset[int] = frozenset()) -> None:
+    """Undo kv_cache_off_in_training, on the modules whose id is not in `keep`."""
     for module in model.modules():
-        handle = vars(module).pop(_HANDLE, None)
-        if handle is not None:
+        if id(module) not in keep and (handle := vars(module).pop(_HANDLE, None)) is not None:
             handle.remove()
 
 
@@ -79,11 +78,9 @@ def remove_kv_cache_hooks(model: nn.Module) -> None:
 def kv_cache_off_while(model: nn.Module) -> Iterator[None]:
     """kv_cache_off_in_training for the block's duration (a trace of the step wrap will run), leaving hooks that
     were there before in place."""
-    before = {id(m) for m in model.modules() if _HANDLE in vars(m)}
+    before = frozenset(id(m) for m in model.modules() if _HANDLE in vars(m))
     kv_cache_off_in_training(model)
     try:
         yield
     finally:
-        for module in model.modules():
-            if id(module) not in before and (handle := vars(module).pop(_HANDLE, None)) is not None:
-                handle.remove()
+        remove_kv_cache_hooks(model, keep=before)

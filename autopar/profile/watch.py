@@ -45,7 +45,6 @@ _COMPUTE = frozenset((*_GEMMS, *_GROUPED, _GROUPED_BACKWARD, "convolution", "con
                       *_ATTENTION_BACKWARD))
 
 
-
 _VIEWS = ("view", "_unsafe_view", "reshape")
 _SPLITS = ("split", "split_with_sizes", "unsafe_split", "unsafe_split_with_sizes", "unbind", "slice", "narrow")
 
@@ -66,6 +65,7 @@ def _consumer(func: Any, args: Any, kwargs: dict, tensors_out: list[torch.Tensor
         widths = ",".join(str(int(t.shape[dim])) for t in tensors_out if t.dim() >= -dim)
         return f"split {dim} {widths}"
     return name
+
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]

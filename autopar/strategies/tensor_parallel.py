@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -127,13 +127,30 @@ def _summing_grad(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-def _summing_forward(module: nn.Module, mesh: DeviceMesh, forward: Any, *args: Any, **kwargs: Any) -> Any:
+def _own_params_as(module: nn.Module, read: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A context in which `module`'s forward reads each of its own parameters as `read(parameter)` (the parameters
+    FSDP has in place at the call; the state dict's names unchanged)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    # The module's own forward, reading its parameters through _summing_grad (the parameters FSDP has in place
-    # at this call; the state dict's names unchanged).
-    weights = {name: _summing_grad(p, mesh) for name, p in module.named_parameters(recurse=False)}
-    with _reparametrize_module(module, weights):
+    return _reparametrize_module(module, {name: read(p) for name, p in module.named_parameters(recurse=False)})
+
+
+def _summing_forward(module: nn.Module, mesh: DeviceMesh, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own forward, reading its parameters through _summing_grad."""
+    with _own_params_as(module, lambda p: _summing_grad(p, mesh)):
+        return forward(*args, **kwargs)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_forward(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """The module's own forward, reading its parameters split with the heads (a per-head tensor, a split norm's
+    weight: DTensors) as this rank's shards."""
+    with _own_params_as(module, _local):
         return forward(*args, **kwargs)
 
 
@@ -144,7 +161,6 @@ def _split_norm_forward(module: nn.Module, mesh: DeviceMesh, width: int, forward
     output over c is the whole norm's share (exactly, for an RMS norm: tensor_parallel_layout.rms_norm_like). The
     sum of squares is all-reduced (its gradient too, in backward); the weight is this rank's shard."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
-    from torch.nn.utils.stateless import _reparametrize_module
 
     squares = x.float().pow(2).sum(-1, keepdim=True)
     # all-reduced; in backward each rank's gradient of the sum is its own part, summed over the ranks in turn
@@ -154,9 +170,7 @@ def _split_norm_forward(module: nn.Module, mesh: DeviceMesh, width: int, forward
     # unselected side of a `where` must be finite too, or its zero gradient times an infinite one is NaN.
     some = own > 0
     c = torch.sqrt(torch.where(some, whole, 1.0) / torch.where(some, own, 1.0))
-    weights = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in module.named_parameters(recurse=False)}
-    with _reparametrize_module(module, weights):
-        out = forward((x.float() * c).to(x.dtype), *args, **kwargs)
+    out = _local_forward(module, forward, (x.float() * c).to(x.dtype), *args, **kwargs)
     return (out.float() / c).to(out.dtype)
 
 
@@ -171,13 +185,6 @@ def _apply_split_norm(module: nn.Module, mesh: DeviceMesh, width: int) -> None:
     module.forward = functools.partial(_split_norm_forward, module, mesh, width, module.forward)
 
 
-def _local_params_forward(module: nn.Module, names: Sequence[str], forward: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    with _reparametrize_module(module, {n: getattr(module, n).to_local() for n in names}):
-        return forward(*args, **kwargs)
-
-
 def _apply_per_head_params(module: nn.Module, names: Sequence[str], mesh: DeviceMesh) -> None:
     """Split `module`'s parameters `names`, one entry per head along their last dim, with the heads (T5's relative
     attention bias): each rank's shard is its own heads' values, which the module's forward reads locally."""
@@ -185,7 +192,7 @@ def _apply_per_head_params(module: nn.Module, names: Sequence[str], mesh: Device
 
     for name in names:
         _distribute(module, name, mesh, Shard(getattr(module, name).dim() - 1))
-    module.forward = functools.partial(_local_params_forward, module, tuple(names), module.forward)
+    module.forward = functools.partial(_local_forward, module, module.forward)
 
 
 def _sum_grads_over_tp(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -268,7 +268,7 @@ def per_head_params(named: dict[str, nn.Module], pair: TPPair, profile: ModelPro
     """The trainable parameters of an attention module (its own, or an nn.Embedding's inside it) with one entry per
     query head along their last dim (T5's relative attention bias, GPT-OSS's attention
     sinks, Swin's relative position bias table): (owner module, parameter name). Tensor parallelism splits them
-    along that dim with the heads (tensor_parallel's `_apply_per_head_param`), so each rank holds its own heads'
+    along that dim with the heads (tensor_parallel's `_apply_per_head_params`), so each rank holds its own heads'
     values. Per-head buffers, and tensors with one entry per key/value head, stay refused."""
     if not pair.attention or pair.parent not in named or not profile.num_heads:
         return []
