@@ -554,8 +554,13 @@ class Plan:
                 cached = f" (wrap's cache of {p['cached_at'][:10]})" if isinstance(p.get("cached_at"), str) else ""
                 lines.append(f"  planned in    {p['planning_s']:.1f} s{cached}")
             if isinstance(p.get("measured_forward_backward_s"), (int, float)):
+                took = ""
+                if isinstance(p.get("measuring_s"), (int, float)):
+                    took = f"; measuring took {p['measuring_s']:.1f} s"
+                    if p.get("compile_warmup_s"):
+                        took += f", compiling {p['compile_warmup_s']:.1f} s"
                 lines.append(f"  measured      {p['measured_forward_backward_s'] * 1e3:.1f} ms forward + backward "
-                             f"on this device ({'compiled' if self.compile else 'eager: compile did not pay'})")
+                             f"on this device ({'compiled' if self.compile else 'eager: compile did not pay'}{took})")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -58,7 +58,7 @@ class CompileRace:
 
     eager_step_s: float | None  # None: eager did not run (out of memory, or it raised)
     compiled_step_s: float | None  # None: the compiled step did not run (compile failed, out of memory)
-    compiled_warmup_s: float  # the first compiled steps, compile included
+    compiled_warmup_s: float  # the first compiled steps, compile included (a compile that failed: its time)
     kept_compiled: bool
     why: str  # one line, for the log
     measuring_s: float = 0.0  # the race's own time, less the compiled warm-up (the slowest rank's)
@@ -306,8 +306,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                 if compiled in errors:
                     continue
                 use_compiled(model, compiled)
+                first = warmup if compiled and r == 0 else 0
+                attempt = time.perf_counter()
                 try:
-                    first = warmup if compiled and r == 0 else 0
                     if first == 0 and device.type == "cuda":  # the peak of timed steps only (not compile's)
                         torch.cuda.reset_peak_memory_stats(device)
                     w, median = _time(step, device, warmup=first, steps=per_round)
@@ -317,6 +318,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                     if first == 0 and device.type == "cuda":
                         peaks[compiled] = max(peaks.get(compiled, 0), torch.cuda.max_memory_allocated(device))
                 except Exception as exc:  # torch.OutOfMemoryError, a compile error: that mode does not run here
+                    if first:  # a compile that failed: its time is the compile warm-up hand compile pays too
+                        warm[compiled] = warm.get(compiled, 0.0) + time.perf_counter() - attempt
                     measured.pop(compiled, None)
                     peaks.pop(compiled, None)
                     errors[compiled] = _one_line(exc)
@@ -372,6 +375,7 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
             prediction[key] = value
     # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)
     prediction["measuring_s"] = round(race.measuring_s, 2)
+    prediction["compile_warmup_s"] = round(race.compiled_warmup_s, 2)  # compiling, and the compiled warm-up steps
     if race.rows != plan.micro_batch_size:  # the sample held fewer samples than a micro-batch: recorded, not used
         return prediction
 

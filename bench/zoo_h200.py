@@ -454,7 +454,7 @@ class Measurement:
         rec.update(plan=plan.strategy(), plan_short=short_name(plan), plan_text=plan.describe())
         # wrap's own time before the first step, and its compile race (autopar.race), where it ran
         rec["wrap_timing"] = {k: (plan.prediction or {}).get(k) for k in
-                              ("planning_s", "planning_phases_s", "measuring_s", "measured_eager_s", "measured_compiled_s",
+                              ("planning_s", "planning_phases_s", "measuring_s", "compile_warmup_s", "measured_eager_s", "measured_compiled_s",
                                "cached_at")}
         # the cost model's own figures beside the measured ones wrap's prediction carries (autopar.race)
         rec["wrap_modelled"] = {k: (plan.prediction or {}).get(k) for k in
