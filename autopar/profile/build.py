@@ -195,6 +195,7 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
                      bf16_weights=bf16_weights)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
+    probe.autocast = precision == "bf16"  # its compiled backward runs under autocast too
     with probe.hooked(units):
         t = step.run()
     if precision == "bf16" and t.fp32_matmul_weights and not bf16_weights:

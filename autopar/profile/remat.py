@@ -66,6 +66,13 @@ _REDUCTIONS = frozenset(("Sum", "Mean", "Amax", "Amin", "Max", "Min", "Var", "St
                          "LinalgVectorNorm", "Logsumexp", "Prod", "NllLoss", "NllLoss2D", "Cumsum"))
 _ATTENTION = ("Attention",)  # ScaledDotProduct{Flash,Efficient,Cudnn}Attention..., FlashAttention, EfficientAttention
 _NEVER_MATERIALIZES = frozenset(("Cat", "Stack"))  # unfusible producers that inputs fuse into (memory fusion)
+# Compute ops on autocast's lower-precision list: under bf16 autocast, AOTAutograd traces their backward under it too,
+# so the backward GEMM of one that ran in float32 in forward (inside an op that upcasts, as SDPA's math path does)
+# reads bf16 casts of its saved float32 inputs: a fusible cast, which lets the partitioner recompute those inputs
+# (the dropout output of T5's attention is rebuilt from the probabilities and the mask in backward: torch 2.13's
+# partitioner on CPU, where a float32 read by the GEMM counted as materialized predicted T5's compiled step +35%).
+_AUTOCAST_GEMMS = frozenset(("Mm", "Bmm", "Addmm", "Baddbmm", "Addbmm", "Mv", "Addmv", "Dot", "Matmul",
+                             "Convolution"))
 _INF = 1 << 62
 
 
@@ -171,13 +178,17 @@ class _Partition:
                 base = _Graph.base(t.grad_fn) if t.grad_fn is not None else None
                 if base is not None:
                     self.needed.add(base)
-                    if not _fusible(n) and _kind(n) not in _NEVER_MATERIALIZES:
+                    if not _fusible(n) and _kind(n) not in _NEVER_MATERIALIZES and not self._read_cast(n, t):
                         self.materialized.add(base)
                 elif key not in counted:
                     counted.add(key)
                     self.constant[self.block(n)] += _constant_bytes(n, t)
             if probe.masks.bidirectional and any(a in _kind(n) for a in _ATTENTION):
                 self.unfused[self.block(n)] += _unfused_attention_bytes(n)
+
+    def _read_cast(self, node: Any, t: torch.Tensor) -> bool:
+        """Whether `node`'s compiled backward reads `t` through a cast (see _AUTOCAST_GEMMS)."""
+        return self.probe.autocast and t.dtype == torch.float32 and _kind(node) in _AUTOCAST_GEMMS
 
     def block(self, node: Any) -> int:
         """The node's block index, or num_blocks for the ops outside the blocks."""
@@ -318,6 +329,7 @@ class CompiledSavedProbe:
         self._starts: dict[int, list[int]] = defaultdict(list)
         self._result: CompiledSaved | None = None
         self.masks = CompileMasks()  # which masks torch.compile would build (the trace's, set by build.py)
+        self.autocast = False  # whether the traced step ran under bf16 autocast (set by build.py)
 
     def __call__(self, output: Any, sample: Any) -> torch.Tensor:
         loss = self.loss_fn(output, sample) if self.loss_fn is not None else default_loss(output)
