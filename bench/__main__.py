@@ -45,6 +45,7 @@ SUITES: dict[str, str] = {
     "hf-sweep": "bench.hf_sweep",
     "hf-sweep-dist": "bench.hf_sweep_dist",
     "memory-check": "bench.memory_check",
+    "remat-check": "bench.remat_check",
     "step-check": "bench.step_time_check",
     "roofline": "bench.zoo_roofline",
     "exact": "bench.exact_vs_analytic",

@@ -21,6 +21,8 @@ from autopar.cost.memory import _RankParams, _rank_memory, predict_memory, stage
 from autopar.exact import exact_memory
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import profile_model
+from autopar._util.batch import call_model
+from bench.remat_check import partitioner_saved_bytes
 from bench.zoo import build_model, family, make_sample
 from tests.cost._attention import TinyAttention
 from tests._convnets import ConvBlock
@@ -206,60 +208,8 @@ def test_tied_weights_are_counted_once():
 def _aot_saved_bytes(model: nn.Module, sample: torch.Tensor, loss_fn, precision: str) -> int:
     """The bytes inductor's partitioner (torch's min-cut, with inductor's decompositions) saves for backward of
     one step, less the weights and casts of them (autopar counts those apart); traced on fake tensors."""
-    aot = pytest.importorskip("torch._functorch.aot_autograd")
-    partitioners = pytest.importorskip("torch._functorch.partitioners")
-    pytest.importorskip("torch._inductor.lowering")  # the decompositions below read it
-    decomposition = pytest.importorskip("torch._inductor.decomposition")
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    from autopar.profile.cuda_autocast import CudaAutocastPolicy
-    from autopar.profile.flops import flash_like_sdpa
-
-    names = [n for n, _ in model.named_parameters()]
-    buffers = [n for n, _ in model.named_buffers()]
-    graphs = {}
-
-    def fw(gm, _inputs):
-        graphs["fw"] = gm
-        return aot.make_boxed_func(gm.forward)
-
-    def bw(gm, _inputs):
-        return aot.make_boxed_func(gm.forward)
-
-    def step(*flat):
-        params = dict(zip(names + buffers, flat[:-1]))
-        with flash_like_sdpa(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), \
-                (CudaAutocastPolicy("cpu") if precision == "bf16" else torch.autograd.graph.saved_tensors_hooks(
-                    lambda t: t, lambda t: t)):
-            return loss_fn(functional_call(model, params, (flat[-1],)), flat[-1])
-
-    compiled = aot.aot_function(step, fw_compiler=fw, bw_compiler=bw, decompositions=decomposition.select_decomp_table(),
-                                partition_fn=functools.partial(partitioners.min_cut_rematerialization_partition,
-                                                               compiler="inductor"))
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        flat = [torch.empty_like(p, device="cpu").requires_grad_(p.requires_grad) for p in model.parameters()]
-        flat += [torch.zeros_like(b, device="cpu") for b in model.buffers()]
-        # the joint forward and backward is traced at this call: under autocast, as torch.compile traces a step
-        # called under it (its backward GEMMs autocast too)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = compiled(*flat, torch.empty_like(sample, device="cpu"))
-        loss.backward()
-    outputs = next(n for n in graphs["fw"].graph.nodes if n.op == "output").args[0][1:]
-    placeholders = [n for n in graphs["fw"].graph.nodes if n.op == "placeholder"]
-    weights = set(placeholders[:len(names)])
-
-    def from_weights(node) -> bool:
-        return node in weights or (node.op == "call_function" and all(
-            from_weights(a) for a in node.all_input_nodes) and bool(node.all_input_nodes))
-
-    total = 0
-    for node in outputs:
-        val = getattr(node, "meta", {}).get("val")
-        if isinstance(val, torch.Tensor) and node not in placeholders and not from_weights(node):
-            total += val.numel() * val.element_size()
-    return total
+    pytest.importorskip("torch._inductor.lowering")  # the decompositions read it
+    return partitioner_saved_bytes(model, call_model, sample, loss_fn, precision)
 
 
 class _Encoder(nn.Module):
