@@ -7,7 +7,8 @@ shapes, `_saved_*` what its backward reads), with the partitioner's rules:
 
 - compute ops (matmuls, convolutions, attention, embeddings, and ops it has no decomposition for) are never
   recomputed; a tensor a compute op's backward reads (a GEMM's input, for its weight gradient) must exist in
-  backward, so it is saved, not recomputed ("materialized in backward");
+  backward, so it is saved, not recomputed ("materialized in backward"), unless that backward reads it through
+  a cast: a float32 input of a GEMM under bf16 autocast, whose backward autocasts too (`_AUTOCAST_GEMMS`);
 - pointwise ops, casts, views, norms and softmaxes (decomposed into pointwise ops and small reductions) are
   recomputed in backward where that saves bytes; reductions whose output is 4x smaller than their input, and
   random ops (dropout: its mask, a boolean) are saved;
@@ -70,9 +71,8 @@ _NEVER_MATERIALIZES = frozenset(("Cat", "Stack"))  # unfusible producers that in
 # so the backward GEMM of one that ran in float32 in forward (inside an op that upcasts, as SDPA's math path does)
 # reads bf16 casts of its saved float32 inputs: a fusible cast, which lets the partitioner recompute those inputs
 # (the dropout output of T5's attention is rebuilt from the probabilities and the mask in backward: torch 2.13's
-# partitioner on CPU, where a float32 read by the GEMM counted as materialized predicted T5's compiled step +35%).
-_AUTOCAST_GEMMS = frozenset(("Mm", "Bmm", "Addmm", "Baddbmm", "Addbmm", "Mv", "Addmv", "Dot", "Matmul",
-                             "Convolution"))
+# partitioner on CPU; counted as materialized, T5's compiled allocated peak was predicted +35% over the H100's).
+_AUTOCAST_GEMMS = frozenset(("Mm", "Bmm", "Addmm", "Baddbmm", "Addbmm", "Mv", "Addmv", "Dot", "Convolution"))
 _INF = 1 << 62
 
 

@@ -261,7 +261,7 @@ CASES = {
     "BatchNorm CNN (bf16)": (BatchNormCNN, CNN_X, _cnn_loss, "bf16"),
     "LoRA-like (bf16)": (LoraModel, LORA_X, _lora_loss, "bf16"),
     # fp32 GEMMs under autocast: their compiled backward reads bf16 casts of what they saved, so the dropped
-    # probabilities are recomputed, not saved (a rule that saved them predicted T5's compiled step +35% on the GPU)
+    # probabilities are recomputed, not saved (saved, T5's compiled allocated peak was predicted +35% on the GPU)
     "learned attention bias, math SDPA (bf16)": (_BiasedEncoder, LORA_X, _lora_loss, "bf16"),
 }
 
