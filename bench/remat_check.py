@@ -35,10 +35,13 @@ from bench.zoo import ZOO, build_model, family, make_sample
 
 
 def partitioner_saved_bytes(model: nn.Module, call: Callable[[nn.Module, Any], Any], sample: Any,
-                            loss_fn: Callable[[Any, Any], torch.Tensor], precision: str) -> int:
+                            loss_fn: Callable[[Any, Any], torch.Tensor], precision: str,
+                            bf16_weights: tuple[str, ...] = ()) -> int:
     """Bytes torch's partitioner (min-cut, with inductor's decompositions) saves for backward of one step of
     `model` on `sample`, less the weights and casts of them; traced on fake tensors (a meta model works).
-    `call(model, sample)` runs the forward; `precision` "bf16" (autocast, CUDA's float32 list) or "fp32"."""
+    `call(model, sample)` runs the forward; `precision` "bf16" (autocast, CUDA's float32 list) or "fp32";
+    `bf16_weights`: parameters the forward reads through bf16 copies, as autopar's bf16 plans give those autocast
+    does not reach (ModelProfile.bf16_weights: a mixture of experts' batched weights)."""
     from torch._functorch import aot_autograd as aot
     from torch._functorch import partitioners
     from torch._inductor import decomposition
@@ -66,6 +69,8 @@ def partitioner_saved_bytes(model: nn.Module, call: Callable[[nn.Module, Any], A
 
     def step(*flat):
         state = dict(zip(names + buffers, flat[:len(names) + len(buffers)]))
+        for name in bf16_weights if bf16 else ():
+            state[name] = state[name].to(torch.bfloat16)
         values = list(leaves)
         for i, t in zip(tensor_at, flat[len(names) + len(buffers):]):
             values[i] = t
@@ -134,11 +139,32 @@ def check(name: str, batch: int, precision: str = "bf16") -> dict[str, Any]:
     ours = sum(b.compiled_saved_bytes for b in profile.blocks) + profile.compiled_saved_bytes_outside_blocks
     unfused = sum(b.compiled_unfused_bytes for b in profile.blocks)
     start = time.perf_counter()
-    theirs = partitioner_saved_bytes(model, call_model, sample, fam.loss_fn, precision)
+    theirs = partitioner_saved_bytes(model, call_model, sample, fam.loss_fn, precision, tuple(profile.bf16_weights))
     return {"family": name, "batch": batch, "precision": precision, "remat_bytes": ours, "unfused_bytes": unfused,
             "partitioner_bytes": theirs, "eager_bytes": profile.saved_bytes,
             "error_rel": (ours - unfused) / theirs - 1 if theirs else None,
             "profile_s": round(profile_s, 1), "partitioner_s": round(time.perf_counter() - start, 1)}
+
+
+def report(paths: list[str]) -> str:
+    """The Markdown table of one or more JSON-lines files of this suite: one row per family and precision."""
+    rows = [json.loads(line) for path in paths for line in open(path, encoding="utf-8") if line.strip()]
+    stamps = sorted({(r.get("date", "")[:10], r.get("torch", ""), r.get("commit", "")[:7], r.get("command", ""))
+                     for r in rows})
+    out = ["# What a compiled step saves: autopar's replay (autopar.profile.remat) against torch's partitioner", ""]
+    out += [f"{d}, cpu, torch {t}, code {c}: `{cmd}`" for d, t, c, cmd in stamps]
+    out += ["", "MiB saved for backward on fake tensors at each family's realistic size, weights and their casts left "
+            "out; `unfused`: autopar's count of attention calls whose mask only dynamo builds (left out of the error).",
+            "", "| family | precision | batch | autopar MiB | of it unfused | partitioner MiB | eager MiB | error |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if r.get("error_rel") is None:
+            out.append(f"| {r['family']} | {r.get('precision', '-')} | {r['batch']} | - | - | - | - | "
+                       f"{str(r.get('error', ''))[:90]} |")
+            continue
+        mib = [f"{r[k] / 2**20:.1f}" for k in ("remat_bytes", "unfused_bytes", "partitioner_bytes", "eager_bytes")]
+        out.append(f"| {r['family']} | {r['precision']} | {r['batch']} | {' | '.join(mib)} | {r['error_rel']:+.1%} |")
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     ap.add_argument("--bound", type=float, default=0.15, help="the largest |error| that passes")
     ap.add_argument("--out", help="a JSON-lines file to append each family's line to")
+    ap.add_argument("--report", nargs="+", help="print the Markdown table of these JSON-lines files and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.report), end="")
+        return 0
     names = [f.name for f in ZOO if f.unavailable() is None] if args.families == "all" else args.families.split(",")
     meta = stamp()
     missed = []
