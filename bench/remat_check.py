@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from unittest import mock
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -76,10 +77,12 @@ def partitioner_saved_bytes(model: nn.Module, call: Callable[[nn.Module, Any], A
             values[i] = t
         batch = tree_unflatten(values, spec)
         with flash_like_sdpa(), (CudaAutocastPolicy("cpu") if bf16 else contextlib.nullcontext()):
-            out = call(_Functional(model, state, functional_call), batch)
+            # the model with `state` in place of its parameters and buffers
+            out = call(lambda *args, **kwargs: functional_call(model, state, args, kwargs), batch)
             return loss_fn(out, batch)
 
-    compiled = aot.aot_function(step, fw_compiler=fw, bw_compiler=bw, decompositions=decomposition.select_decomp_table(),
+    compiled = aot.aot_function(step, fw_compiler=fw, bw_compiler=bw,
+                                decompositions=decomposition.select_decomp_table(),
                                 partition_fn=functools.partial(partitioners.min_cut_rematerialization_partition,
                                                                compiler="inductor"))
     # torch.compiler.is_compiling() answers True while the step is traced, as under dynamo: a model that checks
@@ -113,17 +116,6 @@ def partitioner_saved_bytes(model: nn.Module, call: Callable[[nn.Module, Any], A
     return total
 
 
-class _Functional:
-    """The model called with `state` in place of its parameters and buffers (torch.func.functional_call), for
-    a `call(model, sample)` that calls it."""
-
-    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor], functional_call: Callable) -> None:
-        self.model, self.state, self.functional_call = model, state, functional_call
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.functional_call(self.model, self.state, args, kwargs)
-
-
 def check(name: str, batch: int, precision: str = "bf16") -> dict[str, Any]:
     """One family: autopar's compiled saved bytes against the partitioner's, and the eager ones beside."""
     from autopar.profile import profile_model
@@ -134,7 +126,8 @@ def check(name: str, batch: int, precision: str = "bf16") -> dict[str, Any]:
     start = time.perf_counter()
     profile = profile_model(model, sample, loss_fn=fam.loss_fn, precision=precision, warn=False)
     profile_s = time.perf_counter() - start
-    if any(b.compiled_saved_bytes is None for b in profile.blocks) or profile.compiled_saved_bytes_outside_blocks is None:
+    if profile.compiled_saved_bytes_outside_blocks is None or \
+            any(b.compiled_saved_bytes is None for b in profile.blocks):
         return {"family": name, "batch": batch, "error": "the profile has no compiled partition"}
     ours = sum(b.compiled_saved_bytes for b in profile.blocks) + profile.compiled_saved_bytes_outside_blocks
     unfused = sum(b.compiled_unfused_bytes for b in profile.blocks)
@@ -148,7 +141,8 @@ def check(name: str, batch: int, precision: str = "bf16") -> dict[str, Any]:
 
 def report(paths: list[str]) -> str:
     """The Markdown table of one or more JSON-lines files of this suite: one row per family and precision."""
-    rows = [json.loads(line) for path in paths for line in open(path, encoding="utf-8") if line.strip()]
+    rows = [json.loads(line) for path in paths for line in Path(path).read_text(encoding="utf-8").splitlines()
+            if line.strip()]
     stamps = sorted({(r.get("date", "")[:10], r.get("torch", ""), r.get("commit", "")[:7], r.get("command", ""))
                      for r in rows})
     out = ["# What a compiled step saves: autopar's replay (autopar.profile.remat) against torch's partitioner", ""]

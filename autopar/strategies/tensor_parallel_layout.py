@@ -252,8 +252,8 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
         for module in parent.modules():
             values = [getattr(module, a, None) for a in _HEAD_ATTRS]
             heads |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
-        split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
-        split |= {id(getattr(owner, name)) for owner, name in per_head_params(named, pair, profile)}
+        split = _split_param_ids(named, [pair]) | {id(getattr(owner, name))
+                                                   for owner, name in per_head_params(named, pair, profile)}
         for owner_name, owner in parent.named_modules():
             if is_norm_layer(owner):  # a norm over a head's width acts per head (its gradient: _sum_grads_over_tp)
                 continue
@@ -264,6 +264,12 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
     return None
 
 
+def _split_param_ids(named: dict[str, nn.Module], pairs: Sequence[TPPair]) -> set[int]:
+    """The ids of the parameters of the pairs' column and row layers (those tensor parallelism splits)."""
+    return {id(t) for pair in pairs for n in (*pair.colwise, pair.rowwise) if n in named
+            for t in named[n].parameters()}
+
+
 def per_head_params(named: dict[str, nn.Module], pair: TPPair, profile: ModelProfile) -> list[tuple[nn.Module, str]]:
     """The trainable parameters of an attention module (its own, or an nn.Embedding's inside it) with one entry per
     query head along their last dim (T5's relative attention bias, GPT-OSS's attention
@@ -272,7 +278,7 @@ def per_head_params(named: dict[str, nn.Module], pair: TPPair, profile: ModelPro
     values. Per-head buffers, and tensors with one entry per key/value head, stay refused."""
     if not pair.attention or pair.parent not in named or not profile.num_heads:
         return []
-    split = {id(t) for n in (*pair.colwise, pair.rowwise) if n in named for t in named[n].parameters()}
+    split = _split_param_ids(named, [pair])
     out = []
     for owner_name, owner in named[pair.parent].named_modules():
         if owner_name and not isinstance(owner, nn.Embedding):  # the attention's own, or a lookup table's
@@ -326,8 +332,7 @@ def _unsplit_param_between_split_layers(named: dict[str, nn.Module], layout: TPL
     own share of the activations only (hf-sweep-dist, 2026-12-06: apertus trained apart under tp=2). Where in the
     module it acts the trace does not say, so it is refused, not summed. The module's own parameters are not looked
     at: a layer scale there (ConvNeXt's, BEiT's) multiplies the row layer's whole output."""
-    split = {id(t) for pair in layout.pairs for n in (*pair.colwise, pair.rowwise) if n in named
-             for t in named[n].parameters()}
+    split = _split_param_ids(named, layout.pairs)
     for pair in layout.pairs:
         if pair.parent not in named:
             continue
