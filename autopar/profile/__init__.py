@@ -6,7 +6,7 @@ written or given gradients, and no activation memory is allocated, so a model of
 profiled on a laptop, including one built on the meta device.
 
 It finds the repeated blocks (the transformer layers), counts parameters per block and outside them,
-finds tied weights, counts forward and backward FLOPs per block (FlopCounterMode), the bytes each block
+finds tied weights, counts forward and backward FLOPs per block (torch's FLOP formulas, flops.FlopTally), the bytes each block
 saves for backward (saved-tensor hooks) and the largest single tensor the step creates.
 
 The package, one job a module: model_profile (the records and their JSON round trip), blocks (structure:

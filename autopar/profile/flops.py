@@ -6,11 +6,14 @@ would run it: flash, or the memory-efficient kernel where CUDA takes it (flash_l
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Any, Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 # The builtin F.scaled_dot_product_attention is, as a TorchFunctionMode receives it (taken from torch._C, so
 # that F's attribute replaced elsewhere does not change what is routed).
@@ -74,6 +77,66 @@ def flop_formulas() -> dict[Any, Callable[..., int]]:
         if hasattr(aten, name + "_backward"):
             out[getattr(aten, name + "_backward")] = _backward_formula
     return out
+
+
+class FlopTally:
+    """The FLOPs of a traced step's ops, in all and by scope, as torch's FlopCounterMode counts them: its formulas
+    (torch.utils.flop_counter's registry, flop_formulas() over it), and an op without one that decomposes
+    (a CompositeImplicitAutograd kernel reaching the dispatch: `to.dtype`, `silu_backward`) run as its pieces and
+    counted by theirs. Without a dispatch mode and module tracker of its own: the trace's StepWatcher runs each op
+    it sees through `run`, in the scope it gives the op (the block; forward and backward alike). The counter's own
+    layer was a quarter of the time `autopar.plan` took on a state-space LM (Mamba-2, 24 blocks of about 1,700 ops
+    each: 9.9 s against 7.3 s without it, 2 CPU cores)."""
+
+    def __init__(self) -> None:
+        formulas = {k: v if getattr(v, "_get_raw", False) else shape_wrapper(v) for k, v in flop_formulas().items()}
+        self.registry: dict[Any, Callable[..., int]] = {**flop_registry, **formulas}
+        self.total = 0  # FLOPs so far
+        self.by_scope: dict[int, int] = defaultdict(int)  # scope -> FLOPs so far
+        self._decomposes: dict[Any, bool] = {}  # op -> whether it has a CompositeImplicitAutograd kernel
+
+    def run(self, func: Any, args: tuple, kwargs: dict, scope: int) -> Any:
+        """`func(*args, **kwargs)`, its FLOPs (or its pieces') counted in `scope`."""
+        formula = self.registry.get(getattr(func, "overloadpacket", None))
+        if formula is None and self._composite(func):
+            with _Pieces(self, scope):
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        if formula is not None:
+            self.add(int(formula(*args, **kwargs, out_val=out)), scope)
+        return out
+
+    def count(self, func: Any, args: tuple, kwargs: dict, out: Any, scope: int) -> None:
+        """The FLOPs of an op run elsewhere (fp32_grouped_mm), counted in `scope`."""
+        formula = self.registry.get(getattr(func, "overloadpacket", None))
+        if formula is not None:
+            self.add(int(formula(*args, **kwargs, out_val=out)), scope)
+
+    def add(self, flops: int, scope: int) -> None:
+        self.total += flops
+        self.by_scope[scope] += flops
+
+    def _composite(self, func: Any) -> bool:
+        known = self._decomposes.get(func)
+        if known is None:
+            key = torch._C.DispatchKey.CompositeImplicitAutograd
+            known = isinstance(func, torch._ops.OpOverload) and func is not torch.ops.prim.device.default and (
+                key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
+            self._decomposes[func] = known
+        return known
+
+
+class _Pieces(TorchDispatchMode):
+    """The pieces of a decomposed op, each run through the tally in the op's scope (FlopTally.run)."""
+
+    def __init__(self, tally: FlopTally, scope: int) -> None:
+        super().__init__()
+        self.tally, self.scope = tally, scope
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.tally.run(func, args, kwargs or {}, self.scope)
 
 
 def matmul_ops() -> set[Any]:

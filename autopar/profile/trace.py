@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
-from torch.utils.flop_counter import FlopCounterMode
 
 from .._util.batch import autocast_outputs, default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs
 from .._util.kv_cache import kv_cache_off_while
@@ -22,7 +21,7 @@ from ..errors import ProfileError, TraceError
 from .allocator import ReplayedSteps, replay_steps
 from .blocks import is_matmul_layer, is_norm_layer
 from .cuda_autocast import CudaAutocastPolicy
-from .flops import flash_like_sdpa, flop_formulas
+from .flops import flash_like_sdpa
 from .hf_masks import CompileMasks
 from .live import Frontier
 from .model_profile import MatmulCall, NormCall, OpGroup
@@ -106,7 +105,7 @@ class StepTrace:
     The model's own tensors are never touched: the step runs through functional_call on fake copies of its
     parameters and buffers (tied ones stay tied). Module hooks record the block stack, Linear-like calls,
     how the first block is called and the modules around the blocks; a saved-tensor hook counts the bytes
-    each block saves for backward; a StepWatcher and a FlopCounterMode watch the ops. `run()` once."""
+    each block saves for backward; a StepWatcher watches the ops (and counts their FLOPs). `run()` once."""
 
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, real_weights: bool = False,
@@ -135,7 +134,6 @@ class StepTrace:
         self.cuda_policy = CudaAutocastPolicy(device.type) if precision == "bf16" and device.type != "cuda" \
             else contextlib.nullcontext()
         self.sdpa = flash_like_sdpa() if device.type == "cpu" else contextlib.nullcontext()
-        self.flop_counter = FlopCounterMode(display=False, custom_mapping=flop_formulas())
         self.watcher = StepWatcher({storage_key(t) for t in self.state.values()},
                                    {tuple(t.shape) for t in self.state.values() if t.dim() >= 2},
                                    len(units), self.running_block, compile_masks=CompileMasks(self.shadows))
@@ -175,7 +173,7 @@ class StepTrace:
 
     def _step(self) -> float:
         """Forward (with the loss) and backward; the forward's FLOPs."""
-        with self.fake_mode, self.flop_counter, self.watcher, self.shadows, self.sdpa, \
+        with self.fake_mode, self.watcher, self.shadows, self.sdpa, \
                 self.watcher.compile_masks.installed():
             # The model's tensors stay swapped for their fake copies through backward as well: a forward that
             # checkpoints (torch.utils.checkpoint) runs its modules again there, and must find the fake ones.
@@ -201,7 +199,7 @@ class StepTrace:
                 # The loop `loss = loss_fn(model(x), y)` drops the model's output once the loss is made: what
                 # backward needs of it is saved; the rest (the logits) is freed before backward runs.
                 del output
-        forward_flops = float(self.flop_counter.get_total_flops())
+        forward_flops = float(self.watcher.flops.total)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ProfileError("loss_fn must return a scalar tensor.")
         self.watcher.label_loss(loss)
@@ -235,13 +233,11 @@ class StepTrace:
                 h.remove()
 
     def _result(self, forward_flops: float) -> Trace:
-        counts = self.flop_counter.get_flop_counts()
-        root = f"{_Swapped.__name__}.model"  # the flop counter names modules from the outermost one called (_step)
         call, w = self.first_call, self.watcher
         gradients = [t.grad for t in self.state.values() if t.grad is not None]
         return Trace(
-            forward_flops=forward_flops, flops=float(self.flop_counter.get_total_flops()),
-            block_flops=tuple(float(sum(counts.get(f"{root}.{name}", {}).values())) for name, _ in self.units),
+            forward_flops=forward_flops, flops=float(w.flops.total),
+            block_flops=tuple(float(w.flops.by_scope.get(i, 0)) for i in range(len(self.units))),
             saved_bytes=tuple(self.saved_bytes), saved_outside_bytes=self.saved_outside_bytes,
             largest_bytes=w.largest_bytes, largest_op=w.largest_op,
             saved_hidden_bytes=tuple(self.saved_hidden_bytes), selective_bytes=tuple(w.selective_bytes),

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .flops import fp32_grouped_mm, matmul_ops
+from .flops import FlopTally, fp32_grouped_mm, matmul_ops
 from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbytes, reduction_loops,
                      storage_key)
 from .hf_masks import CompileMasks
@@ -295,6 +295,7 @@ class StepWatcher(TorchDispatchMode):
         self._after_blocks = False
         self._backward_started = False
         self.fusion = FusionModel()
+        self.flops = FlopTally()  # the step's FLOPs, in all and by scope (block), as torch's FlopCounterMode counts
         self.live = LiveMemory()  # the bytes alive op by op: the eager step's peak (autopar.profile.live)
         # Under autocast (set by the trace: trainable parameters' storages by name), the trainable weights a forward
         # matmul read in float32: autocast did not reach it (a custom op's, an MoE's grouped GEMM)
@@ -307,10 +308,14 @@ class StepWatcher(TorchDispatchMode):
         self.consumers: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
-        out = func(*args, **(kwargs or {})) if out is None else out
-        tensors_in, tensors_out = _tensors((args, kwargs)), _tensors(out)
+        tensors_in = _tensors((args, kwargs))
         scope = self._scope(tensors_in)
+        out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
+        if out is None:
+            out = self.flops.run(func, args, kwargs or {}, scope)
+        else:
+            self.flops.count(func, args, kwargs or {}, out, scope)
+        tensors_out = _tensors(out)
         inputs = [storage_key(t) for t in tensors_in]
         if self.watch_consumers and self.forward and func.namespace != "prim" and \
                 func.overloadpacket.__name__ not in ("detach", "alias"):  # (the trace's own calls)

@@ -155,3 +155,57 @@ def test_dropout_in_training_runs_cudas_fused_kernel_and_keeps_a_boolean_mask():
             F.dropout(x, 0.1, training=False)
             F.dropout(x.detach().clone(), 0.1, training=True, inplace=True)
         assert "native_dropout" not in ops.names
+
+
+class _Tallied(TorchDispatchMode):
+    """Runs every op through a FlopTally in scope 0, as the trace's StepWatcher does."""
+
+    def __init__(self, tally: flops.FlopTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.tally.run(func, args, kwargs or {}, 0)
+
+
+def test_the_tally_counts_a_training_step_as_torchs_flop_counter_does():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def step() -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        x = torch.randn(4, 16)
+        q, k, v = (t.requires_grad_() for t in _qkv())
+        (model(x).square().sum() + F.scaled_dot_product_attention(q, k, v).sum()).backward()
+
+    with FlopCounterMode(display=False, custom_mapping=flops.flop_formulas()) as counter:
+        step()
+    tally = flops.FlopTally()
+    with _Tallied(tally):
+        step()
+    assert tally.total == counter.get_total_flops() > 0
+    assert dict(tally.by_scope) == {0: tally.total}
+
+
+def test_the_tally_counts_an_op_that_decomposes_by_its_pieces():
+    tally = flops.FlopTally()
+    with FakeTensorMode():
+        x, w = torch.empty(4, 16), torch.empty(8, 16)
+        out = tally.run(torch.ops.aten.linear.default, (x, w), {}, 3)  # no formula of its own: mm inside
+    assert tuple(out.shape) == (4, 8)
+    assert tally.total == tally.by_scope[3] == 2 * 4 * 16 * 8
+
+
+def test_identical_blocks_of_an_encoder_decoder_are_counted_alike_and_the_head_outside_them():
+    """Each op's FLOPs go to the block whose forward made its autograd node (the watcher's scope): the decoder's
+    last block gets none of the head's backward (torch's module tracker gave it some), and the blocks with the
+    rest add up to the step."""
+    t = __import__("pytest").importorskip("transformers")
+    cfg = t.BartConfig(vocab_size=64, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                       decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32)
+    model = t.BartForConditionalGeneration(cfg)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    profile = profile_model(model, {"input_ids": ids, "labels": ids}, warn=False)
+    block_flops = [b.flops for b in profile.blocks]
+    assert len(block_flops) == 4
+    assert block_flops[0] == block_flops[1] and block_flops[2] == block_flops[3]  # encoder, decoder
+    assert sum(block_flops) < profile.flops
