@@ -41,6 +41,25 @@ def first_tensor(sample: Any) -> torch.Tensor | None:
     return None
 
 
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """The tensors in `tree` (a tensor, or tuples, lists and dicts of them: what an aten op takes and returns), in
+    order, walked without pytree's general flatten (the trace's dispatch modes call this for every op: pytree's was
+    a tenth of a trace's time)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    out: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            out.append(node)
+        elif isinstance(node, (tuple, list)):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+    return out
+
+
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     """`batch` with `fn` applied to every tensor in it: tensors, tuples, lists, namedtuples and any Mapping
     (dicts and dict-likes such as Hugging Face's BatchEncoding, rebuilt as their own type)."""

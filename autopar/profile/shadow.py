@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._util.batch import tensors_of
+
 MAX_SHADOW_BYTES = 64 * 2**20  # the largest tensor given a shadow; bytes; a bound on the host memory it costs
 _LIFT = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 _VALUE_READ = torch.ops.aten._local_scalar_dense.default
@@ -47,20 +49,21 @@ class InputShadows(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        leaves, spec = tree_flatten((args, kwargs))
-        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         if func in _LIFT:
             out = func(*args, **kwargs)
             self.add(out, args[0])
             return out
+        tensors = tensors_of((args, kwargs))
         shadows = [self._shadow.get(t) for t in tensors]
-        if not all(s is not None for s in shadows):
+        if not all(s is not None for s in shadows):  # the common case: an op of the weights' work
             self._forget_written(func, args)
             try:
                 return func(*args, **kwargs)
             except DynamicOutputShapeException:
                 self.reads += 1
+                leaves, spec = tree_flatten((args, kwargs))
                 return self._shaped_by_the_sample(func, leaves, spec, tensors)
+        leaves, spec = tree_flatten((args, kwargs))
         if func is _VALUE_READ:
             self.reads += 1
             with _disable_current_modes():
@@ -138,7 +141,7 @@ class InputShadows(TorchDispatchMode):
     def _forget_written(self, func: Any, args: tuple) -> None:
         """An op that is not run on shadows and writes into a shadowed tensor makes that shadow stale."""
         schema = getattr(func, "_schema", None)
-        if schema is None:
+        if schema is None or not schema.is_mutable:
             return
         for arg, value in zip(schema.arguments, args):
             if isinstance(value, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write:

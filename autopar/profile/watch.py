@@ -11,10 +11,10 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._util.batch import tensors_of
 from .flops import FlopTally, fp32_grouped_mm, matmul_ops
 from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbytes, reduction_loops,
                      storage_key)
@@ -65,10 +65,6 @@ def _consumer(func: Any, args: Any, kwargs: dict, tensors_out: list[torch.Tensor
         widths = ",".join(str(int(t.shape[dim])) for t in tensors_out if t.dim() >= -dim)
         return f"split {dim} {widths}"
     return name
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 def _dtype_of(tensors: list[torch.Tensor]) -> str:
@@ -130,7 +126,7 @@ class _ComputeOp:
         batch = a.shape[0] if a.dim() == 3 else 1
         m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
         shape = (int(batch), int(m), int(n), int(k))
-        out_t = out if isinstance(out, torch.Tensor) else _tensors(out)[0]
+        out_t = out if isinstance(out, torch.Tensor) else tensors_of(out)[0]
         if self.weights(b):
             grow, dims = 1, (3, 2)
         elif self.weights(a):
@@ -308,14 +304,14 @@ class StepWatcher(TorchDispatchMode):
         self.consumers: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors_in = _tensors((args, kwargs))
+        tensors_in = tensors_of((args, kwargs))
         scope = self._scope(tensors_in)
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
         if out is None:
             out = self.flops.run(func, args, kwargs or {}, scope)
         else:
             self.flops.count(func, args, kwargs or {}, out, scope)
-        tensors_out = _tensors(out)
+        tensors_out = tensors_of(out)
         inputs = [storage_key(t) for t in tensors_in]
         if self.watch_consumers and self.forward and func.namespace != "prim" and \
                 func.overloadpacket.__name__ not in ("detach", "alias"):  # (the trace's own calls)
