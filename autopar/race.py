@@ -198,31 +198,58 @@ def reserve_steps(step_s: float) -> int:
     return min(RESERVE_STEPS, max(least, int(RESERVE_BUDGET_S / step_s)))
 
 
-def _reserve_over_peak(step: Callable[..., None], model: nn.Module, device: torch.device, *, steps: int) -> int | None:
-    """Bytes the caching allocator reserves beyond the allocated peak over `steps` steps from an emptied cache (None
-    where a step raised: out of memory). As in a training loop, the optimizer's state (AdamW's: two tensors of each
-    trainable parameter's shape and dtype) is made after the first step's backward, while its gradients are alive,
-    and is held through the later steps: the blocks it takes out of the cache are what the next forward's
+@dataclass(frozen=True)
+class _ReserveRun:
+    """Steps run from an emptied cache with the optimizer's state made after the first backward (_reserve_run)."""
+
+    reserve_bytes: int  # the allocator's reserved peak over its allocated peak, over the steps
+    step_s: float  # seconds a step, the steps back to back and synchronised once
+    peak_bytes: int  # the allocated peak of the first step's forward and backward, before that state was made
+
+
+def _reserve_run(step: Callable[..., None], model: nn.Module, device: torch.device, *, steps: int) -> _ReserveRun:
+    """`steps` steps from an emptied cache, timed, and the bytes the caching allocator reserves beyond the allocated
+    peak over them; raises what a step raised. As in a training loop, the optimizer's state (AdamW's: two tensors of
+    each trainable parameter's shape and dtype) is made after the first step's backward, while its gradients are
+    alive, and is held through the later steps: the blocks it takes out of the cache are what the next forward's
     activations no longer find there (gemma on an H100: 0.16 GiB reserved over the race's steps without it, 4.04 GiB
     over the training loop's, with 18.7 GiB of state; bench/results/zoo_h100_wrap_2026-12-06e.jsonl)."""
     held: list[torch.Tensor] = []
+    before_state: list[int] = []
 
     def optimizer_state() -> None:
         if not held:
+            before_state.append(torch.cuda.max_memory_allocated(device))
             held.extend(torch.zeros_like(p) for p in model.parameters() if p.requires_grad for _ in range(2))
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
+        start = time.perf_counter()
         for _ in range(steps):
             step(optimizer_state)
         _sync(device)
-        return torch.cuda.max_memory_reserved(device) - torch.cuda.max_memory_allocated(device)
-    except Exception:  # torch.OutOfMemoryError: the reserve stays modelled
-        _drop_grads(model, device)
-        return None
+        step_s = (time.perf_counter() - start) / steps
+        allocated = torch.cuda.max_memory_allocated(device)
+        return _ReserveRun(reserve_bytes=torch.cuda.max_memory_reserved(device) - allocated, step_s=step_s,
+                           peak_bytes=before_state[0] if before_state else allocated)
     finally:
         held.clear()
+
+
+def _reserve_over_peak(step: Callable[..., None], model: nn.Module, device: torch.device, *, steps: int) -> int | None:
+    """Bytes the caching allocator reserves beyond the allocated peak over `steps` steps from an emptied cache
+    (_reserve_run), or None where a step raised (out of memory: the reserve stays modelled)."""
+    try:
+        return _reserve_run(step, model, device, steps=steps).reserve_bytes
+    except Exception:  # torch.OutOfMemoryError
+        _drop_grads(model, device)
+        return None
+
+
+def _reads_reserve(device: torch.device) -> bool:
+    """Whether the race reads the caching allocator's reserve on `device` (CUDA's)."""
+    return device.type == "cuda"
 
 
 def _median(times: list[float]) -> float | None:
@@ -293,12 +320,24 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         # Eager's warm-up step first: its time (an upper bound of a step: it also grows the allocator) sets how
         # many steps a round can afford within TIMED_BUDGET_S.
         use_compiled(model, False)
+        eager_warm_s: float | None = None
         try:
             eager_warm_s = _warm(step, device)
-            per_round = min(per_round, max(1, int(TIMED_BUDGET_S / (ROUNDS * len(modes) * eager_warm_s))))
         except Exception as exc:  # torch.OutOfMemoryError: eager does not run here
             errors[False] = _one_line(exc)
             _drop_grads(model, device)
+        eager_warm_s = _slowest(eager_warm_s, device)  # every rank runs the same steps (a sharded step's collectives)
+        if eager_warm_s is None:
+            errors.setdefault(False, "eager did not run on another rank")
+        else:
+            per_round = min(per_round, max(1, int(TIMED_BUDGET_S / (ROUNDS * len(modes) * eager_warm_s))))
+        # A long step (one a round, and one step all the reserve's reading would run): eager's timed step is that
+        # reading too, from an emptied cache with the optimizer's state made after its backward (_reserve_run; its
+        # allocations and the state's zeros are a few milliseconds of a step of seconds). Where eager is kept, no
+        # step runs after the race: Mamba-2's 4.7 s step on the H200 was timed once and run once more for this.
+        long_eager = eager_warm_s is not None and per_round == 1 and _reads_reserve(device) \
+            and reserve_steps(eager_warm_s) == 1
+        reserves: dict[bool, int] = {}
         # Interleaved rounds, the order turned each round: the host's speed drifts within seconds (bench/NOTES.md),
         # and a drift then weighs on both modes alike. The first round warms the compiled mode up (compiles).
         for r in range(ROUNDS):
@@ -309,6 +348,13 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                 first = warmup if compiled and r == 0 else 0
                 attempt = time.perf_counter()
                 try:
+                    if long_eager and not compiled and r == 0:
+                        run = _reserve_run(step, model, device, steps=1)
+                        measured.setdefault(compiled, []).append(run.step_s)
+                        timed_s += run.step_s
+                        peaks[compiled] = max(peaks.get(compiled, 0), run.peak_bytes)
+                        reserves[compiled] = run.reserve_bytes
+                        continue
                     if first == 0 and device.type == "cuda":  # the peak of timed steps only (not compile's)
                         torch.cuda.reset_peak_memory_stats(device)
                     w, median = _time(step, device, warmup=first, steps=per_round)
@@ -335,8 +381,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         elif has_compiled:
             forget_compiled(model)
         kept_s = compiled_s if keep else eager_s
-        reserve = None
-        if device.type == "cuda" and kept_s is not None:
+        reserve = reserves.get(keep)  # read with a long step's timing (long_eager)
+        if reserve is None and _reads_reserve(device) and kept_s is not None:
             reserve = _reserve_over_peak(step, model, device, steps=reserve_steps(kept_s))
     finally:
         kept.restore(model)

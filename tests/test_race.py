@@ -351,3 +351,45 @@ def test_reserve_steps_are_two_at_least_for_a_step_that_allows_it():
     assert reserve_steps(0.01) == RESERVE_STEPS
     assert reserve_steps(1.0) == 2  # the second step is the first with the optimizer's state resident
     assert reserve_steps(3.0) == 1  # two would take over RESERVE_MAX_S
+
+
+def _fake_allocator(monkeypatch, *, reserved: int, allocated: int) -> None:
+    """torch.cuda's allocator statistics as constants (the race reads them where it reads the reserve)."""
+    for name, value in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
+                        ("max_memory_reserved", lambda device=None: reserved),
+                        ("max_memory_allocated", lambda device=None: allocated)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(race_module, "_reads_reserve", lambda device: True)
+
+
+@pytest.mark.parametrize("backend", [BROKEN, None])
+def test_a_long_eager_step_is_timed_and_read_for_the_reserve_in_one_step(monkeypatch, backend):
+    """A step whose warm-up takes seconds (one step a round, one step all the reserve's reading would run): eager's
+    one timed step is also the reserve's reading, so where eager is kept (compile failed, or the plan does not
+    compile) no step runs after the race; its time, the allocated peak before the optimizer's state and the
+    reserve are the race's."""
+    model = _compiled(backend) if backend else Net()
+    _fake_allocator(monkeypatch, reserved=10 << 20, allocated=7 << 20)
+    monkeypatch.setattr(race_module, "_warm", lambda step, device: 5.0)
+    monkeypatch.setattr(race_module, "TIMED_BUDGET_S", 1e-9)  # the tiny step's one round is the budget, as 5 s are
+    runs: list[int] = []
+    real_run = race_module._reserve_run
+    monkeypatch.setattr(race_module, "_reserve_run", lambda *a, **kw: (runs.append(kw["steps"]), real_run(*a, **kw))[1])
+    timed: list[bool] = []
+    monkeypatch.setattr(race_module, "_time", lambda *a, **kw: (timed.append(True), (0.0, 5.0))[1])
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
+    assert runs == [1] and not result.kept_compiled  # one step, eager's timed step; none after the race
+    assert result.eager_step_s is not None and result.eager_step_s < 5.0  # the tiny step's own time, measured
+    assert result.kept_reserve_bytes == 3 << 20 and result.eager_peak_bytes == 7 << 20
+    assert timed == ([True] if backend else [])  # only the compiled mode's warm-up and timing went through _time
+
+
+def test_a_short_eager_step_has_its_reserve_read_after_the_race(monkeypatch):
+    model = Net()
+    _fake_allocator(monkeypatch, reserved=10 << 20, allocated=7 << 20)
+    monkeypatch.setattr(race_module, "_warm", lambda step, device: 0.01)
+    runs: list[int] = []
+    real_run = race_module._reserve_run
+    monkeypatch.setattr(race_module, "_reserve_run", lambda *a, **kw: (runs.append(kw["steps"]), real_run(*a, **kw))[1])
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
+    assert runs == [race_module.reserve_steps(result.eager_step_s)] and result.kept_reserve_bytes == 3 << 20
