@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from .errors import PlanError
 from .plans import Plan
@@ -300,3 +300,38 @@ def pairs_from_calls(calls: Sequence[MatmulCall], hidden: int, hf_plan: dict[str
                             parts_layout=seen or ("interleaved" if plain else "")))
         i = j + 1
     return pairs
+
+
+# ---- float8 linears (Plan.float8) ------------------------------------------------------------------------------
+#: A linear layer trains in float8 where its GEMMs are large enough for the float8 GEMM's saving to pay for the
+#: casts around it: torchao's H100 tables for tensorwise scaling (torchao/float8/README.md, "Performance"; its
+#: convert_to_float8_training auto-filter) have float8 slower than bf16 for layers of at most 4096 input and 1024
+#: output features. Both must be multiples of 16 (the float8 GEMM, torch._scaled_mm, needs them). The rule is that
+#: table's until a float8 GEMM measurement on the H200 calibrates autopar's own (bench ops, section gemm_fp8).
+FLOAT8_SMALL_IN_FEATURES, FLOAT8_SMALL_OUT_FEATURES = 4096, 1024
+
+
+def float8_converts(in_features: int, out_features: int) -> bool:
+    """Whether a linear layer of these features trains in float8 under a float8 plan (see above)."""
+    if in_features % 16 or out_features % 16:
+        return False
+    return not (in_features <= FLOAT8_SMALL_IN_FEATURES and out_features <= FLOAT8_SMALL_OUT_FEATURES)
+
+
+def float8_layers(linears: Iterable[tuple[str, int, int]], blocks: Sequence[str]) -> tuple[str, ...]:
+    """Of the nn.Linear layers given as (name, in_features, out_features), those a float8 plan converts: inside one
+    of the `blocks` (their names) and float8_converts; not the embeddings, the head or anything outside the blocks,
+    whose precision the loss reads (as torchtitan leaves its output layer)."""
+    inside = tuple(b + "." for b in blocks)
+    return tuple(dict.fromkeys(name for name, fan_in, fan_out in linears
+                               if name.startswith(inside) and float8_converts(fan_in, fan_out)))
+
+
+def float8_weight_shapes(profile: ModelProfile) -> frozenset[tuple[int, int]]:
+    """The (out, in) weight shapes of those layers, each way round (a GEMM record names a weight's two dims in the
+    order its GEMM reads them): how the cost model finds their GEMMs among the trace's records."""
+    calls = {c.name: c for c in profile.matmul_calls if c.kind == "linear"}
+    names = float8_layers(((c.name, c.in_features, c.out_features) for c in calls.values()),
+                          [b.name for b in profile.blocks])
+    shapes = {(calls[n].out_features, calls[n].in_features) for n in names}
+    return frozenset(shapes | {(k, n) for n, k in shapes})

@@ -487,6 +487,8 @@ def short_name(plan: Plan) -> str:
     if plan.checkpointing != "none":
         parts.append(f"ac:{plan.checkpointing}" + (f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""))
     parts.append(plan.precision)
+    if plan.float8:
+        parts.append("fp8")
     if plan.compile:
         parts.append("compile")
     if plan.sequence_parallel:

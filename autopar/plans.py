@@ -248,6 +248,11 @@ class Plan:
                     2: parameters gathered once a step and kept whole across its micro-batches, gradients
                        reduce-scattered every micro-batch (needs reshard_after_forward=False);
                     1: as 2, and gradients accumulated whole, reduce-scattered once after the last micro-batch
+    Precision:
+      precision     "fp32", or "bf16" (autocast; FSDP2's mixed precision where it shards)
+      float8        with bf16: the large linear layers of the blocks train in float8 (torchao's Float8Linear,
+                    tensorwise dynamic scaling; autopar.layout.float8_converts says which); needs torchao and a
+                    GPU with float8 tensor cores (compute capability 8.9 or newer)
     """
 
     pp: int = 1
@@ -266,6 +271,7 @@ class Plan:
     checkpoint_every: int = 1
     precision: str = "fp32"
     compile: bool = False
+    float8: bool = False
     model_fingerprint: str | None = None
     topology_fingerprint: str | None = None
     prediction: Mapping[str, Any] | None = field(default=None, compare=False)
@@ -281,7 +287,7 @@ class Plan:
                 f"this plan has schema version {self.schema_version}; this autopar reads version "
                 f"{SCHEMA_VERSION}. Make the plan again with this autopar (autopar.plan)."
             )
-        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile"):
+        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile", "float8"):
             _check_bool(name, getattr(self, name))
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice("precision", self.precision, PRECISIONS)
@@ -317,6 +323,12 @@ class Plan:
             )
         if self.cpu_offload and self.pp > 1:
             raise PlanError("cpu_offload is not combined with pipeline parallelism; set pp=1 or cpu_offload=False.")
+        if self.float8 and self.precision != "bf16":
+            raise PlanError("float8=True runs the large linear layers' GEMMs in float8 inside bf16 autocast: set "
+                            "precision='bf16', or float8=False.")
+        if self.float8 and self.tp > 1:
+            raise PlanError("float8 linears under tensor parallelism need float8 tensor-parallel styles, which "
+                            "autopar does not apply yet: set tp=1, or float8=False.")
         self._check_zero_stage()
 
     def _check_zero_stage(self) -> None:
@@ -419,6 +431,8 @@ class Plan:
         out = {name: getattr(self, name) for name in _STRATEGY_FIELDS}
         if self.zero_stage != 3:
             out["zero_stage"] = self.zero_stage
+        if self.float8:  # left out when off, as zero_stage at its default: older plans keep their keys
+            out["float8"] = True
         return out
 
     def key(self) -> str:
@@ -435,6 +449,8 @@ class Plan:
             if f.name in ("model_fingerprint", "topology_fingerprint", "prediction", "measurement") and value is None:
                 continue
             if f.name == "zero_stage" and value == 3:  # left out at its default: files an older autopar reads
+                continue
+            if f.name == "float8" and not value:  # the same
                 continue
             out[f.name] = value
         return out
@@ -536,7 +552,8 @@ class Plan:
             )
         every = "" if self.checkpoint_every == 1 else f" (every {_ordinal(self.checkpoint_every)} block)"
         lines.append(f"  checkpointing {self.checkpointing}{every}")
-        lines.append(f"  precision     {self.precision}   compile: {self.compile}")
+        float8 = " + float8 linears" if self.float8 else ""
+        lines.append(f"  precision     {self.precision}{float8}   compile: {self.compile}")
         if self.prediction:
             p = self.prediction
             parts = []

@@ -2,7 +2,8 @@
 
   0. check the plan against the model and the hardware (every refusal says what to change), before
      anything is changed
-  1. float8 swap           (not offered by this version's Plan)
+  1. float8 swap (Plan.float8): the blocks' large nn.Linear layers become torchao's Float8Linear, before
+     anything wraps or shards them (FSDP2 then shards their weights like any other)
   2. pipeline split: keep this rank's stages; other blocks become pass-throughs (before everything
      else, so that later steps only touch what this rank keeps)
   3. tensor parallel (+ sequence parallel) over the "tp" axis: shards the kept blocks' weights as
@@ -33,12 +34,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._util.dist import ensure_single_process_group, world
 from .._util.kv_cache import kv_cache_off_in_training
 from ..errors import PlanError
-from ..layout import sequence_parallel_refusal
+from ..layout import float8_layers, sequence_parallel_refusal
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile
+from .float8 import apply_float8, float8_refusal
 from .fsdp import apply_fsdp
 from .materialize import materialize
 from .mesh import data_shard, dp_mesh
@@ -106,7 +108,15 @@ def apply_plan(
 
     later = fake_mode if fake_mode is not None else contextlib.nullcontext()
     notes: list[str] = []
-    # 1. float8: not offered by this version's Plan.
+    if plan.float8 and (why := float8_refusal(device)) is not None:  # refused before anything changes
+        raise PlanError(why)
+    # 1. float8 linears.
+    if plan.float8:
+        linears = ((name, m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, nn.Linear))
+        converted = apply_float8(model, float8_layers(linears, [b.name for b in profile.blocks]))
+        notes.append(f"float8: {len(converted)} linear layer(s) of the blocks train in float8 (torchao's Float8Linear, "
+                     "tensorwise scaling); " + (f"{converted[0]}, ..." if converted else
+                                                 "none is large enough for it to pay (autopar.layout.float8_converts)"))
     # 2. Pipeline split.
     runtime = None
     if plan.pp > 1:
