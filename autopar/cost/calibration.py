@@ -74,6 +74,15 @@ class Calibration:
     matmul_efficiency: float = 0.79  # model GEMMs' bf16 rate / datasheet peak; ratio; H200 kernel profile (the
     # Linear GEMMs of GPT-2-355M at 8 x 1024 tokens and of Llama-1B at 4 x 2048 tokens ran at 760-770 TFLOP/s;
     # an 8192^3 GEMM alone at 788-812)
+    float8_matmul_efficiency_ratio: float = 0.8  # a float8 GEMM's fraction of the float8 peak / a bf16 GEMM's of the
+    # bf16 peak (Plan.float8); ratio; an assumption, not measured here: the float8 peak is twice bf16's on Hopper
+    # (NVIDIA datasheets) and large float8 GEMMs reach about 1.6x bf16's rate there (torchao's float8
+    # microbenchmarks); replace it by the H200's own (bench ops, section gemm_fp8)
+    float8_cast_bytes: float = 3.5  # bytes a float8 linear's casts move per element of a GEMM's two operands
+    # (Plan.float8, tensorwise scaling); bytes; counted: forward, the input and the weight each read twice (the
+    # absolute maximum, then the cast) in bf16 and written once in float8 (5 a element); backward, the output's
+    # gradient cast likewise (5) and the three float8 operands the backward GEMMs read transposed copied (2 each):
+    # 7 bytes an element of (M x K + N x K + M x N) over the three GEMMs, whose operands sum to twice that
     matmul_half_width: float = 40.0  # GEMM reduction depth at which the efficiency halves; elements; H200 kernel
     # profile (depths 1024 and 2048 ran at the same rate: the loss is small there)
     matmul_rows_half: float = 64.0  # rows (tokens) of a 2048-wide GEMM at which the efficiency halves (the

@@ -8,6 +8,7 @@ and its bytes over the achieved bandwidth (a roofline: depthwise convolutions an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -61,6 +62,11 @@ class Rates:
     grouped_eff: float
     hbm: float  # achieved bytes/s of eager memory-bound kernels
     fused_hbm: float  # achieved bytes/s of inductor's fused kernels
+    float8_peak: float = 0.0  # datasheet dense float8 FLOP/s (Plan.float8; 0: the plan has no float8 linears)
+    float8_eff: float = 0.0  # a float8 GEMM's best fraction of that peak
+    float8_cast_bytes: float = 0.0  # bytes a float8 linear's casts move per element of a GEMM's operands
+    float8_shapes: frozenset = frozenset()  # the (out, in) weight shapes, each way round, of the layers a float8
+    # plan converts (autopar.layout.float8_weight_shapes): only for the blocks' records (`in_blocks`)
 
     @classmethod
     def of(cls, device: DeviceSpec, plan: Plan, cal: Calibration, *, trace_precision: str = "bf16") -> "Rates":
@@ -93,7 +99,14 @@ class Rates:
                    masked_attention=cal.masked_attention_factor, fp32_attention_eff=cal.fp32_attention_efficiency,
                    grouped_eff=cal.grouped_gemm_efficiency,
                    hbm=device.hbm_bytes_per_s * cal.memory_efficiency,
-                   fused_hbm=device.hbm_bytes_per_s * cal.fused_memory_efficiency)
+                   fused_hbm=device.hbm_bytes_per_s * cal.fused_memory_efficiency,
+                   float8_peak=device.peak_flops("fp8") if plan.float8 and device.supports("fp8") else 0.0,
+                   float8_eff=cal.matmul_efficiency * arch.efficiency_ratio * cal.float8_matmul_efficiency_ratio,
+                   float8_cast_bytes=cal.float8_cast_bytes)
+
+    def with_float8(self, shapes: frozenset) -> "Rates":
+        """These rates for the blocks' records of a float8 plan: the GEMMs of weights of these shapes in float8."""
+        return dataclasses.replace(self, float8_shapes=shapes) if self.float8_peak else self
 
 
 @dataclass(frozen=True)
@@ -172,6 +185,8 @@ def group_time(group: OpGroup, batch_scale: float, split: TPSplit, rates: Rates,
 
 
 def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffic_scale: float) -> OpsTime:
+    if r.kind == "gemm" and rates.float8_shapes and _weight_shape(r) in rates.float8_shapes:
+        return _float8_gemm_time(r, scale, split, rates)
     if r.kind in COMPUTE_KINDS:
         shape, flops, nbytes = _scaled(r, scale, split)
         fp32 = r.kind == "grouped_gemm" and (r.dtype == "float32" or rates.fp32_weights)
@@ -204,6 +219,28 @@ def _record_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates, traffi
     seconds = r.bytes * (scale if grows else 1.0) * traffic_scale / (rates.fused_hbm if fused else rates.hbm)
     return OpsTime(memory_backward_s=seconds, launches=r.count, backward_launches=r.count) if r.backward else \
         OpsTime(memory_forward_s=seconds, launches=r.count)
+
+
+def _weight_shape(r: OpRecord) -> tuple[int, ...]:
+    """The (out, in) or (in, out) shape of the weight a GEMM record reads or makes (its weight_dims), else ()."""
+    return tuple(int(r.shape[i]) for i in r.weight_dims) if len(r.weight_dims) == 2 else ()
+
+
+def _float8_gemm_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates) -> OpsTime:
+    """A float8 linear's GEMM (Plan.float8): its FLOPs at the float8 rate (the bf16 GEMM's shape factors), and the
+    casts of its two operands (float8_cast_bytes an element: the absolute maximum, the cast, the transposed copies)
+    at the memory-bound bandwidth, fused when compiled; two more kernels a GEMM (the scale, the cast)."""
+    shape, flops, _ = _scaled(r, scale, split)
+    b, m, n, k = shape
+    frac = gemm_fraction(k, b * m * n, rates.float8_eff, rates.gemm_half, rates.out_half)
+    gemm_s = r.count * (flops / r.count) / (rates.float8_peak * frac) if flops else 0.0
+    operands = r.count * (b * m * k + b * k * n)  # elements the GEMM reads: both operands, each call
+    cast_s = rates.float8_cast_bytes * operands / (rates.fused_hbm if rates.compiled else rates.hbm)
+    launches = 3.0 * r.count
+    if r.backward:
+        return OpsTime(compute_backward_s=gemm_s, memory_backward_s=cast_s, launches=launches,
+                       backward_launches=launches)
+    return OpsTime(compute_forward_s=gemm_s, memory_forward_s=cast_s, launches=launches)
 
 
 def _kernels_per_call(kind: str, shape: list[float], rates: Rates, backward: bool, fp32: bool) -> float:

@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import Mapping
 
-from ..layout import pairs_from_calls, split_stages, stage_ids
+from ..layout import float8_weight_shapes, pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
 from ..profile import ModelProfile
 from ..profile.model_profile import OpGroup
@@ -134,12 +134,15 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
                         1.0 if compiled else cal.eager_traffic_factor)
              for compiled in {plan.compile, whole, False}}
 
-    def timed(group: OpGroup, split: TPSplit, compiled: bool) -> _Group:
+    float8 = float8_weight_shapes(prof) if plan.float8 else frozenset()  # the blocks' float8 linears' weights
+
+    def timed(group: OpGroup, split: TPSplit, compiled: bool, in_blocks: bool = False) -> _Group:
         rates, host, traffic = modes[compiled]
+        rates = rates.with_float8(float8) if in_blocks and float8 else rates
         return _Group(group_time(group, scale, split, rates, traffic_scale).memory_times(traffic), host)
 
     groups = [g for g in (prof.ops_of("blocks", i) for i in blocks) if g is not None]
-    per_block = {id(g): timed(g, inside, plan.compile) for g in groups}  # equal blocks: one group, timed once
+    per_block = {id(g): timed(g, inside, plan.compile, in_blocks=True) for g in groups}  # equal blocks: timed once
     work = OpsTime()
     for key, count in collections.Counter(id(g) for g in groups).items():
         work = work + per_block[key].ops.times(count)

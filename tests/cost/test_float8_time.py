@@ -1,0 +1,61 @@
+"""The cost model's float8 linears (Plan.float8): the GEMMs of the blocks' layers float8_converts picks run at the
+float8 rate and pay their casts; nothing else changes. On a GEMM-bound model with large layers a compiled float8
+plan is predicted faster than bf16; a model with no such layer is predicted exactly as bf16; the casts make an
+eager float8 step pay more of its saving than a compiled one; a GPU without float8 keeps bf16's time."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import autopar
+from autopar.cost import Calibration, predict_profile
+from autopar.layout import float8_weight_shapes
+from autopar.models.llama import Llama, LlamaConfig, lm_loss
+from autopar.profile import profile_model
+
+H200 = autopar.Topology.from_spec("1xH200")
+
+
+@functools.lru_cache(maxsize=None)
+def _traced(hidden: int, ffn: int):
+    cfg = LlamaConfig(vocab_size=512, seq_len=1024, num_layers=2, hidden_dim=hidden, num_heads=4, num_kv_heads=4,
+                      ffn_dim=ffn)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    sample = torch.randint(0, 512, (8, 1024))  # 8,192 tokens: the GEMMs' M
+    return (profile_model(model, sample, loss_fn=lm_loss, graphs=False),
+            {"bf16": profile_model(model, sample, loss_fn=lm_loss, precision="bf16", graphs=False)})
+
+
+def _step_s(hidden: int, ffn: int, topology=H200, **plan) -> float:
+    profile, variants = _traced(hidden, ffn)
+    return predict_profile(profile, autopar.Plan(precision="bf16", micro_batch_size=8, **plan), topology,
+                           Calibration(), variants=variants).step_s
+
+
+def test_large_linear_layers_are_predicted_faster_in_float8_compiled():
+    # ffn 8192 > 1024 outputs: the gate and up projections convert; the down projection (8192 in) too
+    assert float8_weight_shapes(_traced(2048, 8192)[1]["bf16"])
+    bf16, float8 = _step_s(2048, 8192, compile=True), _step_s(2048, 8192, compile=True, float8=True)
+    assert float8 < 0.97 * bf16
+
+
+def test_a_model_without_a_layer_worth_converting_is_predicted_as_bf16():
+    assert not float8_weight_shapes(_traced(256, 512)[1]["bf16"])
+    assert _step_s(256, 512, compile=True, float8=True) == pytest.approx(_step_s(256, 512, compile=True), rel=1e-12)
+
+
+def test_the_casts_cost_eager_more_than_compiled():
+    eager = _step_s(2048, 8192) - _step_s(2048, 8192, float8=True)
+    compiled = _step_s(2048, 8192, compile=True) - _step_s(2048, 8192, compile=True, float8=True)
+    assert compiled > eager  # the same GEMMs saved; eager's casts at the unfused bandwidth, more launches
+
+
+def test_a_gpu_without_float8_keeps_the_bf16_time():
+    a100 = autopar.Topology.from_spec("1xA100-SXM-80GB")
+    assert _step_s(2048, 8192, a100, compile=True, float8=True) == pytest.approx(
+        _step_s(2048, 8192, a100, compile=True), rel=1e-12)
