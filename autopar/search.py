@@ -16,6 +16,9 @@ Pruned as dominated, never predicted for time:
   keeps compiled plans only (the tuner's `--compiled-only`). A model whose forward reads tensor values
   (`ModelProfile.value_reads`: torch.compile's graph breaks there, which the cost model cannot price) gets
   no compiled plans, unless `eager=False` or `measured=True` (the tuner, which runs its candidates).
+  The tuner's search (`measured=True`, torchao installed) has float8 twins of the bf16 plans too
+  (Plan.float8, on GPUs with float8 tensor cores); wrap and `autopar.plan` do not offer them until a float8
+  step has been measured on the H200 against its prediction.
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
   (none < selective < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without resharding
   after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
@@ -212,13 +215,14 @@ def breaks_cut_blocks(profile: ModelProfile) -> bool:
 
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
                     loop: Loop | str = Loop.PLAIN, offload: bool = False, compile_available: bool = True,
-                    eager: bool = True, measured: bool = False) -> Iterator[Plan]:
+                    eager: bool = True, measured: bool = False, float8: bool = False) -> Iterator[Plan]:
     """Every plan the search considers (see the module docstring). Accumulation and tensor parallelism only
     where `loop` runs them (Loop.ACCUMULATES, Loop.TRAIN_STEP), pipelines only under Loop.TRAIN_STEP; CPU
     offload only with `offload`; eager plans beside compiled ones (where compile is available) unless
     `eager=False` (compiled ones only: compile is not always faster, on a GPU or in the cost model). A model
     whose forward reads tensor values (`profile.value_reads`: torch.compile's graph breaks there, which the cost
     model cannot price) gets no compiled plans, unless `eager=False` or `measured` (the tuner, which runs them).
+    `float8`: bf16 plans have float8 twins (Plan.float8, tp=1) on a GPU with float8 tensor cores.
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
@@ -234,6 +238,10 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # (bench/results/zoo_h200_2026-12-01.jsonl), so the prediction decides between the two.
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") else ["fp32"]
     compiles = ([False, True] if eager else [True]) if topology.is_gpu and compile_available else [False]
+    # float8 linears (Plan.float8) beside bf16 where asked (`float8`: the tuner, which measures its candidates,
+    # on a GPU with float8 tensor cores and torchao installed): the cost model prices them, but no float8 step
+    # has been measured on the H200 yet, so wrap and autopar.plan do not choose them on the prediction alone.
+    floats8 = [("bf16", True)] if float8 and "bf16" in precisions and topology.device.supports("fp8") else []
     if eager and not measured and (profile.value_reads or breaks_cut_blocks(profile)):
         # A forward that reads tensor values (`.item()`, `if tensor:`, ops shaped by values) breaks
         # torch.compile's graph there, and how often the pieces run (per layer, per step) is not in the trace:
@@ -270,16 +278,18 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                             schedules += [("interleaved_1f1b", 2), ("zero_bubble", 2)]
                     for schedule, per_rank in schedules:
                         for ckpt in ("none", "selective", "full"):
-                            for precision in precisions:
+                            for precision, f8 in [(p, False) for p in precisions] + floats8:
                                 for compile_ in compiles:
                                     for sp in ([True] if tp > 1 and sp_ok else [False]):
+                                        if f8 and tp > 1:
+                                            continue  # float8 linears under TP: not applied yet (Plan refuses)
                                         for reshard, zero in _gather_schedules(shard, accum, pp, offload, loop):
                                             yield Plan(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
                                                        micro_batch_size=mb, grad_accum=accum, pp_schedule=schedule,
                                                        pp_stages_per_rank=per_rank, reshard_after_forward=reshard,
                                                        zero_stage=zero, cpu_offload=offload, sequence_parallel=sp,
                                                        checkpointing=ckpt, precision=precision, compile=compile_,
-                                                       **fingerprints)
+                                                       float8=f8, **fingerprints)
 
 
 def _gather_schedules(shard: int, accum: int, pp: int, offload: bool, loop: Loop) -> list[tuple[bool, int]]:
@@ -318,6 +328,8 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     some plan needs are read."""
     world_size = world_size or topology.world_size
     cal = calibration or Calibration()
+    # float8 plans for the tuner, which runs them here: torchao must import
+    float8 = measured and importlib.util.find_spec("torchao") is not None
     # Compile for GPUs elsewhere (a spec); for the GPUs here only if Triton, inductor's GPU backend, is installed.
     compile_available = topology.source != "detected" or importlib.util.find_spec("triton") is not None
     budget = headroom * topology.device.memory_bytes
@@ -325,8 +337,8 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     for offload in ((False, True) if topology.is_gpu else (False,)):
         groups: dict[tuple, list[Plan]] = {}
         for plan in enumerate_plans(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
-                                    loop=loop, offload=offload,
-                                    compile_available=compile_available, eager=eager, measured=measured):
+                                    loop=loop, offload=offload, compile_available=compile_available, eager=eager,
+                                    measured=measured, float8=float8):
             groups.setdefault(_group_key(plan), []).append(plan)
         memories: dict[int, MemoryPrediction] = {}  # id(plan that fits) -> its memory, computed once
         for plans in groups.values():

@@ -59,3 +59,23 @@ def test_a_gpu_without_float8_keeps_the_bf16_time():
     a100 = autopar.Topology.from_spec("1xA100-SXM-80GB")
     assert _step_s(2048, 8192, a100, compile=True, float8=True) == pytest.approx(
         _step_s(2048, 8192, a100, compile=True), rel=1e-12)
+
+
+def test_only_the_tuners_search_has_float8_plans_and_only_on_a_gpu_with_float8(monkeypatch):
+    import importlib.util
+
+    from autopar.search import search
+
+    profile, variants = _traced(2048, 8192)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
+
+    def float8_plans(topology, measured):
+        ranked = search(profile, autopar.Topology.from_spec(topology), global_batch_size=8, variants=variants,
+                        measured=measured)
+        return [c.plan for c in ranked if c.plan.float8]
+
+    tuned = float8_plans("1xH200", True)
+    assert tuned and all(p.precision == "bf16" and p.tp == 1 for p in tuned)
+    assert not float8_plans("1xH200", False)  # wrap and autopar.plan: not on the prediction alone
+    assert not float8_plans("1xA100-SXM-80GB", True)  # no float8 tensor cores
