@@ -152,6 +152,32 @@ def bench_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
     return out
 
 
+def bench_fp8_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
+    """float8 GEMMs as a float8 linear runs them (torch._scaled_mm, e4m3 operands with tensorwise scales, bf16
+    output; the second operand column-major, as cuBLAS needs), over the bf16 grid's shapes: the rate the cost
+    model's float8_matmul_efficiency_ratio stands for (Plan.float8). Each beside the same shape's bf16 GEMM, timed
+    in the same section (their ratio is what the calibration reads); kind "gemm_fp8" for both, which the bf16
+    fit leaves out."""
+    out = []
+    shapes = [(m, n, k) for m in s["GEMM_M"] for n in s["GEMM_N"] for k in s["GEMM_K"]] + list(s["GEMM_EXTRA"])
+    one = torch.ones((), device=dev)
+    for m, n, k in shapes:
+        if m % 16 or n % 16 or k % 16:
+            continue
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # b8: k x n, column-major
+        for dtype, fn in (("bfloat16", lambda: a @ b.t()),
+                          ("float8_e4m3fn", lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))):
+            sec = timer(fn)
+            if sec is not None:
+                elem = 2 if dtype == "bfloat16" else 1
+                out.append(dict(kind="gemm_fp8", shape=[1, m, n, k], dtype=dtype, flops=2.0 * m * n * k,
+                                bytes=(m * k + n * k) * elem + m * n * 2, seconds=sec, batch_dim=1))
+        del a, b, a8, b8
+    return out
+
+
 def bench_fp32_gemms(timer: Timer, dev: torch.device, s: dict) -> list[dict]:
     """fp32 GEMMs (TF32 off, as torch's default) over output sizes and depths: M rows x (N, K), and K = M
     (a weight gradient's depth: the tokens)."""
@@ -581,6 +607,7 @@ def measure(args: argparse.Namespace) -> int:
         f.write(json.dumps(header) + "\n")
         sections = (("gemm", lambda: bench_gemms(timer, dev, shapes)),
                     ("gemm_fp32", lambda: bench_fp32_gemms(timer, dev, shapes)),
+                    ("gemm_fp8", lambda: bench_fp8_gemms(timer, dev, shapes)),
                     ("bmm_attention", lambda: bench_bmm(timer, dev, shapes)),
                     ("grouped_gemm_fp32", lambda: bench_fp32_grouped(timer, dev, shapes)),
                     ("conv", lambda: bench_convs(timer, dev, shapes, 2 if args.quick else 64)),

@@ -7,6 +7,7 @@ For each family of bench/zoo.py at its realistic size and batch, the model built
                 AdamW (fused where the plan allows)
   plan_eager    autopar.wrap with the plan given: one GPU, bf16, micro-batch = the batch, eager
   plan_compile  the same, compiled (the two plans wrap chooses between on one GPU)
+  plan_float8   the same compiled, with float8 linears (Plan.float8; needs torchao there: `.whl-fp8`)
 each timed over `--steps` steps after `--warmup`, more where they last under `--min-timed-s` (the median of
 per-step CUDA-event times), with the steady
 state's torch.cuda.max_memory_allocated / max_memory_reserved and the CUDA context (device memory in use
@@ -53,7 +54,7 @@ from bench._common import host_op_us, kernel_kind, results_path
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
-MODES = ("hand", "hand_compile", "hand_bf16", "wrap", "rewrap", "plan_eager", "plan_compile")
+MODES = ("hand", "hand_compile", "hand_bf16", "wrap", "rewrap", "plan_eager", "plan_compile", "plan_float8")
 #: "hand_bf16": the other hand recipe, the model's weights cast to bf16 (`model.to(torch.bfloat16)`; no autocast, no
 #: fp32 master weights; eager): matmuls autocast does not reach (a custom op's, e.g. an MoE's experts in
 #: transformers' grouped_mm fallback) run in bf16 there; not an autopar plan, so not in the must-show's "best".
@@ -61,7 +62,7 @@ MODES = ("hand", "hand_compile", "hand_bf16", "wrap", "rewrap", "plan_eager", "p
 #: wrap's own cache (autopar/wrap_cache.py) then gives the plan, and `wrap_s` is the cached start-up (no steps are
 #: timed: they are "wrap"'s).
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
-PLAN_MODES = {"plan_eager": False, "plan_compile": True}  # mode: compiled
+PLAN_MODES = {"plan_eager": False, "plan_compile": True, "plan_float8": True}  # mode: compiled
 # the modes that run one GPU's bf16 plan at the family's batch: mode -> compiled
 ONE_GPU_MODES = {"hand": False, "hand_compile": True, **PLAN_MODES}
 MAX_TIMED_STEPS = 200  # --min-timed-s's most timed steps
@@ -313,9 +314,10 @@ def clean(device: str) -> None:
 
 
 # ---- what autopar predicts -----------------------------------------------------------------------------
-def hand_plan(batch: int, *, compiled: bool) -> autopar.Plan:
-    """The hand recipe as an autopar plan: one GPU, bf16 autocast with fp32 master weights, no checkpointing."""
-    return autopar.Plan(micro_batch_size=batch, precision="bf16", compile=compiled)
+def hand_plan(batch: int, *, compiled: bool, float8: bool = False) -> autopar.Plan:
+    """The hand recipe as an autopar plan: one GPU, bf16 autocast with fp32 master weights, no checkpointing (and
+    float8 linears where asked: the plan_float8 mode)."""
+    return autopar.Plan(micro_batch_size=batch, precision="bf16", compile=compiled, float8=float8)
 
 
 def prediction_fields(summary: dict[str, Any] | None, context_bytes: float) -> dict[str, Any]:
@@ -446,7 +448,8 @@ class Measurement:
 
     def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
         """wrap's own choice (mode "wrap"), or the plan a plan mode names."""
-        given = hand_plan(rec["batch"], compiled=PLAN_MODES[mode]) if mode in PLAN_MODES else None
+        given = hand_plan(rec["batch"], compiled=PLAN_MODES[mode], float8=mode == "plan_float8") \
+            if mode in PLAN_MODES else None
         t0 = time.perf_counter()
         autopar.wrap(model, sample=sample, plan=given, loss_fn=self.family.loss_fn, verbose=False)
         rec["wrap_s"] = round(time.perf_counter() - t0, 3)
