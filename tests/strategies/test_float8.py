@@ -71,6 +71,11 @@ class _Net(nn.Module):
         return self.out(x)
 
 
+def batch_of(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 32, generator=g), torch.randn(n, 8, generator=g)
+
+
 def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, float8: bool, steps: int = 5):
     def loss_fn(out, _):
         return (out.float() - y).square().mean()
@@ -124,3 +129,25 @@ def test_a_float8_plan_without_torchao_is_refused_in_one_line_before_anything_ch
     assert "\n" not in str(err.value)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_float8_under_fsdp_on_two_processes_trains_as_one_process_does(tmp_path):
+    """dp_shard=2: the float8 layers' weights sharded by FSDP2 (converted first: apply_plan's step 1), each rank
+    on its half of the batch; the mean of the ranks' losses follows one process's float8 run on the whole batch
+    (each rank scales its own half of the inputs: float8 rounds a little differently), and the first block's up
+    weight ends where one process's does."""
+    pytest.importorskip("torchao")
+    import json
+
+    from tests.distributed._launch import torchrun
+
+    torchrun("tests/strategies/_float8_fsdp_worker.py", 2, [str(tmp_path)], cache_dir=tmp_path / "cache")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["layers"] == [f"layers.{i}.up" for i in range(3)] and r["sharded"] for r in ranks)
+    torch.manual_seed(0)
+    x, y = batch_of(16)
+    one, losses, _ = _train(_Net(), x, y, float8=True, steps=3)
+    for step, want in enumerate(losses):
+        assert (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2 == pytest.approx(want, rel=2e-2)
+    got, want = torch.tensor(ranks[0]["up"]), one.layers[0].up.weight.detach()
+    assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
