@@ -86,7 +86,8 @@ def profile_model(
             notes.append(f"the forward reads tensor values {t.value_reads} time(s) (.item(), `if tensor:`, ops "
                          "shaped by values): torch.compile breaks its graph there, which the cost model cannot "
                          "price, so compiled plans are chosen only by measuring them (autopar tune)")
-        counted = dynamo_graphs(model, sample, blocks_path=blocks_path if repeated else None) \
+        containers = (blocks_path,) if blocks_path else tuple(dict.fromkeys(n.rpartition(".")[0] for n, _ in units))
+        counted = dynamo_graphs(model, sample, blocks_path=containers if repeated else None) \
             if graphs and not t.value_reads else None
         in_blocks = None if counted is None else counted.in_forward_of(m for _, m in units)
         if counted is not None and counted.num_breaks:

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -60,60 +60,87 @@ class GraphCount:
         return max(self.num_graphs - 1, 0)
 
 
-#: A stack of at least this many blocks of one class is counted at depths 1 and 2 and extended (`_shallow_count`).
+#: A stack of at least this many blocks of one class is counted at depths 1 and 2 and extended (`_shallow_count`)...
 SHALLOW_FROM_BLOCKS = 4
+#: ... where such stacks hold at least this many blocks in all: each capture costs seconds of dynamo's own whatever
+#: the depth, so two or three shallow ones pay only for a deep model (2 CPU cores: BART's 6 + 6 blocks 2.7 s at full
+#: depth, 3.4 s shallow; T5's 12 + 12 6.6 s and 4.1 s; Mamba-2's 24 21 s and 2.5 s).
+SHALLOW_FROM_TOTAL_BLOCKS = 16
 
 
 def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_cpu: bool = False,
-                  blocks_path: str | None = None) -> GraphCount | None:
+                  blocks_path: str | Sequence[str] | None = None) -> GraphCount | None:
     """The graphs dynamo captures of `model(sample)`'s forward (no grad), or None where that is not known: the
     model's tensors are on a CPU (unless `real_cpu`: a real forward there) or on several kinds of device, or
     dynamo itself failed (e.g. a value read on meta tensors, which the trace counts as `value_reads` anyway).
 
-    `blocks_path`: the container of the model's repeated blocks (`find_blocks`). Where it holds at least
-    SHALLOW_FROM_BLOCKS blocks of one class, dynamo captures the forward with the first block, then the first two,
-    in the container's place, and the count is extended to the full depth (each block cuts the forward the same
-    number of times; dynamo unrolls the loop over them, so its time grows with the depth: mamba2's 24 blocks took
-    21 s at full depth on 2 cores); a count that does not fit that (fewer graphs with two blocks than with one, or
-    dynamo failing at either depth) is made at full depth."""
+    `blocks_path`: the container(s) of the model's repeated blocks (`find_blocks`'s path, or, for blocks in
+    several containers, an encoder's and a decoder's, each one's path). Where they hold at least
+    SHALLOW_FROM_BLOCKS blocks of one class each, SHALLOW_FROM_TOTAL_BLOCKS in all, dynamo captures the forward with the first block of each such
+    container, then with the first two of each (of one container at a time where their lengths differ), in the
+    containers' places, and the count is extended to the full depths (each block of a container cuts the forward the same number of times; dynamo
+    unrolls the loops over them, so its time grows with the depth: mamba2's 24 blocks took 21 s at full depth on
+    2 cores, T5's 12 + 12 blocks 6.7 s); a count that does not fit that (fewer graphs with two blocks than with
+    one, or dynamo failing at any depth) is made at full depth."""
     device = _probe_device(model, real_cpu=real_cpu)
     if device is None:
         return None
-    if blocks_path is not None:
-        shallow = _shallow_count(model, sample, blocks_path, device, max_reasons)
+    paths = (blocks_path,) if isinstance(blocks_path, str) else tuple(blocks_path or ())
+    if paths:
+        shallow = _shallow_count(model, sample, paths, device, max_reasons)
         if shallow is not None:
             return shallow
     return _explained(model, sample, device, max_reasons)
 
 
-def _shallow_count(model: nn.Module, sample: Any, path: str, device: torch.device, max_reasons: int
-                   ) -> GraphCount | None:
-    """The full-depth count from captures at depths 1 and 2 (see dynamo_graphs), or None where it cannot be made."""
+def _stack_of(model: nn.Module, path: str) -> tuple[nn.Module, str, nn.Module] | None:
+    """(its parent, its name there, the container) of a container of blocks that a shallow capture may shorten:
+    torch's own containers only (a subclass may have a forward of its own), of at least SHALLOW_FROM_BLOCKS blocks
+    of one class; None for any other."""
     parent_path, _, name = path.rpartition(".")
     try:
         parent = model.get_submodule(parent_path) if parent_path else model
     except AttributeError:
         return None
     stack = parent._modules.get(name)
-    # torch's own containers only (a subclass may have a forward of its own), of blocks of one class
     if type(stack) not in (nn.ModuleList, nn.Sequential) or len(stack) < SHALLOW_FROM_BLOCKS \
             or len({type(m) for m in stack}) != 1:
         return None
-    counts = []
-    try:
-        for depth in (1, 2):
+    return parent, name, stack
+
+
+def _shallow_count(model: nn.Module, sample: Any, paths: Sequence[str], device: torch.device, max_reasons: int
+                   ) -> GraphCount | None:
+    """The full-depth count from captures at depth 1 and 2 (see dynamo_graphs), or None where it cannot be made."""
+    stacks = [s for s in (_stack_of(model, p) for p in dict.fromkeys(paths)) if s is not None]
+    if sum(len(stack) for _, _, stack in stacks) < SHALLOW_FROM_TOTAL_BLOCKS:
+        return None
+
+    def captured(depths: list[int]) -> GraphCount | None:
+        for (parent, name, stack), depth in zip(stacks, depths):
             first = list(stack)[:depth]  # the same block objects, fewer of them
             parent._modules[name] = nn.ModuleList(first) if type(stack) is nn.ModuleList else nn.Sequential(*first)
-            counts.append(_explained(model, sample, device, max_reasons))
-            if counts[-1] is None:  # the forward cannot run with fewer blocks (it indexes them, say)
-                return None
+        return _explained(model, sample, device, max_reasons)
+
+    # Containers of one length (an encoder's and a decoder's) grow together: their blocks' breaks add up alike at
+    # every depth, so two captures say it all (each capture costs seconds of dynamo's own, whatever the depth);
+    # of different lengths, each grows alone from the one-block capture.
+    lengths = {len(stack) for _, _, stack in stacks}
+    grown = [[2] * len(stacks)] if len(lengths) == 1 else \
+        [[2 if j == i else 1 for j in range(len(stacks))] for i in range(len(stacks))]
+    try:
+        one = captured([1] * len(stacks))
+        twos = [captured(depths) for depths in grown] if one is not None else []
     finally:
-        parent._modules[name] = stack
-    one, two = counts
-    if two.num_graphs < one.num_graphs:
-        return None
-    per_block = two.num_graphs - one.num_graphs
-    return dataclasses.replace(two, num_graphs=one.num_graphs + (len(stack) - 1) * per_block)
+        for parent, name, stack in stacks:
+            parent._modules[name] = stack
+    if one is None or any(two is None or two.num_graphs < one.num_graphs for two in twos):
+        return None  # the forward cannot run with fewer blocks (it indexes them, say), or the count does not fit
+    added = [len(stack) - 1 for _, _, stack in stacks]  # blocks beyond the first, per container
+    total = one.num_graphs + (added[0] * (twos[0].num_graphs - one.num_graphs) if len(lengths) == 1 else
+                              sum(n * (two.num_graphs - one.num_graphs) for n, two in zip(added, twos)))
+    most = max(twos, key=lambda two: two.num_graphs)  # its reasons and sites: a break of every kind the blocks make
+    return dataclasses.replace(most, num_graphs=total)
 
 
 def _explained(model: nn.Module, sample: Any, device: torch.device, max_reasons: int) -> GraphCount | None:

@@ -1,5 +1,6 @@
 """autopar.profile.graphs: dynamo's own count of the forward's graphs, and what the search does with it."""
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -66,10 +67,10 @@ class _Layer(nn.Module):
 class _Stack(nn.Module):
     """Six same-structure layers; dynamo cut in every layer, or once before the layers, or not at all."""
 
-    def __init__(self, *, cut_layers: bool = False, cut_before: bool = False) -> None:
+    def __init__(self, *, cut_layers: bool = False, cut_before: bool = False, depth: int = 6) -> None:
         super().__init__()
         self.embed, self.head, self.cut_before = nn.Linear(16, 16), nn.Linear(16, 4), cut_before
-        self.layers = nn.ModuleList(_Layer(cut_layers) for _ in range(6))
+        self.layers = nn.ModuleList(_Layer(cut_layers) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -146,15 +147,32 @@ class _Indexed(_Stack):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
-        for i in range(6):
+        for i in range(16):  # as many as it was built with (test: depth=16)
             x = self.layers[i](x)
         return self.head(x)
 
 
+class _EncoderDecoder(nn.Module):
+    """Two stacks of layers, an encoder's and a decoder's, cut in every layer of the second where asked."""
+
+    def __init__(self, *, encoder: int = 8, decoder: int = 8, cut_decoder: bool = False) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(_Layer(False) for _ in range(encoder))
+        self.decoder = nn.ModuleList(_Layer(cut_decoder) for _ in range(decoder))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder:
+            x = layer(x)
+        for layer in self.decoder:
+            x = layer(x)
+        return x
+
+
 def test_a_deep_stack_is_counted_at_depths_one_and_two_and_extended(monkeypatch):
-    """dynamo unrolls the loop over the blocks (its time grows with the depth): a stack of one class is captured
-    with its first block, then its first two, and the count extended; the count is the full-depth one, and the
-    model keeps its own container. A forward that cannot run with fewer blocks is captured at full depth."""
+    """dynamo unrolls the loop over the blocks (its time grows with the depth): a deep stack of one class (16 blocks
+    in all at least) is captured with its first block, then its first two, and the count extended; the count is the
+    full-depth one, and the model keeps its own container. A shallower stack, and a forward that cannot run with
+    fewer blocks, are captured at full depth."""
     import autopar.profile.graphs as graphs
 
     x, meta = torch.randn(8, 16), torch.device("meta")
@@ -166,15 +184,43 @@ def test_a_deep_stack_is_counted_at_depths_one_and_two_and_extended(monkeypatch)
 
     monkeypatch.setattr(graphs, "_explained", explained)
     for kw in ({"cut_layers": True}, {"cut_before": True}, {}):
-        model = _on_meta(lambda: _Stack(**kw))
+        model = _on_meta(lambda: _Stack(depth=16, **kw))
         layers = model.layers
         depths.clear()
         shallow = dynamo_graphs(model, x, blocks_path="layers")
-        assert depths == [1, 2] and model.layers is layers and len(layers) == 6
+        assert depths == [1, 2] and model.layers is layers and len(layers) == 16
         assert shallow == real(model, x, meta, 3)  # the full-depth capture's count, reasons and sites
-    indexed = _on_meta(_Indexed)
     depths.clear()
-    assert dynamo_graphs(indexed, x, blocks_path="layers").num_graphs == 1 and depths == [1, 6]
+    assert dynamo_graphs(_on_meta(_Stack), x, blocks_path="layers").num_graphs == 1 and depths == [6]
+    indexed = _on_meta(lambda: _Indexed(depth=16))
     depths.clear()
-    profile_model(_on_meta(lambda: _Stack(cut_layers=True)), x, warn=False)  # the profile passes its container
+    assert dynamo_graphs(indexed, x, blocks_path="layers").num_graphs == 1 and depths == [1, 16]
+    depths.clear()
+    profile_model(_on_meta(lambda: _Stack(cut_layers=True, depth=16)), x, warn=False)  # the profile passes its container
     assert depths == [1, 2]
+
+
+@pytest.mark.parametrize("encoder, decoder, captures", [(8, 8, 2), (12, 6, 3)])
+def test_an_encoder_decoder_is_counted_shallow_over_both_stacks(monkeypatch, encoder, decoder, captures):
+    """Blocks in two containers (T5's, Whisper's): both shortened at once; stacks of one length grow together (two
+    captures), of different lengths one at a time (three); the count is the full-depth one, the decoder layers'
+    breaks included; the profile finds both containers from its blocks' names."""
+    import autopar.profile.graphs as graphs
+
+    x, meta = torch.randn(8, 16), torch.device("meta")
+    seen, real = [], graphs._explained
+
+    def explained(model, *args):
+        seen.append((len(model.encoder), len(model.decoder)))
+        return real(model, *args)
+
+    monkeypatch.setattr(graphs, "_explained", explained)
+    model = _on_meta(lambda: _EncoderDecoder(encoder=encoder, decoder=decoder, cut_decoder=True))
+    shallow = dynamo_graphs(model, x, blocks_path=("encoder", "decoder"))
+    assert len(seen) == captures and max(max(s) for s in seen) == 2
+    assert (len(model.encoder), len(model.decoder)) == (encoder, decoder)
+    full = real(model, x, meta, 3)
+    assert shallow.num_graphs == full.num_graphs > 1  # the decoder's breaks counted as at full depth
+    seen.clear()
+    profile = profile_model(model, x, warn=False)
+    assert len(seen) == captures and profile.graph_breaks == full.num_graphs - 1 and profile.graph_breaks_in_blocks
