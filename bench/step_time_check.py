@@ -34,7 +34,7 @@ from autopar.planning import calibration_for, profile_variants
 from autopar.profile import find_blocks
 from autopar.profile.trace import StepTrace
 from bench._common import PLAN_KEYS, RESULTS, build, plan_from_short, token_batch
-from bench.zoo_h200 import ONE_GPU_MODES
+from bench.zoo_h200 import ONE_GPU_MODES, mode_plan
 from bench.zoo_h200_report import latest_wraps, read_records
 
 
@@ -139,7 +139,7 @@ def check_zoo(names: list[str]) -> list[str]:
 
 
 def _measured_plan(rec: dict[str, Any]) -> autopar.Plan | None:
-    """The one-GPU plan a zoo record ran: the hand recipe's and the plan modes' (bf16, eager or compiled) or
+    """The one-GPU plan a zoo record ran: the hand recipe's and the plan modes' (zoo_h200.mode_plan) or
     the plan wrap chose (its record's `plan`); None for a record that did not run."""
     if rec.get("status") != "ok":
         return None
@@ -147,7 +147,7 @@ def _measured_plan(rec: dict[str, Any]) -> autopar.Plan | None:
         return autopar.Plan(**rec["plan"])
     if rec.get("mode") not in ONE_GPU_MODES:
         return None
-    return autopar.Plan(micro_batch_size=rec["batch"], precision="bf16", compile=ONE_GPU_MODES[rec["mode"]])
+    return mode_plan(rec["mode"], rec["batch"])
 
 
 def zoo_records(paths: list[str], *, wrap_latest: bool) -> list[dict[str, Any]]:

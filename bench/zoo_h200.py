@@ -62,9 +62,10 @@ MODES = ("hand", "hand_compile", "hand_bf16", "wrap", "rewrap", "plan_eager", "p
 #: wrap's own cache (autopar/wrap_cache.py) then gives the plan, and `wrap_s` is the cached start-up (no steps are
 #: timed: they are "wrap"'s).
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
-PLAN_MODES = {"plan_eager": False, "plan_compile": True, "plan_float8": True}  # mode: compiled
-# the modes that run one GPU's bf16 plan at the family's batch: mode -> compiled
-ONE_GPU_MODES = {"hand": False, "hand_compile": True, **PLAN_MODES}
+PLAN_MODES = ("plan_eager", "plan_compile", "plan_float8")  # wrap given the plan of mode_plan
+# the modes that run one GPU's bf16 plan at the family's batch, by hand or given to wrap: mode -> the plan's options
+ONE_GPU_MODES = {"hand": {}, "hand_compile": {"compile": True}, "plan_eager": {}, "plan_compile": {"compile": True},
+                 "plan_float8": {"compile": True, "float8": True}}
 MAX_TIMED_STEPS = 200  # --min-timed-s's most timed steps
 STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
 GiB = 2**30
@@ -314,10 +315,10 @@ def clean(device: str) -> None:
 
 
 # ---- what autopar predicts -----------------------------------------------------------------------------
-def hand_plan(batch: int, *, compiled: bool, float8: bool = False) -> autopar.Plan:
-    """The hand recipe as an autopar plan: one GPU, bf16 autocast with fp32 master weights, no checkpointing (and
-    float8 linears where asked: the plan_float8 mode)."""
-    return autopar.Plan(micro_batch_size=batch, precision="bf16", compile=compiled, float8=float8)
+def mode_plan(mode: str, batch: int) -> autopar.Plan:
+    """A one-GPU mode's recipe as an autopar plan (ONE_GPU_MODES): bf16 autocast with fp32 master weights, no
+    checkpointing, the batch as one micro-batch; compiled, with float8 linears, as the mode says."""
+    return autopar.Plan(micro_batch_size=batch, precision="bf16", **ONE_GPU_MODES[mode])
 
 
 def prediction_fields(summary: dict[str, Any] | None, context_bytes: float) -> dict[str, Any]:
@@ -438,18 +439,17 @@ class Measurement:
             cast = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                     for k, v in sample.items()}
             return Step(model, self.family, cast, opt, autocast_device=None)
-        compiled = ONE_GPU_MODES[mode]
+        plan = mode_plan(mode, rec["batch"])
         if self.opts.hand_predictions:
-            rec.update(self.predictor.fields(hand_plan(rec["batch"], compiled=compiled)))
-        rec["plan_short"] = short_name(hand_plan(rec["batch"], compiled=compiled))
+            rec.update(self.predictor.fields(plan))
+        rec["plan_short"] = short_name(plan)
         opt, rec["optimizer"] = adamw(model, self.opts.lr, fused=True)
-        runnable = torch.compile(model) if compiled else model
+        runnable = torch.compile(model) if plan.compile else model
         return Step(runnable, self.family, sample, opt, autocast_device=self.opts.device)
 
     def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
         """wrap's own choice (mode "wrap"), or the plan a plan mode names."""
-        given = hand_plan(rec["batch"], compiled=PLAN_MODES[mode], float8=mode == "plan_float8") \
-            if mode in PLAN_MODES else None
+        given = mode_plan(mode, rec["batch"]) if mode in PLAN_MODES else None
         t0 = time.perf_counter()
         autopar.wrap(model, sample=sample, plan=given, loss_fn=self.family.loss_fn, verbose=False)
         rec["wrap_s"] = round(time.perf_counter() - t0, 3)

@@ -302,6 +302,15 @@ def test_the_race_s_step_drops_the_model_s_output_before_backward():
     assert alive_in_backward and not any(alive_in_backward)
 
 
+def _fake_allocator(monkeypatch, *, reserved: int, allocated: int) -> None:
+    """torch.cuda's allocator statistics as constants (the race reads them where it reads the reserve)."""
+    for name, value in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
+                        ("max_memory_reserved", lambda device=None: reserved),
+                        ("max_memory_allocated", lambda device=None: allocated)):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(race_module, "_reads_reserve", lambda device: True)
+
+
 def test_the_reserve_is_read_with_the_optimizer_state_held_from_the_first_backward(monkeypatch):
     """_reserve_over_peak makes AdamW's state (two tensors of each trainable parameter's shape) where a loop's first
     optimizer step does, after backward with the gradients alive, holds it through the later steps, and lets it go
@@ -312,10 +321,7 @@ def test_the_reserve_is_read_with_the_optimizer_state_held_from_the_first_backwa
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].bias.requires_grad_(False)  # frozen: no state of its own
-    for name, value in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
-                        ("max_memory_reserved", lambda device=None: 10 << 20),
-                        ("max_memory_allocated", lambda device=None: 7 << 20)):
-        monkeypatch.setattr(torch.cuda, name, value)
+    _fake_allocator(monkeypatch, reserved=10 << 20, allocated=7 << 20)
     made: list[weakref.ref] = []
     real_zeros_like = torch.zeros_like
 
@@ -351,15 +357,6 @@ def test_reserve_steps_are_two_at_least_for_a_step_that_allows_it():
     assert reserve_steps(0.01) == RESERVE_STEPS
     assert reserve_steps(1.0) == 2  # the second step is the first with the optimizer's state resident
     assert reserve_steps(3.0) == 1  # two would take over RESERVE_MAX_S
-
-
-def _fake_allocator(monkeypatch, *, reserved: int, allocated: int) -> None:
-    """torch.cuda's allocator statistics as constants (the race reads them where it reads the reserve)."""
-    for name, value in (("empty_cache", lambda: None), ("reset_peak_memory_stats", lambda device=None: None),
-                        ("max_memory_reserved", lambda device=None: reserved),
-                        ("max_memory_allocated", lambda device=None: allocated)):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(race_module, "_reads_reserve", lambda device: True)
 
 
 @pytest.mark.parametrize("backend", [BROKEN, None])

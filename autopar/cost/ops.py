@@ -8,7 +8,6 @@ and its bytes over the achieved bandwidth (a roofline: depthwise convolutions an
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -106,7 +105,7 @@ class Rates:
 
     def with_float8(self, shapes: frozenset) -> "Rates":
         """These rates for the blocks' records of a float8 plan: the GEMMs of weights of these shapes in float8."""
-        return dataclasses.replace(self, float8_shapes=shapes) if self.float8_peak else self
+        return replace(self, float8_shapes=shapes) if self.float8_peak else self
 
 
 @dataclass(frozen=True)

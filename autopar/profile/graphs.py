@@ -76,11 +76,12 @@ def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_c
 
     `blocks_path`: the container(s) of the model's repeated blocks (`find_blocks`'s path, or, for blocks in
     several containers, an encoder's and a decoder's, each one's path). Where they hold at least
-    SHALLOW_FROM_BLOCKS blocks of one class each, SHALLOW_FROM_TOTAL_BLOCKS in all, dynamo captures the forward with the first block of each such
-    container, then with the first two of each (of one container at a time where their lengths differ), in the
-    containers' places, and the count is extended to the full depths (each block of a container cuts the forward the same number of times; dynamo
-    unrolls the loops over them, so its time grows with the depth: mamba2's 24 blocks took 21 s at full depth on
-    2 cores, T5's 12 + 12 blocks 6.7 s); a count that does not fit that (fewer graphs with two blocks than with
+    SHALLOW_FROM_BLOCKS blocks of one class each, SHALLOW_FROM_TOTAL_BLOCKS in all, dynamo captures the forward
+    with the first block of each such container, then with the first two of each (of one container at a time
+    where their lengths differ), in the containers' places, and the count is extended to the full depths (each
+    block of a container cuts the forward the same number of times; dynamo unrolls the loops over them, so its
+    time grows with the depth: mamba2's 24 blocks took 21 s at full depth on 2 cores, T5's 12 + 12 blocks 6.7 s);
+    a count that does not fit that (fewer graphs with two blocks than with
     one, or dynamo failing at any depth) is made at full depth."""
     device = _probe_device(model, real_cpu=real_cpu)
     if device is None:
@@ -125,8 +126,9 @@ def _shallow_count(model: nn.Module, sample: Any, paths: Sequence[str], device: 
     # Containers of one length (an encoder's and a decoder's) grow together: their blocks' breaks add up alike at
     # every depth, so two captures say it all (each capture costs seconds of dynamo's own, whatever the depth);
     # of different lengths, each grows alone from the one-block capture.
-    lengths = {len(stack) for _, _, stack in stacks}
-    grown = [[2] * len(stacks)] if len(lengths) == 1 else \
+    added = [len(stack) - 1 for _, _, stack in stacks]  # blocks beyond the first, per container
+    together = len(set(added)) == 1
+    grown = [[2] * len(stacks)] if together else \
         [[2 if j == i else 1 for j in range(len(stacks))] for i in range(len(stacks))]
     try:
         one = captured([1] * len(stacks))
@@ -136,9 +138,8 @@ def _shallow_count(model: nn.Module, sample: Any, paths: Sequence[str], device: 
             parent._modules[name] = stack
     if one is None or any(two is None or two.num_graphs < one.num_graphs for two in twos):
         return None  # the forward cannot run with fewer blocks (it indexes them, say), or the count does not fit
-    added = [len(stack) - 1 for _, _, stack in stacks]  # blocks beyond the first, per container
-    total = one.num_graphs + (added[0] * (twos[0].num_graphs - one.num_graphs) if len(lengths) == 1 else
-                              sum(n * (two.num_graphs - one.num_graphs) for n, two in zip(added, twos)))
+    # each capture grown by one block (in every container, or in one) adds that many more blocks' graphs
+    total = one.num_graphs + sum(n * (two.num_graphs - one.num_graphs) for n, two in zip(added, twos))
     most = max(twos, key=lambda two: two.num_graphs)  # its reasons and sites: a break of every kind the blocks make
     return dataclasses.replace(most, num_graphs=total)
 

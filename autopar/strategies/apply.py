@@ -108,11 +108,11 @@ def apply_plan(
 
     later = fake_mode if fake_mode is not None else contextlib.nullcontext()
     notes: list[str] = []
-    if plan.float8 and (why := float8_refusal(device)) is not None:  # refused before anything changes
-        raise PlanError(why)
-    # 1. float8 linears.
+    # 1. float8 linears (refused, before anything changes, where they cannot run).
     if plan.float8:
-        linears = ((name, m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, nn.Linear))
+        if (why := float8_refusal(device)) is not None:
+            raise PlanError(why)
+        linears = ((n, m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear))
         converted = apply_float8(model, float8_layers(linears, [b.name for b in profile.blocks]))
         notes.append(f"float8: {len(converted)} linear layer(s) of the blocks train in float8 (torchao's Float8Linear, "
                      "tensorwise scaling); " + (f"{converted[0]}, ..." if converted else

@@ -28,10 +28,10 @@ def float8_refusal(device: torch.device) -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return ("float8=True needs torchao (pip install torchao, or pip install -e \".[fp8]\" in autopar's clone), "
                 "or set float8=False.")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < FLOAT8_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability < FLOAT8_CAPABILITY:
         return (f"float8=True needs float8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell); "
-                f"{name} has {'.'.join(map(str, torch.cuda.get_device_capability(device)))}: set float8=False.")
+                f"{torch.cuda.get_device_name(device)} has {'.'.join(map(str, capability))}: set float8=False.")
     return None
 
 
@@ -40,17 +40,10 @@ def apply_float8(model: nn.Module, layers: Sequence[str]) -> list[str]:
     the names swapped. Their weights stay the same Parameters' values, their names and state_dict keys too."""
     from torchao.float8 import convert_to_float8_training
 
-    wanted = set(layers)
-    missing = sorted(n for n in wanted if not isinstance(_get(model, n), nn.Linear))
+    wanted, modules = set(layers), dict(model.named_modules())
+    missing = sorted(n for n in wanted if not isinstance(modules.get(n), nn.Linear))
     if missing:
         raise PlanError(f"float8: {', '.join(missing[:3])} {'is' if len(missing) == 1 else 'are'} not nn.Linear "
                         "layers of this model (a plan made for another model?): plan again, or set float8=False.")
     convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn in wanted)
     return sorted(wanted)
-
-
-def _get(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
