@@ -134,7 +134,7 @@ def _train(args: argparse.Namespace) -> None:
         line = f"throughput: {tokens_per_s:,.0f} tokens/s over {timed} steps ({elapsed / timed * 1e3:.1f} ms/step)"
         profile = autopar.applied(model).profile
         if on_gpu:
-            flops_per_token = profile.formula_flops() / profile.tokens_per_step
+            flops_per_token = profile.model_flops() / profile.tokens_per_step
             peak = topology.device.peak_flops(plan.precision) * world
             line += f", MFU {flops_per_token * tokens_per_s / peak:.1%} of {plan.precision} peak"
         say(line)

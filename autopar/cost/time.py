@@ -403,8 +403,6 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
 
 
 def model_flops_per_step(profile: ModelProfile, plan: Plan) -> float:
-    """The step's model FLOPs for MFU: 6 N + 12 L h s per token (PaLM, appendix B; no recomputation),
-    over the global batch; the profile's traced FLOPs where the shape facts are missing."""
-    formula = profile.formula_flops()
-    per_sample = (formula if formula is not None else profile.flops) / profile.sample_batch_size
-    return per_sample * plan.global_batch_size
+    """The step's model FLOPs for MFU over the global batch: 6 N + 12 L h s per token (PaLM, appendix B; no
+    recomputation) where the trace agrees with it, else the traced FLOPs (ModelProfile.model_flops)."""
+    return profile.model_flops() / profile.sample_batch_size * plan.global_batch_size

@@ -57,6 +57,7 @@ def test_hf_gpt2(hf_gpt2):
     assert (p.hidden_dim, p.num_heads, p.num_kv_heads, p.num_layers, p.vocab_size) == (256, 4, 4, 4, 1000)
     assert p.tokens_per_sample == 128
     assert p.flops == pytest.approx(p.formula_flops(), rel=0.05)
+    assert p.model_flops() == p.formula_flops()  # MFU by the PaLM count, where the trace agrees with it
     _assert_untouched(model, before)
 
 
@@ -108,3 +109,25 @@ def test_hf_meta_model_with_meta_sample(hf_llama):
     assert p.num_params == real.num_params and p.flops == real.flops and p.saved_bytes == real.saved_bytes
     assert all(q.is_meta for q in meta_model.parameters())
 
+
+
+def test_a_mixture_of_experts_counts_the_experts_each_token_runs_for_its_mfu():
+    """6 N puts all 8 experts in every token's matmuls; each token runs 2: MFU reads the trace's FLOPs, below 1
+    where the formula's would not be."""
+    transformers = pytest.importorskip("transformers")
+    import autopar
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=1000, max_position_embeddings=128)
+    model = transformers.MixtralForCausalLM(cfg)
+    sample = _hf_sample(1000)
+    p = profile_model(model, sample, warn=False)
+    assert p.formula_flops() > 2 * p.flops
+    assert p.model_flops() == p.flops
+    plan = autopar.plan(model, sample=sample, topology="1xH100-SXM")
+    prediction = autopar.predict(model, plan, sample=sample, topology="1xH100-SXM")
+    assert 0 < prediction.mfu < 1
+    from autopar.cost import model_flops_per_step
+    assert model_flops_per_step(p, plan) == pytest.approx(p.flops / p.sample_batch_size * plan.global_batch_size)
