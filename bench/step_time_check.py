@@ -33,6 +33,7 @@ from autopar.cost import predict_profile
 from autopar.planning import calibration_for, profile_variants
 from autopar.profile import find_blocks
 from autopar.profile.trace import StepTrace
+from autopar.topology import lookup_device
 from bench._common import PLAN_KEYS, RESULTS, build, plan_from_short, token_batch
 from bench.zoo_h200 import ONE_GPU_MODES, mode_plan
 from bench.zoo_h200_report import latest_wraps, read_records
@@ -158,10 +159,17 @@ def zoo_records(paths: list[str], *, wrap_latest: bool) -> list[dict[str, Any]]:
 
 
 def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether two zoo records ran the same step: family, mode, batch, plan (wrap's whole Plan), torch and
+    """Whether two zoo records ran the same step: family, mode, batch, plan (wrap's whole Plan), GPU, torch and
     transformers."""
-    keys = ("family", "mode", "batch", "plan", "plan_short", "torch", "transformers")
+    keys = ("family", "mode", "batch", "plan", "plan_short", "device", "torch", "transformers")
     return all(a.get(k) == b.get(k) for k in keys)
+
+
+def record_topology(rec: dict[str, Any]) -> autopar.Topology:
+    """One GPU of the kind the record ran on (its `device`, as torch names it: "NVIDIA H100 80GB HBM3"); the H200
+    for a record that does not name one autopar's table knows."""
+    spec = lookup_device(str(rec.get("device", "")))
+    return autopar.Topology.from_spec(f"1x{spec.name}" if spec is not None else "1xH200")
 
 
 def lease_steps(rec: dict[str, Any], records: list[dict[str, Any]]) -> list[float]:
@@ -193,18 +201,19 @@ def check_zoo_measured(paths: list[str], *, wrap_latest: bool = False) -> list[s
         if why is not None:
             out.append(f"{name:12} {rec['mode']:13} skipped: {why}")
             continue
-        if name not in traces:
+        topo = record_topology(rec)
+        key = (name, rec["batch"], topo.device.name)
+        if key not in traces:
             model, sample = build_model(f, "realistic"), make_sample(f, "realistic", rec["batch"])
             try:
-                traces[name] = traced(model, sample, autopar.Topology.from_spec("1xH200"), loss_fn=f.loss_fn)
+                traces[key] = traced(model, sample, topo, loss_fn=f.loss_fn)
             except autopar.ProfileError as exc:  # TraceError included: the model cannot be predicted
-                traces[name] = exc
-        if isinstance(traces[name], Exception):
-            out.append(f"{name:12} {rec['mode']:13} not traced: {type(traces[name]).__name__}: "
-                       f"{str(traces[name]).splitlines()[0][:100]}")
+                traces[key] = exc
+        if isinstance(traces[key], Exception):
+            out.append(f"{name:12} {rec['mode']:13} not traced: {type(traces[key]).__name__}: "
+                       f"{str(traces[key]).splitlines()[0][:100]}")
             continue
-        profile, variants = traces[name]
-        topo = autopar.Topology.from_spec("1xH200")
+        profile, variants = traces[key]
         pred = predict_profile(profile, plan, topo, calibration_for(topo), variants=variants)
         err = pred.step_s / rec["step_s"] - 1
         errs.append(err)

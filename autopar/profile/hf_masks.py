@@ -10,6 +10,15 @@ encoder's) SDPA's math path (autopar.cost.ops). The trace runs the model eagerly
 check again as dynamo would answer it and remembers, per kind, whether compile would build that mask. Nothing is
 installed where transformers' masking_utils is not imported (a model without it builds no such mask).
 
+A training forward without a key/value cache or an attention mask asks one more question: whether its position ids
+pack several sequences into a row (`find_packed_sequence_indices`, which reads their values). While tracing it
+cannot read them and answers as if they did, and the model builds a mask for them: torch.compile does so too, a
+real eager run reads one sequence a row and builds none. `CompileMasks` asks it again as a real run would (the
+position ids' values from the sample's shadow) and, where that builds no mask, marks the mask as one only compile
+builds (`eager_skips_causal`, or `eager_skips_bidirectional` for an encoder's). Without it every Hugging Face
+decoder traced without its cache (as wrap trains it, autopar._util.kv_cache) was priced with a masked attention
+kernel in eager steps (Llama-1B's step 16% over its H200 measurement).
+
 Evidence (bench/results/zoo_h200_profile_2026-12-01c.jsonl, H200, torch 2.11, transformers 5.17): compiled
 Hugging Face BERT, ViT, BART and wav2vec2 ran their attention as batched GEMMs and a softmax (the math path),
 compiled GPT-2 a masked cuDNN kernel; timm's ViT and Whisper's encoder, which build no mask, kept cuDNN's
@@ -25,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 _SKIPS = {"_ignore_causal_mask_sdpa": "causal", "_ignore_bidirectional_mask_sdpa": "bidirectional"}
+_PACKED = "find_packed_sequence_indices"
 _TORCH_BEFORE_2_14 = tuple(int(x) for x in torch.__version__.split(".")[:2] if x.isdigit()) < (2, 14)
 
 
@@ -48,9 +58,12 @@ class CompileMasks:
     @contextlib.contextmanager
     def installed(self) -> Iterator["CompileMasks"]:
         module = sys.modules.get("transformers.masking_utils")
-        originals = {name: getattr(module, name) for name in _SKIPS if module is not None and hasattr(module, name)}
+        originals = {name: getattr(module, name) for name in (*_SKIPS, _PACKED)
+                     if module is not None and hasattr(module, name)}
         for name, original in originals.items():
-            setattr(module, name, _Recorder(self, module, original, _SKIPS[name]))
+            recorder = _PackedRecorder(self, module, original) if name == _PACKED else \
+                _Recorder(self, module, original, _SKIPS[name])
+            setattr(module, name, recorder)
         try:
             yield self
         finally:
@@ -94,3 +107,45 @@ class _Recorder:
                 setattr(self.module, name, value)
             if reads is not None:  # the padding mask's values read for this question: not a read of the model's
                 self.masks.shadows.reads = reads
+
+
+class _PackedRecorder:
+    """masking_utils' check for sequences packed into a row, wrapped: the trace's answer, and whether a real eager
+    run, reading the position ids' values, would find none (one sequence a row) where the trace found some."""
+
+    def __init__(self, masks: CompileMasks, module: Any, original: Any) -> None:
+        self.masks, self.module, self.original = masks, module, original
+
+    def __call__(self, position_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        found = self.original(position_ids, *args, **kwargs)
+        if found is not None and self._eager_finds_none(position_ids, args, kwargs):
+            setattr(self.masks, f"eager_skips_{_mask_kind()}", True)
+        return found
+
+    def _eager_finds_none(self, position_ids: Any, args: tuple, kwargs: dict) -> bool:
+        if not hasattr(self.module, "is_tracing"):
+            return False
+        saved = self.module.is_tracing
+        reads = getattr(self.masks.shadows, "reads", None)
+        self.module.is_tracing = lambda *_a, **_k: False
+        try:
+            return self.original(position_ids, *args, **kwargs) is None
+        except Exception:  # values it cannot read (no shadow): the mask is built, as traced
+            return False
+        finally:
+            self.module.is_tracing = saved
+            if reads is not None:  # the position ids' values read for this question: not a read of the model's
+                self.masks.shadows.reads = reads
+
+
+def _mask_kind(depth: int = 6) -> str:
+    """"bidirectional" where the mask being built is an encoder's (masking_utils' create_bidirectional_mask is
+    among the callers), else "causal"."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            break
+        if "bidirectional" in frame.f_code.co_name:
+            return "bidirectional"
+        frame = frame.f_back
+    return "causal"

@@ -109,3 +109,23 @@ def test_a_hugging_face_encoder_given_an_all_ones_mask_is_marked_both_ways():
     marks = {(r.backward, r.shape[7], r.shape[9]) for g in profile.op_groups for r in g.ops if r.kind == "attention"}
     assert marks == {(False, 0, 2), (True, 0, 2)}
     assert profile.value_reads == 0  # the mask checks' reads of the padding mask are autopar's, not the model's
+
+
+def test_a_hugging_face_decoder_trained_without_its_cache_is_causal_eagerly():
+    """Tiny Llama, no attention mask, traced as wrap trains it (no key/value cache): the model asks whether its
+    position ids pack several sequences into a row, which the trace cannot read; a real eager run reads one
+    sequence a row and builds no mask (a causal fused kernel), torch.compile builds one. Every attention record is
+    causal 2 (causal eagerly, masked compiled), not masked in every run."""
+    transformers = pytest.importorskip("transformers")
+    from autopar.profile import profile_model
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 16))
+    profile = profile_model(model, {"input_ids": ids, "labels": ids}, precision="bf16", warn=False)
+    marks = {(r.backward, r.shape[7], r.shape[9]) for g in profile.op_groups for r in g.ops if r.kind == "attention"}
+    assert marks == {(False, 2, 0), (True, 2, 0)}
+    assert profile.value_reads == 0  # the position ids' values read for the question are autopar's
