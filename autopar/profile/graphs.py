@@ -62,10 +62,11 @@ class GraphCount:
 
 #: A stack of at least this many blocks of one class is counted at depths 1 and 2 and extended (`_shallow_count`)...
 SHALLOW_FROM_BLOCKS = 4
-#: ... where such stacks hold at least this many blocks in all: each capture costs seconds of dynamo's own whatever
-#: the depth, so two or three shallow ones pay only for a deep model (2 CPU cores: BART's 6 + 6 blocks 2.7 s at full
-#: depth, 3.4 s shallow; T5's 12 + 12 6.6 s and 4.1 s; Mamba-2's 24 21 s and 2.5 s).
-SHALLOW_FROM_TOTAL_BLOCKS = 16
+#: ... where such stacks hold at least this many blocks in all: each capture costs about a second of dynamo's own
+#: whatever the depth, so two or three shallow ones pay only from a few blocks on (2 CPU cores, dynamo warm, full
+#: depth against shallow: Mistral's 8 blocks 2.1 and 2.1 s, BART's 6 + 6 2.4 and 2.2 s, BERT's 12 2.1 and 1.1 s,
+#: GPT-2's 12 10.4 and 6.2 s, Whisper's 12 + 12 4.9 and 1.9 s, Qwen2's 24 4.4 and 1.8 s; Mamba-2's 24 21 and 2.5 s).
+SHALLOW_FROM_TOTAL_BLOCKS = 8
 
 
 def dynamo_graphs(model: nn.Module, sample: Any, *, max_reasons: int = 3, real_cpu: bool = False,

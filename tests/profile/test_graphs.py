@@ -169,7 +169,7 @@ class _EncoderDecoder(nn.Module):
 
 
 def test_a_deep_stack_is_counted_at_depths_one_and_two_and_extended(monkeypatch):
-    """dynamo unrolls the loop over the blocks (its time grows with the depth): a deep stack of one class (16 blocks
+    """dynamo unrolls the loop over the blocks (its time grows with the depth): a deep stack of one class (8 blocks
     in all at least) is captured with its first block, then its first two, and the count extended; the count is the
     full-depth one, and the model keeps its own container. A shallower stack, and a forward that cannot run with
     fewer blocks, are captured at full depth."""
