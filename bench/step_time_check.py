@@ -255,8 +255,8 @@ def main() -> int:
     if not args.no_measured:
         lines += check_measured(args)
     if args.zoo_measured:
-        lines += ["", f"## zoo runs on the H200 ({' '.join(args.zoo_measured)}), re-predicted ('then': as recorded)"
-                  + (", each family's latest wrap record" if args.wrap_latest else "")]
+        lines += ["", f"## zoo runs, each re-predicted on the GPU it ran on ({' '.join(args.zoo_measured)}) "
+                  "('then': as recorded)" + (", each family's latest wrap record" if args.wrap_latest else "")]
         lines += check_zoo_measured(args.zoo_measured, wrap_latest=args.wrap_latest)
     if args.zoo:
         lines += ["", "## zoo (realistic size, the search's first feasible plan)"]
