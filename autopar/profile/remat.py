@@ -62,9 +62,13 @@ _POINTWISE = frozenset((
     "Sin", "Atan", "Sign", "Square", "Floor", "Ceil", "Round", "Trunc", "Frac", "Fmod", "Remainder", "NativeDropout",
     "NativeLayerNorm", "NativeBatchNorm", "CudnnBatchNorm", "NativeGroupNorm", "FusedRmsNorm", "BatchNormWithUpdate",
     "Softmax", "LogSoftmax", "SafeSoftmax", "Index", "Gather", "Fill", "Copy", "Lift", "TypeAs", "Tril", "Triu",
-    "ConstantPadNd", "Roll", "Flip", "Repeat"))
+    "Roll", "Flip"))
+# (Not there, as the partitioner's allowlist (torch._functorch.partitioners.get_default_op_list) does not hold them
+# and inductor's decompositions leave them whole: constant_pad_nd, repeat, cumsum and prod; saved where backward
+# needs them. Mamba-2's chunked scan pads and cumsums (L x L) segment sums: its compiled saved set was 34% under
+# the partitioner's with them recomputable.)
 _REDUCTIONS = frozenset(("Sum", "Mean", "Amax", "Amin", "Max", "Min", "Var", "Std", "VarMean", "StdMean", "Norm",
-                         "LinalgVectorNorm", "Logsumexp", "Prod", "NllLoss", "NllLoss2D", "Cumsum"))
+                         "LinalgVectorNorm", "Logsumexp", "NllLoss", "NllLoss2D"))
 _ATTENTION = ("Attention",)  # ScaledDotProduct{Flash,Efficient,Cudnn}Attention..., FlashAttention, EfficientAttention
 _NEVER_MATERIALIZES = frozenset(("Cat", "Stack"))  # unfusible producers that inputs fuse into (memory fusion)
 # Compute ops on autocast's lower-precision list: under bf16 autocast, AOTAutograd traces their backward under it too,

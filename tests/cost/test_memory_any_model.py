@@ -253,6 +253,40 @@ class _BiasedEncoder(nn.Module):
         return x
 
 
+class _ChunkedScanLayer(nn.Module):
+    """A chunked scan as a state-space layer runs one (Mamba-2's SSD, reduced): the sequence padded to whole chunks,
+    each chunk's decays summed cumulatively over its (L x L) segment matrix, whose exponential weights a batched
+    GEMM. constant_pad_nd and cumsum are not on the partitioner's recompute allowlist: saved where backward reads
+    them (recomputed, Mamba-2's compiled saved set was 34% under the partitioner's)."""
+
+    def __init__(self, hidden: int = 16, chunk: int = 64) -> None:
+        super().__init__()
+        self.proj, self.decay, self.out = nn.Linear(hidden, hidden), nn.Linear(hidden, 1), nn.Linear(hidden, hidden)
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        pad = (-s) % self.chunk
+        u = F.pad(self.proj(x), (0, 0, 0, pad))
+        a = F.pad(self.decay(x).float(), (0, 0, 0, pad)).squeeze(-1)
+        n, L = u.shape[1] // self.chunk, self.chunk
+        u, a = u.view(b, n, L, h), a.view(b, n, L)
+        segments = a[..., None, :].expand(b, n, L, L).tril(-1).cumsum(-1)
+        y = torch.exp(-segments.abs()).to(u.dtype) @ u
+        return x + self.out(y.view(b, n * L, h)[:, :s])
+
+
+class _ChunkedScan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_ChunkedScanLayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 CASES = {
     "GPT (bf16)": (lambda: GPT(GPTConfig(vocab_size=1024, seq_len=64, num_layers=2, hidden_dim=64, num_heads=2)),
                    torch.zeros(2, 64, dtype=torch.long), lm_loss, "bf16"),
@@ -263,6 +297,7 @@ CASES = {
     # fp32 GEMMs under autocast: their compiled backward reads bf16 casts of what they saved, so the dropped
     # probabilities are recomputed, not saved (saved, T5's compiled allocated peak was predicted +35% on the GPU)
     "learned attention bias, math SDPA (bf16)": (_BiasedEncoder, LORA_X, _lora_loss, "bf16"),
+    "chunked scan, padded (bf16)": (_ChunkedScan, torch.zeros(2, SEQ - 4, 16), _lora_loss, "bf16"),
 }
 
 
