@@ -103,15 +103,15 @@ def partitioner_saved_bytes(model: nn.Module, call: Callable[[nn.Module, Any], A
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     weights = set(placeholders[:len(names)])
 
-    @functools.lru_cache(maxsize=None)
-    def from_weights(node) -> bool:
-        return node in weights or (node.op == "call_function" and bool(node.all_input_nodes) and all(
-            from_weights(a) for a in node.all_input_nodes))
+    from_weights = set(weights)  # the weights and what is computed from them alone (casts, transposes), in
+    for node in graph.nodes:  # the graph's order (a node's inputs come before it): no recursion on a deep graph
+        if node.op == "call_function" and node.all_input_nodes and all(a in from_weights for a in node.all_input_nodes):
+            from_weights.add(node)
 
     total = 0
     for node in outputs:
         val = getattr(node, "meta", {}).get("val")
-        if isinstance(val, torch.Tensor) and node not in placeholders and not from_weights(node):
+        if isinstance(val, torch.Tensor) and node not in placeholders and node not in from_weights:
             total += val.numel() * val.element_size()
     return total
 
