@@ -19,6 +19,7 @@ from .live import Frontier
 #: (the zoo's dense decoder LMs: 1-3%; the formula counts attention over all positions, as torch's SDPA count does).
 FORMULA_AGREES_WITHIN = 0.15
 
+
 @dataclass(frozen=True)
 class BlockProfile:
     """One unit of the model (a transformer layer, or a top-level child where nothing repeats)."""
