@@ -75,20 +75,29 @@ def measured_runs(validate: str, grid: str | None) -> list[tuple[str, dict, floa
     return [(m, json.loads(k), s, src) for (m, k), (s, src) in runs.items()]
 
 
-def check_measured(args: argparse.Namespace) -> list[str]:
+def predicted_runs(validate: str, grid: str | None) -> list[tuple[str, dict, float, str, Any]]:
+    """(model, plan options, measured step s, source, the cost model's prediction now) of every measured
+    configuration of `measured_runs`, each model traced once on the meta device for one H200."""
     topo = autopar.Topology.from_spec("1xH200")
     cal = calibration_for(topo)
     profiles: dict = {}
-    out = [f"{'model':10} {'source':8} {'plan':44} {'measured ms':>11} {'pred ms':>8} {'err':>7} | "
-           f"{'compute':>7} {'memory':>7} {'launch':>7} {'recomp':>7}"]
-    errs: dict = {"validate": [], "grid": []}
-    for name, kw, measured, source in measured_runs(args.validate, None if args.no_grid else args.grid):
+    out = []
+    for name, kw, measured, source in measured_runs(validate, grid):
         if name not in profiles:
             with torch.device("meta"):
                 model = build(name)
             profiles[name] = traced(model, token_batch(name, 1), topo)
         profile, variants = profiles[name]
         pred = predict_profile(profile, autopar.Plan(**{"precision": "bf16", **kw}), topo, cal, variants=variants)
+        out.append((name, kw, measured, source, pred))
+    return out
+
+
+def check_measured(args: argparse.Namespace) -> list[str]:
+    out = [f"{'model':10} {'source':8} {'plan':44} {'measured ms':>11} {'pred ms':>8} {'err':>7} | "
+           f"{'compute':>7} {'memory':>7} {'launch':>7} {'recomp':>7}"]
+    errs: dict = {"validate": [], "grid": []}
+    for name, kw, measured, source, pred in predicted_runs(args.validate, None if args.no_grid else args.grid):
         err = pred.step_s / measured - 1
         errs[source].append(err)
         t = pred.time
