@@ -232,7 +232,7 @@ def _float8_gemm_time(r: OpRecord, scale: float, split: TPSplit, rates: Rates) -
     shape, flops, _ = _scaled(r, scale, split)
     b, m, n, k = shape
     frac = gemm_fraction(k, b * m * n, rates.float8_eff, rates.gemm_half, rates.out_half)
-    gemm_s = r.count * (flops / r.count) / (rates.float8_peak * frac) if flops else 0.0
+    gemm_s = flops / (rates.float8_peak * frac) if flops else 0.0
     operands = r.count * (b * m * k + b * k * n)  # elements the GEMM reads: both operands, each call
     cast_s = rates.float8_cast_bytes * operands / (rates.fused_hbm if rates.compiled else rates.hbm)
     launches = 3.0 * r.count

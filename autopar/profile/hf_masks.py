@@ -94,19 +94,29 @@ class _Recorder:
         patched = {"is_tracing": lambda *_a, **_k: compiling}
         if compiling and _TORCH_BEFORE_2_14:
             patched["is_torchdynamo_exporting"] = lambda *_a, **_k: True
-        saved = {name: getattr(self.module, name) for name in patched if hasattr(self.module, name)}
-        reads = getattr(self.masks.shadows, "reads", None)
-        for name in saved:
-            setattr(self.module, name, patched[name])
         try:
-            return bool(self.original(*args, **kwargs))
+            with _asked_again(self.module, patched, self.masks.shadows):
+                return bool(self.original(*args, **kwargs))
         except Exception:  # a value it cannot read (no shadow): the mask is built
             return False
-        finally:
-            for name, value in saved.items():
-                setattr(self.module, name, value)
-            if reads is not None:  # the padding mask's values read for this question: not a read of the model's
-                self.masks.shadows.reads = reads
+
+
+@contextlib.contextmanager
+def _asked_again(module: Any, patched: dict[str, Any], shadows: Any) -> Iterator[None]:
+    """masking_utils' helpers named in `patched` replaced while one of its checks is asked again, and the value
+    reads that question makes (the padding mask's, the position ids': from the sample's shadow) not counted as
+    the model's."""
+    saved = {name: getattr(module, name) for name in patched if hasattr(module, name)}
+    reads = getattr(shadows, "reads", None)
+    for name in saved:
+        setattr(module, name, patched[name])
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+        if reads is not None:
+            shadows.reads = reads
 
 
 class _PackedRecorder:
@@ -123,19 +133,11 @@ class _PackedRecorder:
         return found
 
     def _eager_finds_none(self, position_ids: Any, args: tuple, kwargs: dict) -> bool:
-        if not hasattr(self.module, "is_tracing"):
-            return False
-        saved = self.module.is_tracing
-        reads = getattr(self.masks.shadows, "reads", None)
-        self.module.is_tracing = lambda *_a, **_k: False
         try:
-            return self.original(position_ids, *args, **kwargs) is None
+            with _asked_again(self.module, {"is_tracing": lambda *_a, **_k: False}, self.masks.shadows):
+                return self.original(position_ids, *args, **kwargs) is None
         except Exception:  # values it cannot read (no shadow): the mask is built, as traced
             return False
-        finally:
-            self.module.is_tracing = saved
-            if reads is not None:  # the position ids' values read for this question: not a read of the model's
-                self.masks.shadows.reads = reads
 
 
 def _mask_kind(depth: int = 6) -> str:

@@ -242,10 +242,12 @@ class _BiasedLayer(nn.Module):
         return x + self.ffn(x)
 
 
-class _BiasedEncoder(nn.Module):
-    def __init__(self) -> None:
+class _Layers(nn.Module):
+    """Two layers made by `make`, one after the other (the blocks the profile finds)."""
+
+    def __init__(self, make: type[nn.Module]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(_BiasedLayer() for _ in range(2))
+        self.layers = nn.ModuleList(make() for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -276,16 +278,6 @@ class _ChunkedScanLayer(nn.Module):
         return x + self.out(y.view(b, n * L, h)[:, :s])
 
 
-class _ChunkedScan(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(_ChunkedScanLayer() for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
 
 CASES = {
     "GPT (bf16)": (lambda: GPT(GPTConfig(vocab_size=1024, seq_len=64, num_layers=2, hidden_dim=64, num_heads=2)),
@@ -296,8 +288,9 @@ CASES = {
     "LoRA-like (bf16)": (LoraModel, LORA_X, _lora_loss, "bf16"),
     # fp32 GEMMs under autocast: their compiled backward reads bf16 casts of what they saved, so the dropped
     # probabilities are recomputed, not saved (saved, T5's compiled allocated peak was predicted +35% on the GPU)
-    "learned attention bias, math SDPA (bf16)": (_BiasedEncoder, LORA_X, _lora_loss, "bf16"),
-    "chunked scan, padded (bf16)": (_ChunkedScan, torch.zeros(2, SEQ - 4, 16), _lora_loss, "bf16"),
+    "learned attention bias, math SDPA (bf16)": (lambda: _Layers(_BiasedLayer), LORA_X, _lora_loss, "bf16"),
+    "chunked scan, padded (bf16)": (lambda: _Layers(_ChunkedScanLayer), torch.zeros(2, SEQ - 4, 16), _lora_loss,
+                                    "bf16"),
 }
 
 
