@@ -10,6 +10,14 @@ Markdown table.
 
     python -m bench hf-sweep --tasks causal-lm,vision,audio,seq2seq,segmentation --out DIR   # DIR/hf_sweep.jsonl
     python -m bench hf-sweep --report bench/results/hf_sweep_DATE.jsonl > bench/results/hf_sweep_DATE.md
+
+`--size published` plans each architecture at the size its default config describes (transformers' defaults are
+mostly a published checkpoint's dimensions: Llama's 7B, Mixtral's 8x7B, DeepSeek-V3's 671B), built on the meta
+device with a batch of realistic shape (PUBLISHED_SAMPLE): only `autopar.plan` for both topologies runs (a meta
+model has no step of its own and wrap needs real weights). It is issue 33's "plans any model, fast" held against
+architectures no one chose: the seconds of each plan against the 60 s bound, and what raised.
+
+    python -m bench hf-sweep --size published --tasks causal-lm --jobs 1 --arch-timeout-s 200 --out DIR
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ SMALL = dict(
     encoder_layers=2, decoder_layers=2, encoder_ffn_dim=128, decoder_ffn_dim=128, encoder_attention_heads=4,
     decoder_attention_heads=4, num_decoder_layers=2, image_size=64)
 BATCH, TOKENS, TARGET_TOKENS, AUDIO_SAMPLES, LABELS = 2, 32, 16, 16000, 3
+# --size published: (samples a batch, tokens or pixels or audio samples, target tokens) per task; the tokens capped
+# at the config's max_position_embeddings, the pixels the config's image_size where it has one
+PUBLISHED_SAMPLE = {"causal-lm": (4, 2048, 0), "seq2seq": (8, 512, 128), "vision": (32, 224, 0),
+                    "segmentation": (8, 512, 0), "audio": (8, 64000, 0)}
+PLAN_BOUND_S = 60.0  # issue 33's bound on autopar.plan at realistic size, per model and topology (2 cores)
 PHASE = "# phase "  # how a child's stderr line names the phase it starts
 AUTOPAR_PHASES = ("plan", "wrap")  # the child's phases where autopar runs (before them: the model's build, own step)
 
@@ -64,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=2, help="architectures run at once")
     p.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/hf_sweep.jsonl)")
     p.add_argument("--report", default=None, help="print the Markdown table of a results file and exit")
+    p.add_argument("--size", choices=("small", "published"), default="small",
+                   help="small: SMALL's widths, trained; published: the default config's size on meta, planned only")
     p.add_argument("--child", nargs=2, default=None, metavar=("TASK", "ARCH"), help=argparse.SUPPRESS)
     return p
 
@@ -79,16 +94,23 @@ def _phase(name: str) -> None:
     print(f"{PHASE}{name}", file=sys.stderr, flush=True)
 
 
-def build(task: str, arch: str) -> Any:
+def build(task: str, arch: str, size: str = "small") -> Any:
+    """The architecture's model for `task`: SMALL's widths on the CPU, or ("published") its default config's on
+    the meta device."""
     import torch
     import transformers
 
     config = transformers.CONFIG_MAPPING[arch]()
-    _make_small(config)
+    if size == "small":
+        _make_small(config)
     if task != "causal-lm" and task != "seq2seq":
         config.num_labels = LABELS
     torch.manual_seed(0)
-    return getattr(transformers, TASKS[task][1]).from_config(config)
+    auto = getattr(transformers, TASKS[task][1])
+    if size == "small":
+        return auto.from_config(config)
+    with torch.device("meta"):
+        return auto.from_config(config).train()
 
 
 def _make_small(config: Any, depth: int = 0) -> None:
@@ -131,20 +153,34 @@ def _set(config: Any, key: str, value: Any) -> None:
         pass
 
 
-def make_sample(task: str, model: Any, batch: int = BATCH) -> dict[str, Any]:
+def make_sample(task: str, model: Any, batch: int = BATCH, size: str = "small") -> dict[str, Any]:
+    """A batch for `task`: SMALL's (BATCH samples, TOKENS tokens, 64 px where the config names no image size), or
+    ("published") PUBLISHED_SAMPLE's shapes."""
     import torch
 
+    config = model.config
+    published = size == "published"
+    if published:
+        batch, length, targets = PUBLISHED_SAMPLE[task]
+    else:
+        length, targets = (AUDIO_SAMPLES if task == "audio" else TOKENS), TARGET_TOKENS
     if task in ("vision", "segmentation"):
-        size = getattr(model.config, "image_size", 64)
-        size = size[0] if isinstance(size, (list, tuple)) else size if isinstance(size, int) else 64
-        channels = getattr(model.config, "num_channels", 3) or 3
-        labels = torch.randint(0, LABELS, (batch, size, size) if task == "segmentation" else (batch,))
-        return {"pixel_values": torch.randn(batch, channels, size, size), "labels": labels}
+        px = getattr(config, "image_size", length if published else 64)
+        px = px[0] if isinstance(px, (list, tuple)) else px if isinstance(px, int) else 64
+        channels = getattr(config, "num_channels", 3) or 3
+        labels = torch.randint(0, LABELS, (batch, px, px) if task == "segmentation" else (batch,))
+        return {"pixel_values": torch.randn(batch, channels, px, px), "labels": labels}
     if task == "audio":
-        return {"input_values": torch.randn(batch, AUDIO_SAMPLES), "labels": torch.randint(0, LABELS, (batch,))}
-    vocab = min(getattr(model.config, "vocab_size", 256) or 256, 256)
-    ids = torch.randint(0, vocab, (batch, TOKENS))
-    labels = ids if task == "causal-lm" else torch.randint(0, vocab, (batch, TARGET_TOKENS))
+        return {"input_values": torch.randn(batch, length), "labels": torch.randint(0, LABELS, (batch,))}
+    vocab = getattr(config, "vocab_size", 256) or 256
+    if published:
+        limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        length = min(length, limit) if isinstance(limit, int) and limit > 0 else length
+        targets = min(targets, length)
+    else:
+        vocab = min(vocab, 256)
+    ids = torch.randint(0, vocab, (batch, length))
+    labels = ids if task == "causal-lm" else torch.randint(0, vocab, (batch, targets))
     return {"input_ids": ids, "labels": labels}
 
 
@@ -175,19 +211,22 @@ def _failed(exc: BaseException, started: float) -> dict[str, Any]:
     return {"ok": False, "s": round(time.perf_counter() - started, 2), "error": _error(exc), "where": where()}
 
 
-def measure(task: str, arch: str) -> dict[str, Any]:
+def measure(task: str, arch: str, size: str = "small") -> dict[str, Any]:
     """One architecture in this process; `status` says how far it got (see `report`)."""
     import torch
 
     warnings.filterwarnings("ignore")
-    rec: dict[str, Any] = {}
+    rec: dict[str, Any] = {"size": size}
     _phase("build")
     try:
-        model = build(task, arch)
-        sample = make_sample(task, model)
+        model = build(task, arch, size)
+        sample = make_sample(task, model, size=size)
     except Exception as exc:
-        return {"status": "build_failed", "error": _error(exc)}
+        return {**rec, "status": "build_failed", "error": _error(exc)}
     rec["parameters"] = sum(p.numel() for p in model.parameters())
+    if size == "published":
+        rec["sample"] = {k: list(v.shape) for k, v in sample.items()}
+        return {**rec, **_plans(model, sample)}
     _phase("own step")
     try:  # the model's own step, without autopar, on a copy: one that cannot train is not autopar's to plan
         plain = copy.deepcopy(model)
@@ -196,18 +235,10 @@ def measure(task: str, arch: str) -> dict[str, Any]:
     except Exception as exc:
         return {**rec, "status": "model_failed", "error": _error(exc)}
     import autopar
-    from autopar.planning import short_name
 
-    failed = False
-    for topology in TOPOLOGIES:
-        _phase(f"plan {topology}")
-        t0 = time.perf_counter()
-        try:
-            plan = autopar.plan(model, sample=sample, topology=topology)
-            rec[topology] = {"ok": True, "s": round(time.perf_counter() - t0, 2), "plan": short_name(plan)}
-        except Exception as exc:
-            failed = True
-            rec[topology] = _failed(exc, t0)
+    plans = _plans(model, sample)
+    rec.update({t: plans[t] for t in TOPOLOGIES})
+    failed = plans["status"] != "ok"
     _phase("wrap")
     t0 = time.perf_counter()
     try:
@@ -241,8 +272,27 @@ def measure(task: str, arch: str) -> dict[str, Any]:
     return rec
 
 
-def _run_child(task: str, arch: str, timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.hf_sweep", "--child", task, arch]
+def _plans(model: Any, sample: dict[str, Any]) -> dict[str, Any]:
+    """`autopar.plan` for each topology: its seconds and plan, or what it raised; status "ok" where none raised,
+    else "autopar_failed"."""
+    import autopar
+    from autopar.planning import short_name
+
+    rec: dict[str, Any] = {"status": "ok"}
+    for topology in TOPOLOGIES:
+        _phase(f"plan {topology}")
+        t0 = time.perf_counter()
+        try:
+            plan = autopar.plan(model, sample=sample, topology=topology)
+            rec[topology] = {"ok": True, "s": round(time.perf_counter() - t0, 2), "plan": short_name(plan)}
+        except Exception as exc:
+            rec["status"] = "autopar_failed"
+            rec[topology] = _failed(exc, t0)
+    return rec
+
+
+def _run_child(task: str, arch: str, timeout_s: float, size: str = "small") -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.hf_sweep", "--child", task, arch, "--size", size]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
@@ -250,11 +300,11 @@ def _run_child(task: str, arch: str, timeout_s: float) -> dict[str, Any]:
         lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if lines:
             return json.loads(lines[-1])
-        return {"task": task, "arch": arch, "status": "crashed", "rc": proc.returncode,
+        return {"task": task, "arch": arch, "size": size, "status": "crashed", "rc": proc.returncode,
                 "phase": _last_phase(proc.stderr), "error": proc.stderr.strip()[-300:]}
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return {"task": task, "arch": arch, "status": "timeout", "phase": _last_phase(err),
+        return {"task": task, "arch": arch, "size": size, "status": "timeout", "phase": _last_phase(err),
                 "error": f"killed at {timeout_s:.0f} s", "wall_s": round(time.perf_counter() - start, 1)}
 
 
@@ -267,6 +317,8 @@ def _last_phase(stderr: str) -> str | None:
 def report(path: str) -> str:
     rows = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
     head = rows[0] if rows else {}
+    if head.get("size") == "published":
+        return report_published(rows)
     out = [f"# hf-sweep, {str(head.get('date', ''))[:10]}, {head.get('device')}, torch {head.get('torch')}, "
            f"transformers {head.get('transformers')}, code {str(head.get('commit', ''))[:7]}",
            f"# {head.get('command')}", "",
@@ -309,6 +361,51 @@ def report(path: str) -> str:
     return "\n".join(out)
 
 
+def report_published(rows: list[dict[str, Any]]) -> str:
+    """The table of a `--size published` run: per task, the statuses and autopar.plan's seconds; then every
+    architecture autopar raised on, or took over PLAN_BOUND_S to plan, or was killed while planning."""
+    head = rows[0] if rows else {}
+    out = [f"# hf-sweep --size published, {str(head.get('date', ''))[:10]}, {head.get('device')}, torch "
+           f"{head.get('torch')}, transformers {head.get('transformers')}, code {str(head.get('commit', ''))[:7]}",
+           f"# {head.get('command')}", "",
+           "Each architecture at its default config's size on the meta device, `autopar.plan` for "
+           f"{' and '.join(TOPOLOGIES)} (one process each, nothing else running). Statuses: ok (both planned); "
+           "autopar_failed (a plan raised); build_failed (the default config does not build: not autopar's); "
+           "timeout / crashed (with the phase reached).", "",
+           "| task | architectures | ok | autopar_failed | build_failed | timeout | crashed | plan s median | "
+           f"plan s max | over {PLAN_BOUND_S:.0f} s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by_task: dict[str, list[dict]] = collections.defaultdict(list)
+    for r in rows:
+        by_task[r["task"]].append(r)
+
+    def secs(r: dict[str, Any]) -> list[float]:
+        return [r[t]["s"] for t in TOPOLOGIES if isinstance(r.get(t), dict) and r[t].get("ok")]
+
+    for task, rs in by_task.items():
+        count = collections.Counter(r["status"] for r in rs)
+        every = [x for r in rs for x in secs(r)]
+        over = sum(1 for r in rs if any(x > PLAN_BOUND_S for x in secs(r)))
+        cells = [str(count.get(k, 0)) for k in ("ok", "autopar_failed", "build_failed", "timeout", "crashed")]
+        out.append(f"| {task} | {len(rs)} | {' | '.join(cells)} | "
+                   f"{statistics.median(every) if every else 0:.1f} | {max(every) if every else 0:.1f} | {over} |")
+    bad = [r for r in rows if r["status"] == "autopar_failed" or any(x > PLAN_BOUND_S for x in secs(r)) or
+           (r["status"] in ("timeout", "crashed") and str(r.get("phase")).startswith("plan"))]
+    if bad:
+        out += ["", f"## Raised, over {PLAN_BOUND_S:.0f} s, or killed while planning", "",
+                "| task | architecture | parameters | status | what |", "| --- | --- | ---: | --- | --- |"]
+        for r in sorted(bad, key=lambda r: (r["task"], r["arch"])):
+            if r["status"] in ("timeout", "crashed"):
+                what = f"phase {r.get('phase')}: {str(r.get('error', ''))[:160]}"
+            else:
+                what = "; ".join(f"{t}: {r[t]['s']:.1f} s" + ("" if r[t].get("ok") else f" {r[t]['error'][:150]}")
+                                 for t in TOPOLOGIES if isinstance(r.get(t), dict))
+            params = r.get("parameters")
+            out.append(f"| {r['task']} | {r['arch']} | {params / 1e9 if params else 0:.2f}B | {r['status']} | "
+                       f"{what.replace('|', '/')} |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.report:
@@ -317,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else list(argv)
     if args.child:
         task, arch = args.child
-        rec = {"task": task, "arch": arch, **measure(task, arch)}
+        rec = {"task": task, "arch": arch, **measure(task, arch, args.size)}
         print(json.dumps(rec), flush=True)
         return 0
     out = results_path(args.out, "hf_sweep.jsonl")
@@ -325,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(task, arch) for task in args.tasks.split(",") for arch in architectures(task)
             if args.archs is None or arch in args.archs.split(",")]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool, open(out, "a") as f:
-        futures = [pool.submit(_run_child, task, arch, args.arch_timeout_s) for task, arch in jobs]
+        futures = [pool.submit(_run_child, task, arch, args.arch_timeout_s, args.size) for task, arch in jobs]
         for done in concurrent.futures.as_completed(futures):
             rec = {**done.result(), **head}
             f.write(json.dumps(rec) + "\n")

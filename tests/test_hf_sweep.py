@@ -26,7 +26,7 @@ def test_a_model_whose_own_step_fails_is_not_counted_as_autopars(monkeypatch):
         def forward(self, **batch):
             raise RuntimeError("the model's own bug")
 
-    monkeypatch.setattr(hf_sweep, "build", lambda task, arch: Broken())
+    monkeypatch.setattr(hf_sweep, "build", lambda task, arch, size="small": Broken())
     rec = hf_sweep.measure("causal-lm", "broken")
     assert rec["status"] == "model_failed" and "the model's own bug" in rec["error"]
 
@@ -57,3 +57,57 @@ def test_the_report_counts_statuses_per_task_and_lists_what_autopar_did_not_do(t
     assert "| vision | e | timeout | phase plan 1xH200: killed at 120 s |" in text
     assert "model_failed" in text and "| vision | d |" not in text  # not autopar's: counted, not listed
     assert "| vision | f |" not in text and "1 timeouts and crashes (killed: out of memory) came before" in text
+
+
+def test_published_size_plans_the_default_configs_model_on_meta_with_a_batch_of_realistic_shape(monkeypatch):
+    import torch
+    import transformers
+
+    def tiny_on_meta(task, arch, size="small"):  # a published-size model's path, at a size a test affords
+        assert size == "published"
+        config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config).train()
+
+    monkeypatch.setattr(hf_sweep, "build", tiny_on_meta)
+    rec = hf_sweep.measure("causal-lm", "llama", "published")
+    assert rec["status"] == "ok", rec
+    assert rec["sample"] == {"input_ids": [4, 256], "labels": [4, 256]}  # PUBLISHED_SAMPLE's 2048 tokens, capped
+    assert all(rec[t]["ok"] and rec[t]["plan"] and rec[t]["s"] >= 0 for t in hf_sweep.TOPOLOGIES)
+    assert "wrap" not in rec  # a meta model is planned, not trained
+
+
+def test_published_samples_take_the_configs_image_size_and_a_target_length_within_the_positions():
+    import transformers
+
+    vit = type("M", (), {"config": transformers.ViTConfig(image_size=384)})()
+    sample = hf_sweep.make_sample("vision", vit, size="published")
+    assert list(sample["pixel_values"].shape) == [hf_sweep.PUBLISHED_SAMPLE["vision"][0], 3, 384, 384]
+    bart = type("M", (), {"config": transformers.BartConfig(max_position_embeddings=100, vocab_size=1000)})()
+    sample = hf_sweep.make_sample("seq2seq", bart, size="published")
+    assert list(sample["input_ids"].shape) == [8, 100] and list(sample["labels"].shape) == [8, 100]
+    assert int(sample["input_ids"].max()) < 1000
+
+
+def test_the_published_report_lists_what_raised_what_took_over_the_bound_and_what_was_killed_planning(tmp_path):
+    head = {"date": "2026-12-07T00:00:00", "device": "cpu", "torch": "t", "transformers": "x", "command": "c",
+            "commit": "abcdef0", "size": "published"}
+    fast, slow = {"ok": True, "s": 2.0, "plan": "1gpu"}, {"ok": True, "s": 75.0, "plan": "1gpu"}
+    rows = [
+        {"task": "causal-lm", "arch": "a", "status": "ok", "parameters": 7e9, "1xH200": fast, "8xH100-SXM": fast},
+        {"task": "causal-lm", "arch": "b", "status": "ok", "parameters": 7e9, "1xH200": slow, "8xH100-SXM": fast},
+        {"task": "causal-lm", "arch": "c", "status": "autopar_failed", "parameters": 1e9, "1xH200": fast,
+         "8xH100-SXM": {"ok": False, "s": 0.3, "error": "TraceError: op"}},
+        {"task": "vision", "arch": "d", "status": "timeout", "phase": "plan 1xH200", "error": "killed at 180 s"},
+        {"task": "vision", "arch": "e", "status": "build_failed", "error": "no"},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
+    text = hf_sweep.report(str(path))
+    assert "| causal-lm | 3 | 2 | 1 | 0 | 0 | 0 | 2.0 | 75.0 | 1 |" in text
+    assert "| vision | 2 | 0 | 0 | 1 | 1 | 0 | 0.0 | 0.0 | 0 |" in text
+    assert "| causal-lm | b | 7.00B | ok | 1xH200: 75.0 s; 8xH100-SXM: 2.0 s |" in text
+    assert "| causal-lm | c | 1.00B | autopar_failed | 1xH200: 2.0 s; 8xH100-SXM: 0.3 s TraceError: op |" in text
+    assert "| vision | d | 0.00B | timeout | phase plan 1xH200: killed at 180 s |" in text
+    assert "| causal-lm | a |" not in text and "| vision | e |" not in text
