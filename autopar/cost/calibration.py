@@ -102,6 +102,13 @@ class Calibration:
     masked_attention_factor: float = 0.64  # attention with an explicit mask or bias / without, at equal executed
     # FLOPs; ratio; H200 kernel profile: compiled Hugging Face Llama-1B (its mask materialised, not causal) ran
     # its SDPA kernels in 34.55 ms where the model gives 22.1 ms unmasked (bench/results/kernels_h200_2026-11-29)
+    dropout_attention_factor: float = 0.56  # a fused attention kernel's forward that draws a dropout mask / one that
+    # does not, at equal executed FLOPs (its backward as fast: it regenerates the mask from the same seed); ratio;
+    # H200 kernel profile of compiled GPT-2 124M (attn_pdrop 0.1, bench/results/zoo_h200_wrap_2026-12-02f.jsonl):
+    # cuDNN's forward 5.33 ms against 2.98 modelled without dropout, its backward 7.58 against 7.44. Checked on the
+    # profiles it was not read from (attention kernels fwd + bwd, measured / modelled without -> with it): GPT-2
+    # eager 5.50 ms / 3.78 -> 4.63, BERT eager 4.73 / 3.78 -> 4.63, T5 compiled 2.54 / 1.48 -> 1.81, wav2vec2
+    # eager 0.76 / 0.39 -> 0.48 (bench/results/zoo_h200_profile_2026-12-01c.jsonl, zoo_h200_wrap_2026-12-02b/c)
     fp32_attention_efficiency: float = 0.40  # fp32 attention's executed-FLOPs rate / fp32 peak (the memory-efficient
     # kernel: SIMT); ratio; H200 kernel profile, GPT-2-355M fp32 at 4 x 1024: 0.722 TFLOP executed in 27.29 ms
     conv_efficiency: float = 0.633  # cuDNN's implicit-GEMM convolution rate / a dense GEMM's of the same M, N, K,

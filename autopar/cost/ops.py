@@ -57,6 +57,7 @@ class Rates:
     attention_half_dim: float
     attention_half_keys: float
     masked_attention: float
+    dropout_attention: float  # a fused attention forward with dropout / without (Calibration.dropout_attention_factor)
     fp32_attention_eff: float
     grouped_eff: float
     hbm: float  # achieved bytes/s of eager memory-bound kernels
@@ -95,7 +96,8 @@ class Rates:
                    misaligned_conv=cal.misaligned_conv_factor,
                    attention_eff=cal.attention_efficiency * cal.matmul_efficiency * arch.efficiency_ratio,
                    attention_half_dim=cal.attention_half_head_dim, attention_half_keys=cal.attention_half_keys,
-                   masked_attention=cal.masked_attention_factor, fp32_attention_eff=cal.fp32_attention_efficiency,
+                   masked_attention=cal.masked_attention_factor, dropout_attention=cal.dropout_attention_factor,
+                   fp32_attention_eff=cal.fp32_attention_efficiency,
                    grouped_eff=cal.grouped_gemm_efficiency,
                    hbm=device.hbm_bytes_per_s * cal.memory_efficiency,
                    fused_hbm=device.hbm_bytes_per_s * cal.fused_memory_efficiency,
@@ -319,7 +321,7 @@ def _compute_s(kind: str, shape: list[float], flops: float, nbytes: float, grow:
     elif _math_attention(kind, shape, rates):
         return _unfused_attention_s(shape, backward, rates)
     else:
-        flops, rate = _attention(shape, flops, rates)
+        flops, rate = _attention(shape, flops, rates, backward)
     return max(flops / rate if flops else 0.0, nbytes / rates.hbm)
 
 
@@ -439,16 +441,18 @@ def _grouped_rate(shape: list[float], rates: Rates, fp32: bool) -> float:
         rates.grouped_eff
 
 
-def _attention(shape: list[float], flops: float, rates: Rates) -> tuple[float, float]:
+def _attention(shape: list[float], flops: float, rates: Rates, backward: bool = False) -> tuple[float, float]:
     """(FLOPs executed, rate) of a fused attention kernel, (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim,
-    causal, window, masked). Executed: the traced FLOPs (the full score matrix) times the keys each query
-    sees (causal: the lower triangle, torch's top-left alignment; a window: at most window + 1). Rate: peak x
+    causal, window, masked[, dropout]). Executed: the traced FLOPs (the full score matrix) times the keys each
+    query sees (causal: the lower triangle, torch's top-left alignment; a window: at most window + 1). Rate: peak x
     attention_efficiency x d / (d + attention_half_head_dim) x keys / (keys + attention_half_keys) (a flash
     kernel's tile loop: its fixed costs per tile are amortised over the head dim and the keys), times
-    masked_attention_factor with an explicit mask or bias (the memory-efficient or cuDNN kernel reading it).
-    Compiled as one graph, a causal call whose mask only torch.compile builds (causal 2: a Hugging Face model's,
-    autopar.profile.hf_masks) is masked and not causal. fp32: fp32 peak x fp32_attention_efficiency."""
-    _, _, _, sq, sk, d, _, causal, window, masked = shape
+    masked_attention_factor with an explicit mask or bias (the memory-efficient or cuDNN kernel reading it), and
+    a forward that draws a dropout mask times dropout_attention_factor. Compiled as one graph, a causal call whose
+    mask only torch.compile builds (causal 2: a Hugging Face model's, autopar.profile.hf_masks) is masked and not
+    causal. fp32: fp32 peak x fp32_attention_efficiency."""
+    _, _, _, sq, sk, d, _, causal, window, masked = shape[:10]
+    dropout = len(shape) > 10 and shape[10] and not backward
     masked = masked == 1  # 2: a mask only torch.compile builds (_math_attention's, when compiled whole)
     if causal == 2 and rates.whole_graph:
         causal, masked = 0, True
@@ -457,7 +461,8 @@ def _attention(shape: list[float], flops: float, rates: Rates) -> tuple[float, f
     if not rates.bf16:
         return executed, rates.peak * rates.fp32_attention_eff
     eff = rates.attention_eff * d / (d + rates.attention_half_dim) * keys / (keys + rates.attention_half_keys)
-    return executed, rates.peak * eff * (rates.masked_attention if masked else 1.0)
+    return executed, rates.peak * eff * (rates.masked_attention if masked else 1.0) * \
+        (rates.dropout_attention if dropout else 1.0)
 
 
 def _keys_per_query(sq: float, sk: float, causal: bool, window: float) -> float:

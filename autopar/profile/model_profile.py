@@ -73,10 +73,11 @@ class OpRecord:
       M = N H_out W_out, N = C_out / groups, K = C_in / groups kh kw; of its backward's input gradient
       M = N H_in W_in, N = C_in / groups, K = C_out / groups kh kw; of its weight gradient M = C_out / groups,
       N = C_in / groups kh kw, K = N H_out W_out
-    - "attention": (batch, heads, kv_heads, q_len, k_len, qk_head_dim, v_head_dim, causal, window, masked) of a
-      fused attention kernel (SDPA's flash, memory-efficient, cuDNN or CPU flash kernels); window 0: none;
-      masked 1: an explicit mask or bias; causal 2: causal with a mask only torch.compile would build, masked 2:
-      not causal with such a mask (a Hugging Face model's mask that it skips eagerly: autopar.profile.hf_masks)
+    - "attention": (batch, heads, kv_heads, q_len, k_len, qk_head_dim, v_head_dim, causal, window, masked,
+      dropout) of a fused attention kernel (SDPA's flash, memory-efficient, cuDNN or CPU flash kernels); window 0:
+      none; masked 1: an explicit mask or bias; causal 2: causal with a mask only torch.compile would build, masked
+      2: not causal with such a mask (a Hugging Face model's mask that it skips eagerly: autopar.profile.hf_masks);
+      dropout 1: the call's dropout_p is over 0 (records written before it have 10 fields: no dropout)
     - "grouped_gemm": (groups, M, N, K) of torch._grouped_mm, M N K the mean GEMM of a group
     - memory-bound kinds, shape (): "elementwise", "reduction", "norm", "softmax", "copy" (casts, cat, gather,
       indexing, padding), "weight" (casts of the weights, and gradient casts and sums on weight-shaped tensors:

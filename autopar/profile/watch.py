@@ -221,7 +221,7 @@ def _compile_marks(causal: int, masked: int, a: dict[str, Any], masks: CompileMa
 
 def _attention(name: str, a: dict[str, Any], *, backward: bool, masks: CompileMasks) -> tuple:
     """A fused attention kernel's record: (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim, causal, window,
-    masked); FLOPs as autopar.profile.flops counts them (the full score matrix). A forward call without a mask
+    masked, dropout); FLOPs as autopar.profile.flops counts them (the full score matrix). A forward call without a mask
     whose mask torch.compile would build (autopar.profile.hf_masks) is marked: causal 2, or masked 2 where it is
     not causal."""
     q, k, v = a["query"], a["key"], a["value"]
@@ -242,7 +242,8 @@ def _attention(name: str, a: dict[str, Any], *, backward: bool, masks: CompileMa
         if marks != (causal, masked):
             masks.marked[key] = marks
         causal, masked = marks
-    shape = tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv, causal, window, masked))
+    dropout = int(float(a.get("dropout_p", 0.0) or 0.0) > 0.0)  # the kernel draws a dropout mask (both directions)
+    shape = tuple(int(s) for s in (b, hq, hk, sq, sk, d, dv, causal, window, masked, dropout))
     per = (3 * d + 2 * dv) if backward else (d + dv)
     return ("attention", shape, 2.0 * b * hq * sq * sk * per, 0, ())
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import ModelProfile, extrapolate_profile
+from autopar.profile.flops import flash_like_attention
 from tests.cost._op_records import profiled, records, watched
 
 COMPUTE = ("gemm", "conv", "attention", "grouped_gemm")
@@ -64,7 +65,8 @@ def test_linear_gemms_forward_and_both_gradients_with_the_dim_that_grows_with_th
 
 def test_attention_records_its_lengths_head_dims_and_causality(gpt):
     (fwd,) = [r for r in gpt.ops_of("blocks", 0).ops if r.kind == "attention" and not r.backward]
-    assert fwd.shape == (2, 2, 2, 32, 32, 16, 16, 1, 0, 0)  # batch, heads, kv heads, q, k, dims, causal, window, mask
+    assert fwd.shape == (2, 2, 2, 32, 32, 16, 16, 1, 0, 0, 0)  # batch, heads, kv heads, q, k, dims, causal, window,
+    # mask, dropout
     assert fwd.dtype == "float32"
     (bwd,) = [r for r in gpt.ops_of("blocks", 0).ops if r.kind == "attention" and r.backward]
     assert bwd.flops == pytest.approx(fwd.flops * 2.5)
@@ -77,8 +79,24 @@ def test_cross_attention_and_grouped_query_attention():
     ops = watched(lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)[0],
                  q, k, v)
     (att,) = [r for r in ops if r.kind == "attention"]
-    assert att.shape == (2, 4, 4, 8, 24, 16, 16, 0, 0, 0)
+    assert att.shape == (2, 4, 4, 8, 24, 16, 16, 0, 0, 0, 0)
     assert att.flops == 2 * 2 * 4 * 8 * 24 * (16 + 16)
+
+
+def test_attention_that_draws_a_dropout_mask_is_marked_both_ways():
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+
+    bias = torch.zeros(2, 4, 8, 8, requires_grad=True)  # a learned bias: the memory-efficient kernel
+
+    def step(dropout, biased):  # SDPA as the trace runs it: the fused kernel a GPU takes (flash, or efficient)
+        def f(q, k, v, b):
+            return flash_like_attention(q, k, v, attn_mask=b if biased else None, dropout_p=dropout,
+                                        is_causal=not biased).sum()
+        return {(r.backward, r.shape[10]) for r in watched(f, q, k, v, bias) if r.kind == "attention"}
+
+
+    assert step(0.1, False) == step(0.1, True) == {(False, 1), (True, 1)}
+    assert step(0.0, False) == step(0.0, True) == {(False, 0), (True, 0)}
 
 
 def test_convolution_as_implicit_gemms_forward_and_its_two_backward_gemms():

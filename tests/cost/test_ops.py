@@ -29,10 +29,22 @@ def _gemm(m: int, n: int, k: int, grow: int = 1) -> OpRecord:
                     flops=2.0 * m * n * k, bytes=2 * (m * k + k * n + m * n), batch_dim=grow)
 
 
-def _attention(b=4, h=16, s=2048, d=64, causal=1, window=0, masked=0, sk=None) -> OpRecord:
+def _attention(b=4, h=16, s=2048, d=64, causal=1, window=0, masked=0, sk=None, dropout=None, backward=False
+               ) -> OpRecord:
     sk = sk or s
-    return OpRecord(kind="attention", backward=False, shape=(b, h, h, s, sk, d, d, causal, window, masked),
-                    dtype="bfloat16", count=1, flops=2.0 * b * h * s * sk * 2 * d, bytes=8 * b * h * s * d)
+    shape = (b, h, h, s, sk, d, d, causal, window, masked) + (() if dropout is None else (dropout,))
+    return OpRecord(kind="attention", backward=backward, shape=shape, dtype="bfloat16", count=1,
+                    flops=2.0 * b * h * s * sk * 2 * d * (2.5 if backward else 1.0), bytes=8 * b * h * s * d)
+
+
+def test_attention_that_draws_dropout_is_slower_forward_and_as_fast_backward():
+    """Calibration.dropout_attention_factor: a forward drawing a dropout mask runs at that fraction of one that
+    does not; its backward regenerates the mask at no measured cost; a record written without the field (10
+    of them) has no dropout."""
+    for backward, factor in ((False, CAL.dropout_attention_factor), (True, 1.0)):
+        plain, drop = (op_seconds(_attention(dropout=x, backward=backward), _rates()) for x in (0, 1))
+        assert drop == pytest.approx(plain / factor, rel=1e-9)
+    assert op_seconds(_attention(), _rates()) == op_seconds(_attention(dropout=0), _rates())
 
 
 def test_a_gemm_is_priced_by_its_depth_and_output_not_by_a_hidden_width():
