@@ -12,7 +12,7 @@ from .api import plan, wrap
 from .checkpoint import load, save
 from .data import dataloader, local_batch, sampler
 from .errors import (AutoparError, InfeasiblePlanError, MaterializeError, PlanError, PlanMismatchError, ProfileError,
-                     StaleOptimizerError, TopologyError)
+                     StaleOptimizerError, TopologyError, UntracedWarning)
 from .planning import candidates, predict
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
@@ -40,6 +40,7 @@ __all__ = [
     "StaleOptimizerError",
     "Topology",
     "TopologyError",
+    "UntracedWarning",
     "applied",
     "autotune",
     "candidates",

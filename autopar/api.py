@@ -19,7 +19,7 @@ from ._util.batch import check_peers_on_first_forward, sample_batch_size
 from ._util.log import get_logger
 from ._util.progress import phase, recording
 from ._util.stale_params import forget_replaced
-from .errors import CacheError, InfeasiblePlanError, PlanError, TraceError
+from .errors import CacheError, InfeasiblePlanError, PlanError, TraceError, UntracedWarning
 from .hooks import Profiled, WrapHook, wrap_hook
 from . import wrap_cache
 from ._util.io import CacheWarning
@@ -99,7 +99,7 @@ def plan(
     except TraceError as exc:
         structure = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
         safe = safe_plan(structure, topo, world_size=world_size, global_batch_size=global_batch)
-        warnings.warn("autopar: " + untraced_message(structure, safe, exc), stacklevel=2)
+        warnings.warn("autopar: " + untraced_message(structure, safe, exc), UntracedWarning, stacklevel=2)
         return safe
     refusal = tensor_parallel_refusal(model, profile)
     with phase(f"choosing among the plans for {world_size} process(es) (cost model)"):

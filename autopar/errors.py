@@ -32,6 +32,11 @@ class TraceError(ProfileError):
     be read, so a given plan can be applied. The original exception is the `__cause__`."""
 
 
+class UntracedWarning(UserWarning):
+    """`autopar.plan` could not trace the model's step on fake tensors and returns a safe plan from the model's
+    structure, without a prediction; the message says why and what to change."""
+
+
 class CacheError(AutoparError):
     """A cache file or folder (plan cache, calibration cache) that autopar refuses: tampered, not ours,
     writable by others, not plain YAML, another key's entry. The message names the path and says what to do."""

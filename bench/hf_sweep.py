@@ -219,14 +219,11 @@ def measure(task: str, arch: str, size: str = "small") -> dict[str, Any]:
     rec: dict[str, Any] = {"size": size}
     _phase("build")
     try:
-        model = build(task, arch, size)
-        sample = make_sample(task, model, size=size)
+        model = build(task, arch)
+        sample = make_sample(task, model)
     except Exception as exc:
         return {**rec, "status": "build_failed", "error": _error(exc)}
     rec["parameters"] = sum(p.numel() for p in model.parameters())
-    if size == "published":
-        rec["sample"] = {k: list(v.shape) for k, v in sample.items()}
-        return {**rec, **_plans(model, sample)}
     _phase("own step")
     try:  # the model's own step, without autopar, on a copy: one that cannot train is not autopar's to plan
         plain = copy.deepcopy(model)
@@ -234,6 +231,16 @@ def measure(task: str, arch: str, size: str = "small") -> dict[str, Any]:
         del plain
     except Exception as exc:
         return {**rec, "status": "model_failed", "error": _error(exc)}
+    if size == "published":  # the small model's own step ran: the published one is planned (on meta, no step)
+        _phase("build published")
+        try:
+            model = build(task, arch, size)
+            sample = make_sample(task, model, size=size)
+        except Exception as exc:
+            return {**rec, "status": "build_failed", "error": _error(exc)}
+        rec["parameters"] = sum(p.numel() for p in model.parameters())
+        rec["sample"] = {k: list(v.shape) for k, v in sample.items()}
+        return {**rec, **_plans(model, sample)}
     import autopar
 
     plans = _plans(model, sample)
@@ -283,8 +290,14 @@ def _plans(model: Any, sample: dict[str, Any]) -> dict[str, Any]:
         _phase(f"plan {topology}")
         t0 = time.perf_counter()
         try:
-            plan = autopar.plan(model, sample=sample, topology=topology)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plan = autopar.plan(model, sample=sample, topology=topology)
             rec[topology] = {"ok": True, "s": round(time.perf_counter() - t0, 2), "plan": short_name(plan)}
+            untraced = [str(w.message) for w in caught if issubclass(w.category, autopar.UntracedWarning)]
+            if untraced:  # the safe plan from the model's structure, without a prediction
+                rec[topology]["untraced"] = untraced[0][:300]
+                rec["status"] = "untraced" if rec["status"] == "ok" else rec["status"]
         except Exception as exc:
             rec["status"] = "autopar_failed"
             rec[topology] = _failed(exc, t0)
@@ -368,13 +381,15 @@ def report_published(rows: list[dict[str, Any]]) -> str:
     out = [f"# hf-sweep --size published, {str(head.get('date', ''))[:10]}, {head.get('device')}, torch "
            f"{head.get('torch')}, transformers {head.get('transformers')}, code {str(head.get('commit', ''))[:7]}",
            f"# {head.get('command')}", "",
-           "Each architecture at its default config's size on the meta device, `autopar.plan` for "
-           f"{' and '.join(TOPOLOGIES)} (one process each, nothing else running). Statuses: ok (both planned); "
-           "autopar_failed (a plan raised); build_failed (the default config does not build: not autopar's); "
+           "Each architecture whose small model (`--size small`'s) runs its own step, at its default config's "
+           f"size on the meta device: `autopar.plan` for {' and '.join(TOPOLOGIES)} (one process each). Statuses: "
+           "ok (both planned by the cost model); untraced (autopar.UntracedWarning: the step could not be traced, "
+           "the safe plan from the model's structure came back); autopar_failed (a plan raised); build_failed / "
+           "model_failed (the config does not build, or the small model's own step fails: not autopar's); "
            "timeout / crashed (with the phase reached).", "",
-           "| task | architectures | ok | autopar_failed | build_failed | timeout | crashed | plan s median | "
-           f"plan s max | over {PLAN_BOUND_S:.0f} s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| task | architectures | ok | untraced | autopar_failed | build_failed | model_failed | timeout | crashed "
+           f"| plan s median | plan s max | over {PLAN_BOUND_S:.0f} s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by_task: dict[str, list[dict]] = collections.defaultdict(list)
     for r in rows:
         by_task[r["task"]].append(r)
@@ -386,19 +401,23 @@ def report_published(rows: list[dict[str, Any]]) -> str:
         count = collections.Counter(r["status"] for r in rs)
         every = [x for r in rs for x in secs(r)]
         over = sum(1 for r in rs if any(x > PLAN_BOUND_S for x in secs(r)))
-        cells = [str(count.get(k, 0)) for k in ("ok", "autopar_failed", "build_failed", "timeout", "crashed")]
+        cells = [str(count.get(k, 0)) for k in ("ok", "untraced", "autopar_failed", "build_failed", "model_failed",
+                                                "timeout", "crashed")]
         out.append(f"| {task} | {len(rs)} | {' | '.join(cells)} | "
                    f"{statistics.median(every) if every else 0:.1f} | {max(every) if every else 0:.1f} | {over} |")
-    bad = [r for r in rows if r["status"] == "autopar_failed" or any(x > PLAN_BOUND_S for x in secs(r)) or
+    bad = [r for r in rows if r["status"] in ("autopar_failed", "untraced") or
+           any(x > PLAN_BOUND_S for x in secs(r)) or
            (r["status"] in ("timeout", "crashed") and str(r.get("phase")).startswith("plan"))]
     if bad:
-        out += ["", f"## Raised, over {PLAN_BOUND_S:.0f} s, or killed while planning", "",
+        out += ["", f"## Raised, untraced, over {PLAN_BOUND_S:.0f} s, or killed while planning", "",
                 "| task | architecture | parameters | status | what |", "| --- | --- | ---: | --- | --- |"]
         for r in sorted(bad, key=lambda r: (r["task"], r["arch"])):
             if r["status"] in ("timeout", "crashed"):
                 what = f"phase {r.get('phase')}: {str(r.get('error', ''))[:160]}"
             else:
-                what = "; ".join(f"{t}: {r[t]['s']:.1f} s" + ("" if r[t].get("ok") else f" {r[t]['error'][:150]}")
+                what = "; ".join(f"{t}: {r[t]['s']:.1f} s" + (f" {r[t]['error'][:150]}" if not r[t].get("ok") else
+                                                               f" untraced: {r[t]['untraced'][:200]}" if
+                                                               r[t].get("untraced") else "")
                                  for t in TOPOLOGIES if isinstance(r.get(t), dict))
             params = r.get("parameters")
             out.append(f"| {r['task']} | {r['arch']} | {params / 1e9 if params else 0:.2f}B | {r['status']} | "

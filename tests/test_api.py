@@ -671,7 +671,7 @@ def test_wrap_applies_a_safe_plan_to_a_model_it_cannot_trace_and_says_so_once(ca
 
 def test_plan_gives_the_safe_plan_with_a_warning_and_predict_raises_the_trace_error(weights_unreadable):
     model = _ChecksItsLabels()
-    with pytest.warns(UserWarning, match="could not be traced on fake tensors") as record:
+    with pytest.warns(autopar.UntracedWarning, match="could not be traced on fake tensors") as record:
         p = autopar.plan(model, sample=_labelled(), topology="8xH100-SXM")
     assert len(record) == 1 and "FSDP2 over 8 processes" in str(record[0].message)
     assert (p.precision, p.compile, p.dp_shard, p.tp, p.pp, p.micro_batch_size) == ("bf16", False, 8, 1, 1, 4)

@@ -63,8 +63,11 @@ def test_published_size_plans_the_default_configs_model_on_meta_with_a_batch_of_
     import torch
     import transformers
 
+    small = hf_sweep.build
+
     def tiny_on_meta(task, arch, size="small"):  # a published-size model's path, at a size a test affords
-        assert size == "published"
+        if size == "small":  # the own-step gate
+            return small(task, arch)
         config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
         with torch.device("meta"):
@@ -76,6 +79,42 @@ def test_published_size_plans_the_default_configs_model_on_meta_with_a_batch_of_
     assert rec["sample"] == {"input_ids": [4, 256], "labels": [4, 256]}  # PUBLISHED_SAMPLE's 2048 tokens, capped
     assert all(rec[t]["ok"] and rec[t]["plan"] and rec[t]["s"] >= 0 for t in hf_sweep.TOPOLOGIES)
     assert "wrap" not in rec  # a meta model is planned, not trained
+
+
+def test_published_size_says_when_autopar_planned_from_the_structure_and_skips_a_model_that_cannot_train(
+        monkeypatch):
+    import torch
+
+    import autopar.profile.build
+
+    # a check on what its weights compute, with the weights' values unreadable to the trace (as for a model over
+    # MAX_REAL_WEIGHT_BYTES): trains eagerly, cannot be traced (tests/test_api.py's _ChecksItsLabels)
+    monkeypatch.setattr(autopar.profile.build, "MAX_REAL_WEIGHT_BYTES", 0)
+
+    class Untraceable(torch.nn.Module):
+        config = type("Config", (), {"vocab_size": 16, "max_position_embeddings": 8})()
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, input_ids, labels):
+            h = self.lin(torch.nn.functional.one_hot(input_ids % 8, 8).float())
+            if not torch.isfinite(h).all():
+                raise ValueError("not finite")
+            return type("Out", (), {"loss": h.mean()})()
+
+    monkeypatch.setattr(hf_sweep, "build", lambda task, arch, size="small": Untraceable())
+    rec = hf_sweep.measure("causal-lm", "x", "published")
+    assert rec["status"] == "untraced", rec
+    assert all("could not be traced" in rec[t]["untraced"] for t in hf_sweep.TOPOLOGIES)
+
+    class Broken(Untraceable):
+        def forward(self, input_ids, labels):
+            raise RuntimeError("the model's own bug")
+
+    monkeypatch.setattr(hf_sweep, "build", lambda task, arch, size="small": Broken())
+    assert hf_sweep.measure("causal-lm", "x", "published")["status"] == "model_failed"
 
 
 def test_published_samples_take_the_configs_image_size_and_a_target_length_within_the_positions():
@@ -105,8 +144,8 @@ def test_the_published_report_lists_what_raised_what_took_over_the_bound_and_wha
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
     text = hf_sweep.report(str(path))
-    assert "| causal-lm | 3 | 2 | 1 | 0 | 0 | 0 | 2.0 | 75.0 | 1 |" in text
-    assert "| vision | 2 | 0 | 0 | 1 | 1 | 0 | 0.0 | 0.0 | 0 |" in text
+    assert "| causal-lm | 3 | 2 | 0 | 1 | 0 | 0 | 0 | 0 | 2.0 | 75.0 | 1 |" in text
+    assert "| vision | 2 | 0 | 0 | 0 | 1 | 0 | 1 | 0 | 0.0 | 0.0 | 0 |" in text
     assert "| causal-lm | b | 7.00B | ok | 1xH200: 75.0 s; 8xH100-SXM: 2.0 s |" in text
     assert "| causal-lm | c | 1.00B | autopar_failed | 1xH200: 2.0 s; 8xH100-SXM: 0.3 s TraceError: op |" in text
     assert "| vision | d | 0.00B | timeout | phase plan 1xH200: killed at 180 s |" in text
