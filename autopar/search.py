@@ -20,7 +20,7 @@ Pruned as dominated, never predicted for time:
   (Plan.float8, on GPUs with float8 tensor cores); wrap and `autopar.plan` do not offer them until a float8
   step has been measured on the H200 against its prediction.
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
-  (none < selective < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without resharding
+  (none < selective < alternate < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without resharding
   after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
   never slower; it is listed as dropped, with the plan that dominates it.
 
@@ -47,7 +47,7 @@ from .cost import Calibration, Prediction, predict_profile
 from .cost.memory import MemoryPrediction, predict_host_memory, predict_memory
 from .errors import PlanError
 from .layout import check_pipeline, sequence_parallel_refusal
-from .plans import Loop, Plan
+from .plans import CHECKPOINTING, Loop, Plan
 from .profile import ModelProfile
 from .topology import Topology
 
@@ -277,7 +277,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                         if accum >= pp and accum % pp == 0 and 2 * pp <= blocks:
                             schedules += [("interleaved_1f1b", 2), ("zero_bubble", 2)]
                     for schedule, per_rank in schedules:
-                        for ckpt in ("none", "selective", "full"):
+                        for ckpt in CHECKPOINTING:
                             # float8 linears under TP: not applied yet (Plan refuses them)
                             for precision, f8 in [(p, False) for p in precisions] + (floats8 if tp == 1 else []):
                                 for compile_ in compiles:
@@ -376,7 +376,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     return out
 
 
-_CKPT_ORDER = {"none": 0, "selective": 1, "full": 2}
+_CKPT_ORDER = {mode: i for i, mode in enumerate(CHECKPOINTING)}  # recomputation: none < selective < alternate < full
 
 
 def _host_drop(profile: ModelProfile, plan: Plan, topology: Topology, headroom: float, world_size: int) -> Drop | None:

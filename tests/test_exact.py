@@ -40,6 +40,7 @@ PLANS = {
     "one GPU": P(micro_batch_size=4),
     "one GPU, full checkpointing": P(micro_batch_size=4, checkpointing="full"),
     "one GPU, selective checkpointing": P(micro_batch_size=4, checkpointing="selective"),
+    "one GPU, alternate checkpointing": P(micro_batch_size=4, checkpointing="alternate"),
     "accumulation x2": P(micro_batch_size=2, grad_accum=2),
     "FSDP 8": P(dp_shard=8, micro_batch_size=4),
     "FSDP 8 + full checkpointing": P(dp_shard=8, micro_batch_size=4, checkpointing="full"),

@@ -353,6 +353,8 @@ class _Activations:
                 per_block.append(_tp_block_bytes(prof, b, plan) * _compiled_ratio(b, plan, cal))
             elif plan.checkpointing == "full":  # only the block's input is kept (2sbh of 34sbh at 16 bit)
                 per_block.append(_hidden_tensor(prof, plan, tp))
+            elif plan.checkpointing == "alternate":  # of those, every other GEMM's output, and the block's input
+                per_block.append(_alternate_saved(b) / tp + _hidden_tensor(prof, plan, tp))
             else:  # selective: matmul and attention outputs (split by TP) and the block's input
                 per_block.append(b.selective_saved_bytes / tp + _hidden_tensor(prof, plan, tp))
         recompute = 0.0
@@ -365,6 +367,13 @@ class _Activations:
         return cls(prof=prof, blocks=scale * sum(per_block) * in_flight_microbatches(plan, pp_rank),
                    outside=scale * outside, recompute=scale * recompute,
                    first_block=scale * per_block[0] if per_block else 0.0)
+
+
+def _alternate_saved(b: BlockProfile) -> float:
+    """What "alternate" checkpointing keeps of a block (autopar.strategies.checkpointing): its trace's tally, or for
+    a profile written before it had one (alternate_saved_bytes 0 with matmul outputs kept), half of selective's."""
+    return b.alternate_saved_bytes if b.alternate_saved_bytes or not b.selective_saved_bytes \
+        else b.selective_saved_bytes / 2
 
 
 def _compiled_ratio(b: BlockProfile, plan: Plan, cal: "Calibration") -> float:

@@ -323,10 +323,13 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
 
     # Recompute: full checkpointing runs each checkpointed block's forward again (its compute and memory-bound
     # ops, at the same rates); selective checkpointing keeps the matmul and attention outputs and reruns the
-    # memory-bound forward ops; seconds. Its TP all-reduces are in tp_comm.
+    # memory-bound forward ops; "alternate" reruns those and every other GEMM, its share of the blocks' forward
+    # compute their share of its FLOPs (BlockProfile.alternate_recompute_flops); seconds. Its TP all-reduces
+    # are in tp_comm.
     ckpt = sum(1 for k in range(len(blocks)) if k % plan.checkpoint_every == 0) / max(len(blocks), 1) \
         if plan.checkpointing != "none" else 0.0
-    recompute_compute = ckpt * block_forward[0] if plan.checkpointing == "full" else 0.0
+    recompute_compute = ckpt * block_forward[0] if plan.checkpointing == "full" else \
+        ckpt * block_forward[0] * _alternate_share(prof, blocks) if plan.checkpointing == "alternate" else 0.0
     recompute_memory = ckpt * block_forward[1] if plan.checkpointing != "none" else 0.0
     recompute = recompute_compute + recompute_memory
 
@@ -400,6 +403,16 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     terms = TimeTerms(matmul=compute + recompute_compute, memory=memory + recompute_memory,
                       launch=launch_total if launch > 0 else 0.0, fixed_s=fixed)
     return prediction, terms
+
+
+def _alternate_share(prof: ModelProfile, blocks: list[int]) -> float:
+    """The share of the blocks' forward FLOPs that "alternate" checkpointing computes again (every other GEMM);
+    half the GEMMs' share, at most 1/2, for a profile traced before the tally."""
+    forward = sum(prof.blocks[i].forward_flops for i in blocks)
+    again = sum(prof.blocks[i].alternate_recompute_flops for i in blocks)
+    if forward <= 0:
+        return 0.0
+    return min(1.0, again / forward) if again > 0 else 0.5
 
 
 def model_flops_per_step(profile: ModelProfile, plan: Plan) -> float:

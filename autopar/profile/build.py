@@ -320,6 +320,8 @@ def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledS
                      forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved_bytes[i],
                      matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
                      selective_saved_bytes=t.selective_bytes[i],
+                     alternate_saved_bytes=t.alternate_bytes[i] if t.alternate_bytes else t.selective_bytes[i],
+                     alternate_recompute_flops=t.alternate_recompute_flops[i] if t.alternate_recompute_flops else 0.0,
                      num_trainable_params=params.trainable_per_block[i],
                      compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None,
                      compiled_unfused_bytes=compiled.unfused_attention_bytes[i] if compiled is not None else 0)

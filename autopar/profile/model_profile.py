@@ -33,6 +33,10 @@ class BlockProfile:
     matmul_params: int = 0  # parameters of the block's Linear-like layers (what tensor parallelism splits)
     saved_hidden_bytes: int = 0  # of saved_bytes, tensors shaped like the hidden states (batch, seq, hidden)
     selective_saved_bytes: int = 0  # outputs of matmuls and attention in the forward (what selective AC keeps)
+    alternate_saved_bytes: int = 0  # of those, what "alternate" AC keeps: the first, third, ... GEMM's outputs and
+    # the rest of the matmul and attention outputs
+    alternate_recompute_flops: float = 0.0  # forward FLOPs of the GEMMs "alternate" AC recomputes (the second,
+    # fourth, ...)
     num_trainable_params: int | None = None  # of num_params, those that require grad (None: all of them)
     compiled_saved_bytes: int | None = None  # what a torch.compile'd step saves for backward instead of saved_bytes
     #                                          (autopar.profile.remat; None: not partitioned)

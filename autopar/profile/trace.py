@@ -44,6 +44,8 @@ class Trace:
     largest_op: str
     saved_hidden_bytes: tuple[int, ...]  # per block, of saved_bytes: tensors shaped like the hidden states
     selective_bytes: tuple[int, ...]  # per block: matmul and attention outputs in the forward
+    alternate_bytes: tuple[int, ...] = ()  # per block: of those, what "alternate" checkpointing keeps
+    alternate_recompute_flops: tuple[float, ...] = ()  # per block: forward FLOPs of the GEMMs it recomputes
     matmul_calls: tuple[MatmulCall, ...] = ()
     norm_calls: tuple[NormCall, ...] = ()
     block_input: str | None = None
@@ -241,6 +243,7 @@ class StepTrace:
             saved_bytes=tuple(self.saved_bytes), saved_outside_bytes=self.saved_outside_bytes,
             largest_bytes=w.largest_bytes, largest_op=w.largest_op,
             saved_hidden_bytes=tuple(self.saved_hidden_bytes), selective_bytes=tuple(w.selective_bytes),
+            alternate_bytes=tuple(w.alternate_bytes), alternate_recompute_flops=tuple(w.alternate_recompute_flops),
             num_ops=w.num_ops, traffic_bytes=w.traffic_bytes, weight_traffic_bytes=w.weight_traffic_bytes,
             matmul_calls=tuple(dataclasses.replace(c, consumer=w.consumers.get(i, "")) for i, c in enumerate(
                 self.matmul_calls)), norm_calls=tuple(self.norm_calls), op_groups=w.op_groups(),

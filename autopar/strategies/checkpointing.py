@@ -4,6 +4,9 @@
 - "selective": a checkpointed block keeps the outputs of matmuls, attention kernels and collectives and
   recomputes the cheap rest (norms, activations, dropout, elementwise ops): most of the memory saving of
   full checkpointing for a fraction of its extra compute.
+- "alternate": as selective, but of the block's GEMMs (mm, addmm, bmm, baddbmm, _scaled_mm) it keeps every
+  other output, the first, third, ..., and recomputes the rest: between selective and full in memory and in
+  recomputation (torchtitan's op-level selective checkpointing, its default for Llama 3 8B).
 - `every=n` checkpoints blocks 0, n, 2n, ...: memory between none and all.
 
 The block's `forward` is replaced on the instance by a checkpointed call of the original, so parameter
@@ -59,6 +62,38 @@ def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+_GEMMS = None
+
+
+def gemm_ops() -> set[Any]:
+    """The GEMMs whose outputs "alternate" keeps every other one of (counted in the order a block runs them)."""
+    aten = torch.ops.aten
+    return {getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm") if hasattr(aten, n)}
+
+
+def _alternate_context() -> Any:
+    """Selective checkpointing that keeps the first, third, ... GEMM output of one checkpointed call and recomputes
+    the second, fourth, ...; a fresh count for each call, one for its forward and one for its recomputation (which
+    runs the same ops in the same order, so each GEMM gets the same decision both times)."""
+    global _SAVE, _GEMMS
+    if _SAVE is None:
+        _SAVE = _save_ops()
+    if _GEMMS is None:
+        _GEMMS = gemm_ops()
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _GEMMS:
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_CONTEXTS = {"selective": _selective_context, "alternate": _alternate_context}
+
+
 def _running_stat_norms(block: nn.Module) -> list[nn.Module]:
     """The block's norm layers that update running statistics in training mode (BatchNorm, InstanceNorm
     with track_running_stats)."""
@@ -91,9 +126,10 @@ class _KeepRunningStats:
             self.saved = []
 
 
-def _contexts(norms: Sequence[nn.Module], selective: bool) -> tuple[Any, Any]:
+def _contexts(norms: Sequence[nn.Module], mode: str) -> tuple[Any, Any]:
     """checkpoint's context_fn for a block with running statistics: (forward context, recomputation context)."""
-    forward, recompute = _selective_context() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+    forward, recompute = _CONTEXTS[mode]() if mode in _CONTEXTS else (contextlib.nullcontext(),
+                                                                       contextlib.nullcontext())
     return forward, _KeepRunningStats(norms, recompute)
 
 
@@ -105,20 +141,21 @@ def _checkpointed_forward(forward: Callable[..., Any], context_fn: Callable[[], 
 
 
 def apply_checkpointing(blocks: Sequence[tuple[str, nn.Module]], *, mode: str, every: int = 1) -> list[str]:
-    """Checkpoint blocks 0, every, 2*every, ... in `mode` ("full" or "selective"); returns their names."""
+    """Checkpoint blocks 0, every, 2*every, ... in `mode` ("full", "selective" or "alternate"); returns their
+    names."""
     if mode == "none":
         return []
-    if mode not in ("full", "selective"):
-        raise ValueError(f"checkpointing mode must be 'none', 'full' or 'selective', got {mode!r}.")
+    if mode not in ("full", "selective", "alternate"):
+        raise ValueError(f"checkpointing mode must be 'none', 'full', 'selective' or 'alternate', got {mode!r}.")
     if every < 1:
         raise ValueError(f"checkpoint every n-th block needs n >= 1, got {every}.")
-    context_fn = _selective_context if mode == "selective" else None
+    context_fn = _CONTEXTS.get(mode)
     done = []
     for index, (name, block) in enumerate(blocks):
         if index % every:
             continue
         norms = _running_stat_norms(block)  # their statistics must not be updated again by the recomputation
-        block_context = functools.partial(_contexts, norms, mode == "selective") if norms else context_fn
+        block_context = functools.partial(_contexts, norms, mode) if norms else context_fn
         block.forward = functools.partial(_checkpointed_forward, block.forward, block_context)
         done.append(name)
     return done
