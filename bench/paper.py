@@ -161,13 +161,13 @@ def llama31_8b_profile(seq_len: int) -> ModelProfile:
 
 
 def titan_lines(row: TitanRow) -> list[str]:
-    """A torchtitan row predicted under its own plan, once with autopar's selective checkpointing and once with
-    full: tokens/s/GPU and peak memory against the published. torchtitan's "selective" (op-level SAC) keeps every
-    other matmul's output and recomputes the rest, which no Plan says: autopar's selective keeps every matmul's
-    (less recompute, more memory) and full keeps none, so the run lies between the two lines."""
+    """A torchtitan row predicted under its own plan with autopar's selective, alternate and full checkpointing:
+    tokens/s/GPU and peak memory against the published. torchtitan's op-level SAC keeps every other aten.mm's output
+    (autopar's "alternate"), but its save list has no _scaled_mm, the GEMM of a Float8Linear: with Float8 every
+    linear's GEMM is recomputed (attention's output kept), so these runs lie between "alternate" and "full"."""
     profile = llama31_8b_profile(row.seq_len)
     out = []
-    for ac in ("selective", "full"):
+    for ac in ("selective", "alternate", "full"):
         pred = predict_profile(profile, replace(row.plan, checkpointing=ac), row.topology)
         tokens = row.local_batch * row.seq_len / pred.step_s
         gib = pred.memory.peak_bytes / 2**30
@@ -245,8 +245,9 @@ def main() -> None:
                      f"({tflops / published - 1:+.1%})")
         print(lines[-1], flush=True)
     lines += ["", "torchtitan, Llama 3.1 8B on H200 (tokens/s/GPU; FSDP over every GPU, compile, Float8 linears; its "
-              "float8 all-gather priced as bf16's, as autopar's FSDP gathers; its op-level selective checkpointing "
-              "recomputes every other matmul, between autopar's selective and full, so each row twice):",
+              "float8 all-gather priced as bf16's, as autopar's FSDP gathers; its op-level SAC recomputes every other "
+              "aten.mm and, under Float8, every linear's _scaled_mm: between autopar's 'alternate' and 'full', so each "
+              "row under autopar's three modes):",
               f"{'model':>4} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>9} {'publ':>7} {'pred':>8} {'err':>7}"]
     for row in TITAN_H200:
         for line in titan_lines(row):
