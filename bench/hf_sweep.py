@@ -281,7 +281,8 @@ def measure(task: str, arch: str, size: str = "small") -> dict[str, Any]:
 
 def _plans(model: Any, sample: dict[str, Any]) -> dict[str, Any]:
     """`autopar.plan` for each topology: its seconds and plan, or what it raised; status "ok" where none raised,
-    else "autopar_failed"."""
+    "untraced" where a plan came from the model's structure (autopar.UntracedWarning), "refused" where no plan fits
+    the hardware (autopar.InfeasiblePlanError's one line), else "autopar_failed"."""
     import autopar
     from autopar.planning import short_name
 
@@ -298,6 +299,9 @@ def _plans(model: Any, sample: dict[str, Any]) -> dict[str, Any]:
             if untraced:  # the safe plan from the model's structure, without a prediction
                 rec[topology]["untraced"] = untraced[0][:300]
                 rec["status"] = "untraced" if rec["status"] == "ok" else rec["status"]
+        except autopar.InfeasiblePlanError as exc:  # nothing fits: autopar's one-line refusal, not a failure
+            rec[topology] = {**_failed(exc, t0), "refused": True}
+            rec["status"] = "refused" if rec["status"] in ("ok", "untraced", "refused") else rec["status"]
         except Exception as exc:
             rec["status"] = "autopar_failed"
             rec[topology] = _failed(exc, t0)
@@ -384,12 +388,14 @@ def report_published(rows: list[dict[str, Any]]) -> str:
            "Each architecture whose small model (`--size small`'s) runs its own step, at its default config's "
            f"size on the meta device: `autopar.plan` for {' and '.join(TOPOLOGIES)} (one process each). Statuses: "
            "ok (both planned by the cost model); untraced (autopar.UntracedWarning: the step could not be traced, "
-           "the safe plan from the model's structure came back); autopar_failed (a plan raised); build_failed / "
+           "the safe plan from the model's structure came back); refused (no plan fits a topology's memory: "
+           "autopar.InfeasiblePlanError, one line saying what to change); autopar_failed (a plan raised anything "
+           "else); build_failed / "
            "model_failed (the config does not build, or the small model's own step fails: not autopar's); "
            "timeout / crashed (with the phase reached).", "",
-           "| task | architectures | ok | untraced | autopar_failed | build_failed | model_failed | timeout | crashed "
-           f"| plan s median | plan s max | over {PLAN_BOUND_S:.0f} s |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| task | architectures | ok | untraced | refused | autopar_failed | build_failed | model_failed | timeout "
+           f"| crashed | plan s median | plan s max | over {PLAN_BOUND_S:.0f} s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by_task: dict[str, list[dict]] = collections.defaultdict(list)
     for r in rows:
         by_task[r["task"]].append(r)
@@ -401,15 +407,15 @@ def report_published(rows: list[dict[str, Any]]) -> str:
         count = collections.Counter(r["status"] for r in rs)
         every = [x for r in rs for x in secs(r)]
         over = sum(1 for r in rs if any(x > PLAN_BOUND_S for x in secs(r)))
-        cells = [str(count.get(k, 0)) for k in ("ok", "untraced", "autopar_failed", "build_failed", "model_failed",
-                                                "timeout", "crashed")]
+        cells = [str(count.get(k, 0)) for k in ("ok", "untraced", "refused", "autopar_failed", "build_failed",
+                                                "model_failed", "timeout", "crashed")]
         out.append(f"| {task} | {len(rs)} | {' | '.join(cells)} | "
                    f"{statistics.median(every) if every else 0:.1f} | {max(every) if every else 0:.1f} | {over} |")
-    bad = [r for r in rows if r["status"] in ("autopar_failed", "untraced") or
+    bad = [r for r in rows if r["status"] in ("autopar_failed", "untraced", "refused") or
            any(x > PLAN_BOUND_S for x in secs(r)) or
            (r["status"] in ("timeout", "crashed") and str(r.get("phase")).startswith("plan"))]
     if bad:
-        out += ["", f"## Raised, untraced, over {PLAN_BOUND_S:.0f} s, or killed while planning", "",
+        out += ["", f"## Raised, untraced, refused, over {PLAN_BOUND_S:.0f} s, or killed while planning", "",
                 "| task | architecture | parameters | status | what |", "| --- | --- | ---: | --- | --- |"]
         for r in sorted(bad, key=lambda r: (r["task"], r["arch"])):
             if r["status"] in ("timeout", "crashed"):

@@ -138,15 +138,34 @@ def test_the_published_report_lists_what_raised_what_took_over_the_bound_and_wha
         {"task": "causal-lm", "arch": "b", "status": "ok", "parameters": 7e9, "1xH200": slow, "8xH100-SXM": fast},
         {"task": "causal-lm", "arch": "c", "status": "autopar_failed", "parameters": 1e9, "1xH200": fast,
          "8xH100-SXM": {"ok": False, "s": 0.3, "error": "TraceError: op"}},
+        {"task": "causal-lm", "arch": "g", "status": "refused", "parameters": 4e11,
+         "1xH200": {"ok": False, "s": 9.0, "error": "InfeasiblePlanError: no plan fits", "refused": True},
+         "8xH100-SXM": fast},
         {"task": "vision", "arch": "d", "status": "timeout", "phase": "plan 1xH200", "error": "killed at 180 s"},
         {"task": "vision", "arch": "e", "status": "build_failed", "error": "no"},
     ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
     text = hf_sweep.report(str(path))
-    assert "| causal-lm | 3 | 2 | 0 | 1 | 0 | 0 | 0 | 0 | 2.0 | 75.0 | 1 |" in text
-    assert "| vision | 2 | 0 | 0 | 0 | 1 | 0 | 1 | 0 | 0.0 | 0.0 | 0 |" in text
+    assert "| causal-lm | 4 | 2 | 0 | 1 | 1 | 0 | 0 | 0 | 0 | 2.0 | 75.0 | 1 |" in text
+    assert "| vision | 2 | 0 | 0 | 0 | 0 | 1 | 0 | 1 | 0 | 0.0 | 0.0 | 0 |" in text
     assert "| causal-lm | b | 7.00B | ok | 1xH200: 75.0 s; 8xH100-SXM: 2.0 s |" in text
     assert "| causal-lm | c | 1.00B | autopar_failed | 1xH200: 2.0 s; 8xH100-SXM: 0.3 s TraceError: op |" in text
     assert "| vision | d | 0.00B | timeout | phase plan 1xH200: killed at 180 s |" in text
+    assert "| causal-lm | g | 400.00B | refused | 1xH200: 9.0 s InfeasiblePlanError: no plan fits; 8xH100-SXM: 2.0 s |" \
+        in text
     assert "| causal-lm | a |" not in text and "| vision | e |" not in text
+
+
+def test_no_plan_fitting_is_a_refusal_not_a_failure(monkeypatch):
+    import torch
+
+    import autopar
+
+    def nothing_fits(model, **kwargs):
+        raise autopar.InfeasiblePlanError("no plan fits in 131 GiB per device: use more devices")
+
+    monkeypatch.setattr(autopar, "plan", nothing_fits)
+    rec = hf_sweep._plans(torch.nn.Linear(2, 2), {"x": torch.ones(1, 2)})
+    assert rec["status"] == "refused"
+    assert all(rec[t]["refused"] and "use more devices" in rec[t]["error"] for t in hf_sweep.TOPOLOGIES)
