@@ -1,8 +1,8 @@
 """Activation checkpointing of the model's blocks, without changing module names or types.
 
 - "full": a checkpointed block keeps only its inputs; its forward runs again in backward.
-- "selective": a checkpointed block keeps the outputs of matmuls, attention kernels and collectives and
-  recomputes the cheap rest (norms, activations, dropout, elementwise ops): most of the memory saving of
+- "selective": a checkpointed block keeps the outputs of matmuls, attention kernels, convolutions, grouped GEMMs
+  and collectives and recomputes the cheap rest (norms, activations, dropout, elementwise ops): most of the memory saving of
   full checkpointing for a fraction of its extra compute.
 - "alternate": as selective, but of the block's GEMMs (mm, addmm, bmm, baddbmm, _scaled_mm) it keeps every
   other output, the first, third, ..., and recomputes the rest: between selective and full in memory and in
@@ -37,6 +37,9 @@ def _save_ops() -> set[Any]:
         (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
         (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
         (aten, "_flash_attention_forward"), (aten, "_efficient_attention_forward"),
+        # a convolution's and an MoE's grouped GEMM's outputs too: compute-bound, as the trace's selective tally
+        # counts them (autopar.profile.flops.matmul_ops), where recomputing them would cost a block's forward
+        (aten, "convolution"), (aten, "_grouped_mm"),
     ]
     ops = {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
     functional = getattr(torch.ops, "_c10d_functional", None)

@@ -134,6 +134,8 @@ def test_selective_policy_keeps_matmuls_and_recomputes_the_rest():
     assert selective_policy(None, aten.mm.default) == CheckpointPolicy.MUST_SAVE
     assert selective_policy(None, aten.addmm.default) == CheckpointPolicy.MUST_SAVE
     assert selective_policy(None, aten._scaled_dot_product_flash_attention_for_cpu.default) == CheckpointPolicy.MUST_SAVE
+    assert selective_policy(None, aten.convolution.default) == CheckpointPolicy.MUST_SAVE  # as the trace counts it
+    assert selective_policy(None, aten._grouped_mm.default) == CheckpointPolicy.MUST_SAVE
     for op in (aten.gelu.default, aten.native_layer_norm.default, aten.add.Tensor, aten.mul.Tensor):
         assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
 
