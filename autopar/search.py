@@ -20,8 +20,8 @@ Pruned as dominated, never predicted for time:
   (Plan.float8, on GPUs with float8 tensor cores); wrap and `autopar.plan` do not offer them until a float8
   step has been measured on the H200 against its prediction.
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
-  (none < selective < alternate < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without resharding
-  after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
+  (none < selective < alternate < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without
+  resharding after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
   never slower; it is listed as dropped, with the plan that dominates it.
 
 The work is one step per plan considered: the loops run over divisors of the world size and of the

@@ -31,6 +31,13 @@ def test_a_model_whose_own_step_fails_is_not_counted_as_autopars(monkeypatch):
     assert rec["status"] == "model_failed" and "the model's own bug" in rec["error"]
 
 
+def _report(tmp_path, head: dict, rows: list[dict]) -> str:
+    """hf_sweep.report of a results file holding `rows`, each stamped with `head`."""
+    path = tmp_path / "sweep.jsonl"
+    path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
+    return hf_sweep.report(str(path))
+
+
 def test_the_report_counts_statuses_per_task_and_lists_what_autopar_did_not_do(tmp_path):
     head = {"date": "2026-12-06T00:00:00", "device": "cpu", "torch": "t", "transformers": "x", "command": "c",
             "commit": "abcdef0"}
@@ -47,9 +54,7 @@ def test_the_report_counts_statuses_per_task_and_lists_what_autopar_did_not_do(t
         {"task": "vision", "arch": "e", "status": "timeout", "phase": "plan 1xH200", "error": "killed at 120 s"},
         {"task": "vision", "arch": "f", "status": "crashed", "phase": "build", "rc": -9, "error": "# phase build"},
     ]
-    path = tmp_path / "s.jsonl"
-    path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
-    text = hf_sweep.report(str(path))
+    text = _report(tmp_path, head, rows)
     assert "| causal-lm | 2 | 1 | 1 | 0 | 0 | 0 | 0 | 0 |" in text
     assert "| vision | 4 | 0 | 0 | 1 | 0 | 1 | 1 | 1 |" in text
     assert "| causal-lm | b | mismatch | own loss 1.000000, wrap's first 1.500000 |" in text
@@ -144,9 +149,7 @@ def test_the_published_report_lists_what_raised_what_took_over_the_bound_and_wha
         {"task": "vision", "arch": "d", "status": "timeout", "phase": "plan 1xH200", "error": "killed at 180 s"},
         {"task": "vision", "arch": "e", "status": "build_failed", "error": "no"},
     ]
-    path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({**r, **head}) + "\n" for r in rows))
-    text = hf_sweep.report(str(path))
+    text = _report(tmp_path, head, rows)
     assert "| causal-lm | 4 | 2 | 0 | 1 | 1 | 0 | 0 | 0 | 0 | 2.0 | 75.0 | 1 |" in text
     assert "| vision | 2 | 0 | 0 | 0 | 0 | 1 | 0 | 1 | 0 | 0.0 | 0.0 | 0 |" in text
     assert "| causal-lm | b | 7.00B | ok | 1xH200: 75.0 s; 8xH100-SXM: 2.0 s |" in text

@@ -371,9 +371,8 @@ class _Activations:
 
 def _alternate_saved(b: BlockProfile) -> float:
     """What "alternate" checkpointing keeps of a block (autopar.strategies.checkpointing): its trace's tally, or for
-    a profile written before it had one (alternate_saved_bytes 0 with matmul outputs kept), half of selective's."""
-    return b.alternate_saved_bytes if b.alternate_saved_bytes or not b.selective_saved_bytes \
-        else b.selective_saved_bytes / 2
+    a profile written before it had one, what selective keeps (at least as much: never under-predicted)."""
+    return b.alternate_saved_bytes if b.alternate_tallied else b.selective_saved_bytes
 
 
 def _compiled_ratio(b: BlockProfile, plan: Plan, cal: "Calibration") -> float:

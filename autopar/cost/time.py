@@ -406,13 +406,12 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
 
 
 def _alternate_share(prof: ModelProfile, blocks: list[int]) -> float:
-    """The share of the blocks' forward FLOPs that "alternate" checkpointing computes again (every other GEMM);
-    half the GEMMs' share, at most 1/2, for a profile traced before the tally."""
+    """The share of the blocks' forward FLOPs that "alternate" checkpointing computes again (every other GEMM); a
+    block of a profile written before the tally counts whole, as full checkpointing (never under-predicted)."""
     forward = sum(prof.blocks[i].forward_flops for i in blocks)
-    again = sum(prof.blocks[i].alternate_recompute_flops for i in blocks)
-    if forward <= 0:
-        return 0.0
-    return min(1.0, again / forward) if again > 0 else 0.5
+    again = sum(b.alternate_recompute_flops if b.alternate_tallied else b.forward_flops
+                for b in (prof.blocks[i] for i in blocks))
+    return min(1.0, again / forward) if forward > 0 else 0.0
 
 
 def model_flops_per_step(profile: ModelProfile, plan: Plan) -> float:

@@ -43,6 +43,12 @@ class BlockProfile:
     compiled_unfused_bytes: int = 0  # of compiled_saved_bytes, the score matrices of attention calls whose mask
     # only a whole-graph compile builds (autopar.profile.hf_masks): none under per-block compile (FSDP, pipelines)
 
+    @property
+    def alternate_tallied(self) -> bool:
+        """Whether the trace tallied "alternate" checkpointing for this block: a block that keeps any matmul or
+        attention output keeps its first under "alternate" too; a profile written before the tally has 0 there."""
+        return self.alternate_saved_bytes > 0 or self.selective_saved_bytes == 0
+
 
 @dataclass(frozen=True)
 class MatmulCall:

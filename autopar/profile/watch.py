@@ -221,9 +221,9 @@ def _compile_marks(causal: int, masked: int, a: dict[str, Any], masks: CompileMa
 
 def _attention(name: str, a: dict[str, Any], *, backward: bool, masks: CompileMasks) -> tuple:
     """A fused attention kernel's record: (batch, heads, kv_heads, q_len, k_len, qk_dim, v_dim, causal, window,
-    masked, dropout); FLOPs as autopar.profile.flops counts them (the full score matrix). A forward call without a mask
-    whose mask torch.compile would build (autopar.profile.hf_masks) is marked: causal 2, or masked 2 where it is
-    not causal."""
+    masked, dropout); FLOPs as autopar.profile.flops counts them (the full score matrix). A forward call without a
+    mask whose mask torch.compile would build (autopar.profile.hf_masks) is marked: causal 2, or masked 2 where it
+    is not causal."""
     q, k, v = a["query"], a["key"], a["value"]
     if name.startswith(_SEQ_FIRST):  # (batch, seq, heads, dim)
         (b, sq, hq, d), (sk, hk), dv = q.shape, (k.shape[1], k.shape[2]), v.shape[-1]

@@ -79,3 +79,18 @@ def test_alternate_lies_between_selective_and_full_in_memory_and_recomputation(p
 def test_the_search_offers_alternate_checkpointing():
     ranked = autopar.candidates(_profile(), topology=autopar.Topology.cpu(1), global_batch_size=2)
     assert "alternate" in {c.plan.checkpointing for c in ranked}
+
+
+def test_a_profile_written_before_the_tally_is_priced_as_no_less_than_selective_memory_and_full_recompute():
+    import dataclasses
+
+    profile = _profile()
+    old = dataclasses.replace(profile, blocks=tuple(dataclasses.replace(b, alternate_saved_bytes=0,
+                                                                         alternate_recompute_flops=0.0)
+                                                    for b in profile.blocks))
+    topo, plan = autopar.Topology.cpu(1), dict(micro_batch_size=2)
+    pred = {(name, ac): predict_profile(p, autopar.Plan(checkpointing=ac, **plan), topo, Calibration())
+            for name, p in (("new", profile), ("old", old)) for ac in ("selective", "alternate", "full")}
+    act = {k: p.memory.parts()["activations_bytes"] for k, p in pred.items()}
+    assert act["old", "alternate"] == act["new", "selective"] > act["new", "alternate"]
+    assert pred["old", "alternate"].time.recompute_s == pytest.approx(pred["new", "full"].time.recompute_s)
