@@ -19,7 +19,7 @@ from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
 from .graphs import GraphCount, dynamo_graphs
 from .model_profile import BlockProfile, ModelProfile, model_fingerprint
 from .remat import CompiledSaved, CompiledSavedProbe
-from .trace import StepTrace, Trace, Units
+from .trace import Fp32WeightsFound, StepTrace, Trace, Units
 
 # Causes of a TraceError that no other precision can avoid: the step reads tensor values.
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
@@ -193,16 +193,33 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
     given in bf16, as autopar's autocast gives them (autopar.strategies.precision)."""
     probe = CompiledSavedProbe(loss_fn, len(units))
     step = StepTrace(model, sample, units, loss_fn=probe, precision=precision, real_weights=real_weights,
-                     bf16_weights=bf16_weights)
+                     bf16_weights=bf16_weights, stop_at_fp32_weights=not bf16_weights)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
     probe.autocast = precision == "bf16"  # its compiled backward runs under autocast too
-    with probe.hooked(units):
-        t = step.run()
-    if precision == "bf16" and t.fp32_matmul_weights and not bf16_weights:
+    try:
+        with probe.hooked(units):
+            t = step.run()
+    except Fp32WeightsFound as found:  # the first such block: its weights, and the other blocks' of the same names
         return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
-                       bf16_weights=t.fp32_matmul_weights)
+                       bf16_weights=_in_every_block(found.names, found.block, units, model))
+    missed = tuple(sorted(set(t.fp32_matmul_weights) - set(bf16_weights)))
+    if precision == "bf16" and missed:  # outside the blocks, or a block the names did not reach: those too
+        return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
+                       bf16_weights=tuple(sorted({*bf16_weights, *missed})))
     return t, probe.result()
+
+
+def _in_every_block(names: tuple[str, ...], block: int, units: Units, model: nn.Module) -> tuple[str, ...]:
+    """`names` (trainable weights of block `block`) and the trainable weights of the same name in every other block
+    (an MoE's experts' weights, layer after layer): the weights a bf16 trace gives its forward in bf16."""
+    prefix = units[block][0] + "."
+    trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    out = set(names)
+    for name in names:
+        if name.startswith(prefix):
+            out.update(f"{unit}.{name[len(prefix):]}" for unit, _ in units)
+    return tuple(sorted(out & trainable | set(names)))
 
 
 def _weights_readable(model: nn.Module) -> bool:

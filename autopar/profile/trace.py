@@ -101,6 +101,15 @@ class _BlockCall:
                    nbytes=hidden.numel() * hidden.element_size(), num_args=len(args))
 
 
+class Fp32WeightsFound(Exception):
+    """A bf16 trace stopped after the first block whose forward read trainable weights in fp32 in a matmul
+    (StepTrace(stop_at_fp32_weights=True)): their names, and the block's index."""
+
+    def __init__(self, names: tuple[str, ...], block: int) -> None:
+        super().__init__(f"matmuls read {', '.join(names)} in float32 under autocast")
+        self.names, self.block = names, block
+
+
 class StepTrace:
     """One forward and backward of `model` on fake tensors, and what its hooks count.
 
@@ -111,7 +120,7 @@ class StepTrace:
 
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, real_weights: bool = False,
-                 bf16_weights: tuple[str, ...] = ()) -> None:
+                 bf16_weights: tuple[str, ...] = (), stop_at_fp32_weights: bool = False) -> None:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
@@ -143,6 +152,10 @@ class StepTrace:
             self.watcher.autocast_weights = {storage_key(t): name for name, t in self.state.items()
                                              if isinstance(t, torch.Tensor) and t.requires_grad}
         self.bf16_weights = tuple(bf16_weights) if precision == "bf16" else ()
+        # Stop at the end of the first block whose forward read a trainable weight in fp32 in a matmul (autocast does
+        # not reach it): such a step is traced again with those weights in bf16 (build.py), so the rest of this one
+        # would be for nothing (Fp32WeightsFound says which weights the block read so)
+        self.stop_at_fp32_weights = stop_at_fp32_weights and precision == "bf16"
         self._block_of = {id(m): i for i, (_, m) in enumerate(units)}
         self._stack: list[int] = []  # blocks whose forward is running, innermost last
         self._finished = 0  # blocks whose forward has finished (outermost calls)
@@ -167,7 +180,7 @@ class StepTrace:
         try:
             with self._hooked(), quiet_fake_kernel_errors():
                 forward_flops = self._step()
-        except ProfileError:
+        except (ProfileError, Fp32WeightsFound):
             raise
         except Exception as exc:  # a model that cannot run on fake tensors, or a sample that does not fit it
             raise TraceError(_cannot_trace(self.model, exc)) from exc
@@ -289,9 +302,11 @@ class StepTrace:
             self.first_call = _BlockCall.of(args, kwargs)
 
     def on_block_end(self, module: nn.Module, _args: Any, out: Any) -> None:
-        self._stack.pop()
+        block = self._stack.pop()
         if not self._stack:
             self._finished += 1
+            if self.stop_at_fp32_weights and self.watcher.fp32_matmul_weights:
+                raise Fp32WeightsFound(tuple(sorted(self.watcher.fp32_matmul_weights)), block)
         if self.output_arity is None:
             self.output_arity = len(out) if isinstance(out, (tuple, list)) else 0
 

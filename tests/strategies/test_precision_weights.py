@@ -45,6 +45,41 @@ def test_the_bf16_trace_names_the_weights_autocast_does_not_reach_and_multiplies
                          precision="bf16", warn=False).bf16_weights == ()  # autocast reaches all its matmuls
 
 
+def test_the_first_trace_stops_after_the_first_such_block_and_gives_the_profile_two_whole_traces_gave(monkeypatch):
+    """The autocast trace stops at the end of the first block whose matmuls read fp32 weights (every later op would
+    be traced again) and the retrace takes those weights and their namesakes in every block in bf16: the same
+    profile as tracing the whole step twice (the second with the weights the first named)."""
+    import autopar.profile.build as build
+    import autopar.profile.trace as trace
+
+    fam, model, sample = _mixtral()
+    runs = []
+    real_run = trace.StepTrace.run
+
+    def counted(self):
+        runs.append(self.stop_at_fp32_weights)
+        try:
+            return real_run(self)
+        except trace.Fp32WeightsFound as found:
+            runs.append(("stopped after block", found.block))
+            raise
+
+    monkeypatch.setattr(trace.StepTrace, "run", counted)
+    fast = profile_model(model, sample, loss_fn=fam.loss_fn, precision="bf16", warn=False)
+    assert runs == [True, ("stopped after block", 0), False]
+    runs.clear()
+    real_init = trace.StepTrace.__init__
+
+    def whole(self, *args, **kwargs):  # as before: the first trace runs the whole step
+        real_init(self, *args, **{**kwargs, "stop_at_fp32_weights": False})
+
+    monkeypatch.setattr(build.StepTrace, "__init__", whole)
+    slow = profile_model(model, sample, loss_fn=fam.loss_fn, precision="bf16", warn=False)
+    assert runs == [False, False]
+    assert fast.bf16_weights == slow.bf16_weights and sorted(fast.bf16_weights) == _experts(model)
+    assert fast == slow
+
+
 def test_wrap_trains_as_autocast_over_bf16_copies_of_them_and_keeps_the_fp32_parameters():
     fam, model, sample = _mixtral()
     reference = copy.deepcopy(model)
