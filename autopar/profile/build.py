@@ -185,15 +185,21 @@ _REAL_WEIGHTS_AGAIN = ("traced with the weights' own values beside the fake tens
                        "this step needed (it reads values the weights compute)")
 
 
+#: Traces of one bf16 step at most while the weights it gives in bf16 are settled (_traced): the first (stopped early),
+#: the one with those weights, and one more where the names missed a block or reached one wrongly.
+MAX_BF16_WEIGHT_TRACES = 3
+
+
 def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str, *,
-            real_weights: bool = False, bf16_weights: tuple[str, ...] = ()) -> tuple[Trace, CompiledSaved | None]:
+            real_weights: bool = False, bf16_weights: tuple[str, ...] = (), attempt: int = 1
+            ) -> tuple[Trace, CompiledSaved | None]:
     """One traced step in `precision`, with the probe that partitions its autograd graph as torch.compile
     would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`). Under bf16 autocast, a step
     whose matmuls read trainable weights in fp32 (autocast does not reach them) is traced again with those weights
     given in bf16, as autopar's autocast gives them (autopar.strategies.precision)."""
     probe = CompiledSavedProbe(loss_fn, len(units))
     step = StepTrace(model, sample, units, loss_fn=probe, precision=precision, real_weights=real_weights,
-                     bf16_weights=bf16_weights, stop_at_fp32_weights=not bf16_weights)
+                     bf16_weights=bf16_weights, stop_at_fp32_weights=not bf16_weights and attempt == 1)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
     probe.autocast = precision == "bf16"  # its compiled backward runs under autocast too
@@ -202,11 +208,12 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
             t = step.run()
     except Fp32WeightsFound as found:  # the first such block: its weights, and the other blocks' of the same names
         return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
-                       bf16_weights=_in_every_block(found.names, found.block, units, model))
-    missed = tuple(sorted(set(t.fp32_matmul_weights) - set(bf16_weights)))
-    if precision == "bf16" and missed:  # outside the blocks, or a block the names did not reach: those too
+                       bf16_weights=_in_every_block(found.names, found.block, units, model), attempt=attempt + 1)
+    missed = set(t.fp32_matmul_weights) - set(bf16_weights)
+    unread = set(bf16_weights) - set(t.matmul_weights)  # a namesake no matmul reads: autocast was right about it
+    if precision == "bf16" and (missed or unread) and attempt < MAX_BF16_WEIGHT_TRACES:  # again, those settled
         return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
-                       bf16_weights=tuple(sorted({*bf16_weights, *missed})))
+                       bf16_weights=tuple(sorted((set(bf16_weights) | missed) - unread)), attempt=attempt + 1)
     return t, probe.result()
 
 

@@ -69,6 +69,7 @@ class Trace:
     # this trace gave the step in bf16 (`StepTrace(bf16_weights=...)`), as autopar's autocast gives them
     fp32_matmul_weights: tuple[str, ...] = ()
     bf16_weights: tuple[str, ...] = ()
+    matmul_weights: tuple[str, ...] = ()  # the trainable weights a forward matmul read (bf16 traces), in any dtype
 
     @classmethod
     def untraced(cls, num_blocks: int) -> "Trace":
@@ -196,6 +197,7 @@ class StepTrace:
             for name in self.bf16_weights:  # as autopar's autocast gives them to the forward (strategies.precision)
                 if name in tensors:
                     tensors[name] = tensors[name].to(torch.bfloat16)
+                    self.watcher.autocast_weights[storage_key(tensors[name])] = name  # its matmuls' reads noted
             return functional_call(_Swapped(self.model, self._forward_backward),
                                    {f"model.{name}": t for name, t in tensors.items()}, (), {},
                                    tie_weights=False, strict=False)
@@ -268,7 +270,8 @@ class StepTrace:
             allocator_reserve_bytes=self._allocator_replay(gradients).reserve_bytes,
             allocator_replay_on_cuda=self.on_cuda,
             largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "",
-            fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights)
+            fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights,
+            matmul_weights=tuple(sorted(w.matmul_weights)))
 
     def _where(self, scope: int, backward: bool) -> str:
         """Words for a scope of the watcher (a block's index, or BEFORE, AFTER, LOSS) and a pass."""

@@ -303,6 +303,7 @@ class StepWatcher(TorchDispatchMode):
         # matmul read in float32: autocast did not reach it (a custom op's, an MoE's grouped GEMM)
         self.autocast_weights: dict[Any, str] = {}
         self.fp32_matmul_weights: set[str] = set()
+        self.matmul_weights: set[str] = set()  # of autocast_weights, those a forward matmul read (in any dtype)
         # Set by the trace: a Linear-like call's output storage -> the call's index; the first op that reads it is
         # described in `consumers` (index -> "view 2,16,4,3,8", "split -1", ...): how the model takes a fused
         # projection's output apart (tensor parallelism's layout, autopar.layout.fused_parts_layout)
@@ -346,8 +347,11 @@ class StepWatcher(TorchDispatchMode):
     def _fp32_matmul(self, func: Any, tensors_in: list[torch.Tensor], inputs: list[Any]) -> None:
         """A forward matmul that reads a trainable weight in float32 under autocast: the weight's name noted."""
         name = func.overloadpacket.__name__
-        if (name in _GEMMS or name in _GROUPED) and _dtype_of(tensors_in) == "float32":
-            self.fp32_matmul_weights.update(self.autocast_weights[k] for k in inputs if k in self.autocast_weights)
+        if name in _GEMMS or name in _GROUPED:
+            read = {self.autocast_weights[k] for k in inputs if k in self.autocast_weights}
+            self.matmul_weights.update(read)
+            if _dtype_of(tensors_in) == "float32":
+                self.fp32_matmul_weights.update(read)
 
     def _count_unallocated(self, func: Any, scope: int, tensors_in: list[torch.Tensor],
                            tensors_out: list[torch.Tensor], inputs: list[Any], from_weights: bool) -> None:

@@ -150,3 +150,26 @@ def test_a_pipeline_stage_reads_its_own_experts_in_bf16(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss = autopar.train_step(model, opt, fam.loss_fn)(sample)
     assert ranks[0]["loss"] == ranks[1]["loss"] == pytest.approx(float(loss), rel=2e-2)
+
+
+def test_a_namesake_no_matmul_reads_is_left_to_autocast_and_the_retraces_are_bounded(monkeypatch):
+    """The retrace's guess (the first block's fp32 matmul weights' namesakes in every block) is checked: a weight
+    given in bf16 that no matmul read goes back to fp32; the traces of one step are at most MAX_BF16_WEIGHT_TRACES."""
+    import autopar.profile.build as build
+    import autopar.profile.trace as trace
+
+    fam, model, sample = _mixtral()
+    extra = "model.layers.1.input_layernorm.weight"  # a block's weight no matmul reads
+    real_guess = build._in_every_block
+    monkeypatch.setattr(build, "_in_every_block", lambda *args: tuple(sorted({*real_guess(*args), extra})))
+    runs = []
+    real_run = trace.StepTrace.run
+
+    def counted(self):
+        runs.append(tuple(self.bf16_weights))
+        return real_run(self)
+
+    monkeypatch.setattr(trace.StepTrace, "run", counted)
+    profile = profile_model(model, sample, loss_fn=fam.loss_fn, precision="bf16", warn=False)
+    assert sorted(profile.bf16_weights) == _experts(model) and extra not in profile.bf16_weights
+    assert len(runs) == 3 and extra in runs[1] and extra not in runs[2]
