@@ -298,14 +298,19 @@ def _plans(model: Any, sample: dict[str, Any]) -> dict[str, Any]:
             untraced = [str(w.message) for w in caught if issubclass(w.category, autopar.UntracedWarning)]
             if untraced:  # the safe plan from the model's structure, without a prediction
                 rec[topology]["untraced"] = untraced[0][:300]
-                rec["status"] = "untraced" if rec["status"] == "ok" else rec["status"]
+                status = "untraced"
+            else:
+                status = "ok"
         except autopar.InfeasiblePlanError as exc:  # nothing fits: autopar's one-line refusal, not a failure
-            rec[topology] = {**_failed(exc, t0), "refused": True}
-            rec["status"] = "refused" if rec["status"] in ("ok", "untraced", "refused") else rec["status"]
+            rec[topology], status = {**_failed(exc, t0), "refused": True}, "refused"
         except Exception as exc:
-            rec["status"] = "autopar_failed"
-            rec[topology] = _failed(exc, t0)
+            rec[topology], status = _failed(exc, t0), "autopar_failed"
+        rec["status"] = max(rec["status"], status, key=_PLAN_STATUSES.index)  # the worst topology's
     return rec
+
+
+#: _plans' statuses, the least worrying first
+_PLAN_STATUSES = ("ok", "untraced", "refused", "autopar_failed")
 
 
 def _run_child(task: str, arch: str, timeout_s: float, size: str = "small") -> dict[str, Any]:
@@ -421,14 +426,18 @@ def report_published(rows: list[dict[str, Any]]) -> str:
             if r["status"] in ("timeout", "crashed"):
                 what = f"phase {r.get('phase')}: {str(r.get('error', ''))[:160]}"
             else:
-                what = "; ".join(f"{t}: {r[t]['s']:.1f} s" + (f" {r[t]['error'][:150]}" if not r[t].get("ok") else
-                                                               f" untraced: {r[t]['untraced'][:200]}" if
-                                                               r[t].get("untraced") else "")
-                                 for t in TOPOLOGIES if isinstance(r.get(t), dict))
+                what = "; ".join(_plan_cell(t, r[t]) for t in TOPOLOGIES if isinstance(r.get(t), dict))
             params = r.get("parameters")
             out.append(f"| {r['task']} | {r['arch']} | {params / 1e9 if params else 0:.2f}B | {r['status']} | "
                        f"{what.replace('|', '/')} |")
     return "\n".join(out)
+
+
+def _plan_cell(topology: str, plan: dict[str, Any]) -> str:
+    """One topology's plan in the published report: its seconds, and what it raised or that it was untraced."""
+    if not plan.get("ok"):
+        return f"{topology}: {plan['s']:.1f} s {plan['error'][:150]}"
+    return f"{topology}: {plan['s']:.1f} s" + (f" untraced: {plan['untraced'][:200]}" if plan.get("untraced") else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -93,6 +94,11 @@ def table5_lines() -> list[str]:
     return lines
 
 
+def time_parts(pred: Any) -> str:
+    """A prediction's time terms of at least a millisecond, seconds each ("compute 0.917 memory 0.212 ...")."""
+    return " ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in pred.time.parts().items() if v >= 1e-3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(RESULTS))
@@ -115,7 +121,7 @@ def main() -> None:
         errors.append(err)
         schedule = "-" if plan.pp == 1 else (plan.pp_schedule if plan.pp_stages_per_rank == 1
                                              else f"{plan.pp_schedule.replace('_1f1b', '')} v{plan.pp_stages_per_rank}")
-        parts = " ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in pred.time.parts().items() if v >= 1e-3)
+        parts = time_parts(pred)
         lines.append(f"{params:7.1f}B {tp:>2} {pp:>3} {gpus:>5} {batch:>5} {measured:>5} {tflops:6.1f} {err:+7.1%} "
                      f"{plan.micro_batch_size:>2} {schedule:>13} {pred.step_s:7.2f} "
                      f"{pred.memory.peak_bytes / 2**30:7.1f}  {parts}")

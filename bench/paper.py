@@ -44,6 +44,7 @@ from autopar.search import search
 from bench._common import RESULTS, write_dated
 from bench.megatron_table1 import ROWS as MEGATRON_ROWS
 from bench.megatron_table1 import predict_row as megatron_row
+from bench.megatron_table1 import time_parts
 
 MPT_VOCAB = 50368
 # d_model, n_heads, n_layers (llm-foundry scripts/train/yamls/pretrain/mpt-<name>.yaml)
@@ -171,7 +172,7 @@ def titan_lines(row: TitanRow) -> list[str]:
         pred = predict_profile(profile, replace(row.plan, checkpointing=ac), row.topology)
         tokens = row.local_batch * row.seq_len / pred.step_s
         gib = pred.memory.peak_bytes / 2**30
-        parts = " ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in pred.time.parts().items() if v >= 1e-3)
+        parts = time_parts(pred)
         out.append(f"  8B {row.seq_len:>6} {row.num_gpus:>4} {row.local_batch:>3}x1 {ac:>9} "
                    f"{row.tokens_per_s_per_gpu:>7.0f} {tokens:>8.0f} {tokens / row.tokens_per_s_per_gpu - 1:+7.1%}  "
                    f"{gib:6.1f} GiB (published {row.memory_gib:.1f}, {gib / row.memory_gib - 1:+.0%})  | {parts}")
@@ -189,7 +190,7 @@ def foundry_line(row: FoundryRow, *, with_search: bool) -> tuple[str, float]:
     pred = predict_profile(profile, row.plan, row.topology)
     tokens = row.micro_batch_size * row.grad_accum * row.seq_len / pred.step_s
     err = tokens / row.tokens_per_s_per_gpu - 1
-    parts = " ".join(f"{k.removesuffix('_s')} {v:.3g}" for k, v in pred.time.parts().items() if v >= 1e-3)
+    parts = time_parts(pred)
     line = (f"{row.model:>5} {row.seq_len:>6} {row.num_gpus:>4} {row.micro_batch_size:>3}x{row.grad_accum:<3} "
             f"{'AC' if row.checkpointing else '- ':>2} {row.tokens_per_s_per_gpu:>7.0f} {tokens:>8.0f} {err:+7.1%} "
             f"{pred.memory.peak_bytes / 2**30:6.1f}")

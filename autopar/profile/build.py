@@ -222,11 +222,8 @@ def _in_every_block(names: tuple[str, ...], block: int, units: Units, model: nn.
     (an MoE's experts' weights, layer after layer): the weights a bf16 trace gives its forward in bf16."""
     prefix = units[block][0] + "."
     trainable = {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    out = set(names)
-    for name in names:
-        if name.startswith(prefix):
-            out.update(f"{unit}.{name[len(prefix):]}" for unit, _ in units)
-    return tuple(sorted(out & trainable | set(names)))
+    namesakes = {f"{unit}.{name[len(prefix):]}" for name in names if name.startswith(prefix) for unit, _ in units}
+    return tuple(sorted(set(names) | (namesakes & trainable)))
 
 
 def _weights_readable(model: nn.Module) -> bool:
@@ -344,8 +341,7 @@ def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledS
                      forward_flops=t.block_flops[i] * fwd_share, flops=t.block_flops[i], saved_bytes=t.saved_bytes[i],
                      matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
                      selective_saved_bytes=t.selective_bytes[i],
-                     alternate_saved_bytes=t.alternate_bytes[i] if t.alternate_bytes else t.selective_bytes[i],
-                     alternate_recompute_flops=t.alternate_recompute_flops[i] if t.alternate_recompute_flops else 0.0,
+                     alternate_saved_bytes=t.alternate_bytes[i], alternate_recompute_flops=t.alternate_recompute_flops[i],
                      num_trainable_params=params.trainable_per_block[i],
                      compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None,
                      compiled_unfused_bytes=compiled.unfused_attention_bytes[i] if compiled is not None else 0)

@@ -139,10 +139,20 @@ class _Pieces(TorchDispatchMode):
         return self.tally.run(func, args, kwargs or {}, self.scope)
 
 
+#: The dense GEMMs (what "alternate" checkpointing keeps every other one of: autopar.strategies.checkpointing)
+GEMMS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
+
+
+def gemm_ops() -> set[Any]:
+    """Op packets of the dense GEMMs (GEMMS)."""
+    return {getattr(torch.ops.aten, n) for n in GEMMS if hasattr(torch.ops.aten, n)}
+
+
 def matmul_ops() -> set[Any]:
-    """Op packets whose time is FLOPs (matmuls, attention); everything else is memory-bound."""
+    """Op packets whose time is FLOPs (matmuls, attention); everything else is memory-bound. Selective
+    checkpointing keeps their outputs (autopar.strategies.checkpointing)."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    names = (*GEMMS, "_scaled_dot_product_flash_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward", "_efficient_attention_forward",
              "convolution", "_grouped_mm")

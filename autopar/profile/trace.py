@@ -76,7 +76,7 @@ class Trace:
         zeros = (0,) * num_blocks
         return cls(forward_flops=0.0, flops=0.0, block_flops=(0.0,) * num_blocks, saved_bytes=zeros,
                    saved_outside_bytes=0, largest_bytes=0, largest_op="not traced", saved_hidden_bytes=zeros,
-                   selective_bytes=zeros)
+                   selective_bytes=zeros, alternate_bytes=zeros, alternate_recompute_flops=(0.0,) * num_blocks)
 
 
 @dataclass(frozen=True)

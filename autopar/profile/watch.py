@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._util.batch import tensors_of
-from .flops import FlopTally, fp32_grouped_mm, matmul_ops
+from .flops import FlopTally, fp32_grouped_mm, gemm_ops, matmul_ops
 from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbytes, reduction_loops,
                      storage_key)
 from .hf_masks import CompileMasks
@@ -286,8 +286,7 @@ class StepWatcher(TorchDispatchMode):
         self.alternate_bytes = [0] * num_blocks  # of selective_bytes, what "alternate" keeps: every other GEMM's
         self.alternate_recompute_flops = [0.0] * num_blocks  # the forward FLOPs of the GEMMs "alternate" recomputes
         self._gemms_seen = [0] * num_blocks  # GEMMs of each block's forward so far
-        self._gemm = {getattr(torch.ops.aten, n) for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
-                      if hasattr(torch.ops.aten, n)}  # autopar.strategies.checkpointing.gemm_ops' packets
+        self._gemm = gemm_ops()
         self.num_blocks = num_blocks
         self._matmul = matmul_ops()
         self._records: dict[int, dict[tuple, list]] = defaultdict(dict)  # scope -> key -> [count, flops, bytes]
@@ -335,7 +334,7 @@ class StepWatcher(TorchDispatchMode):
         if allocated:
             self.num_ops += 1
             if func.overloadpacket in self._matmul:
-                self._count_matmul(func, allocated, tensors_in, tensors_out)
+                self._count_matmul(func, args, allocated, tensors_out)
             else:
                 self._count_traffic(allocated, tensors_in, tensors_out, from_weights)
             self._record(func, args, kwargs or {}, out, scope, (tensors_in, inputs), tensors_out, allocated,
@@ -441,8 +440,7 @@ class StepWatcher(TorchDispatchMode):
         name = str(func.overloadpacket.__name__)
         return name if self.forward else name + " (backward)"
 
-    def _count_matmul(self, func: Any, allocated: int, tensors_in: list[torch.Tensor],
-                      tensors_out: list[torch.Tensor]) -> None:
+    def _count_matmul(self, func: Any, args: tuple, allocated: int, tensors_out: list[torch.Tensor]) -> None:
         """A matmul's or attention's output, in a block's forward: what selective checkpointing keeps; of the
         GEMMs, "alternate" keeps the first, third, ... (in the order the block runs them) and recomputes the
         rest, whose FLOPs (2 x output elements x depth) are its recomputation's."""
@@ -456,11 +454,9 @@ class StepWatcher(TorchDispatchMode):
         self._gemms_seen[block] += 1
         if self._gemms_seen[block] % 2:
             self.alternate_bytes[block] += allocated
-        else:
-            operand = tensors_in[-1] if func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.baddbmm) \
-                else tensors_in[1] if len(tensors_in) > 1 else tensors_in[0]
-            depth = operand.shape[-2] if operand.dim() >= 2 else 1
-            self.alternate_recompute_flops[block] += 2.0 * tensors_out[0].numel() * depth if tensors_out else 0.0
+        elif tensors_out:
+            depth = args[_GEMMS[func.overloadpacket.__name__]].shape[-1]  # the first matrix's columns
+            self.alternate_recompute_flops[block] += 2.0 * tensors_out[0].numel() * depth
 
     def _weight_traffic(self, tensors_in: list[torch.Tensor], tensors_out: list[torch.Tensor],
                         from_weights: bool) -> bool:

@@ -28,68 +28,50 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..profile.flops import gemm_ops, matmul_ops
 
-def _save_ops() -> set[Any]:
-    """Ops whose outputs selective checkpointing keeps: the expensive ones to recompute."""
-    aten = torch.ops.aten
-    names = [
-        (aten, "mm"), (aten, "addmm"), (aten, "bmm"), (aten, "baddbmm"), (aten, "_scaled_mm"),
-        (aten, "_scaled_dot_product_flash_attention"), (aten, "_scaled_dot_product_efficient_attention"),
-        (aten, "_scaled_dot_product_cudnn_attention"), (aten, "_scaled_dot_product_flash_attention_for_cpu"),
-        (aten, "_flash_attention_forward"), (aten, "_efficient_attention_forward"),
-        # a convolution's and an MoE's grouped GEMM's outputs too: compute-bound, as the trace's selective tally
-        # counts them (autopar.profile.flops.matmul_ops), where recomputing them would cost a block's forward
-        (aten, "convolution"), (aten, "_grouped_mm"),
-    ]
-    ops = {getattr(ns, name).default for ns, name in names if hasattr(ns, name)}
+
+@functools.lru_cache(maxsize=None)
+def _save_ops() -> frozenset[Any]:
+    """Ops whose outputs selective checkpointing keeps: the expensive ones to recompute, the very ops the trace's
+    selective tally counts as kept (autopar.profile.flops.matmul_ops: GEMMs, attention kernels, convolutions, an
+    MoE's grouped GEMMs), and the collectives."""
+    ops = {packet.default for packet in matmul_ops()}
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None:
         for name in ("reduce_scatter_tensor", "all_reduce", "all_gather_into_tensor"):
             if hasattr(functional, name):
                 ops.add(getattr(functional, name).default)
-    return ops
+    return frozenset(ops)
 
 
-_SAVE = None
+@functools.lru_cache(maxsize=None)
+def _gemm_ops() -> frozenset[Any]:
+    """The GEMMs (autopar.profile.flops.GEMMS) whose outputs "alternate" keeps every other one of, in the order a
+    block runs them."""
+    return frozenset(packet.default for packet in gemm_ops())
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep matmul / attention / collective outputs, recompute everything else."""
-    global _SAVE
-    if _SAVE is None:
-        _SAVE = _save_ops()
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in _save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-_GEMMS = None
-
-
-def gemm_ops() -> set[Any]:
-    """The GEMMs whose outputs "alternate" keeps every other one of (counted in the order a block runs them)."""
-    aten = torch.ops.aten
-    return {getattr(aten, n).default for n in ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm") if hasattr(aten, n)}
-
-
 def _alternate_context() -> Any:
     """Selective checkpointing that keeps the first, third, ... GEMM output of one checkpointed call and recomputes
     the second, fourth, ...; a fresh count for each call, one for its forward and one for its recomputation (which
     runs the same ops in the same order, so each GEMM gets the same decision both times)."""
-    global _SAVE, _GEMMS
-    if _SAVE is None:
-        _SAVE = _save_ops()
-    if _GEMMS is None:
-        _GEMMS = gemm_ops()
     counts = {False: 0, True: 0}
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in _GEMMS:
+        if op in _gemm_ops():
             counts[ctx.is_recompute] += 1
             return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+        return selective_policy(ctx, op)
 
     return create_selective_checkpoint_contexts(policy)
 

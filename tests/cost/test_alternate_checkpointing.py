@@ -14,7 +14,7 @@ import autopar
 from autopar.cost import Calibration, predict_profile
 from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.profile import profile_model
-from autopar.strategies.checkpointing import gemm_ops
+from autopar.profile.flops import gemm_ops
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden_dim=64, num_heads=4)
 
@@ -43,7 +43,7 @@ class _Gemms(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.gemms:
+        if func.overloadpacket in self.gemms:
             b = args[-1] if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) else args[1]
             self.seen.append((out.untyped_storage().nbytes(), 2.0 * out.numel() * b.shape[-2]))
         return out
