@@ -327,6 +327,15 @@ def float8_layers(linears: Iterable[tuple[str, int, int]], blocks: Sequence[str]
                                if name.startswith(inside) and float8_converts(fan_in, fan_out)))
 
 
+def float8_weight_params(profile: ModelProfile, blocks: Iterable[int]) -> float:
+    """Elements of the float8 layers' weights (float8_layers) in these blocks (indices into profile.blocks): what
+    FSDP gathers in float8 under a plan's float8 all-gather (Plan.float8_all_gather)."""
+    calls = {c.name: c for c in profile.matmul_calls if c.kind == "linear"}
+    names = [profile.blocks[i].name for i in blocks]
+    return float(sum(calls[n].in_features * calls[n].out_features
+                     for n in float8_layers(((c.name, c.in_features, c.out_features) for c in calls.values()), names)))
+
+
 def float8_weight_shapes(profile: ModelProfile) -> frozenset[tuple[int, int]]:
     """The (out, in) weight shapes of those layers, each way round (a GEMM record names a weight's two dims in the
     order its GEMM reads them): how the cost model finds their GEMMs among the trace's records."""

@@ -488,7 +488,7 @@ def short_name(plan: Plan) -> str:
         parts.append(f"ac:{plan.checkpointing}" + (f"/{plan.checkpoint_every}" if plan.checkpoint_every > 1 else ""))
     parts.append(plan.precision)
     if plan.float8:
-        parts.append("fp8")
+        parts.append("fp8" if plan.float8_recipe == "tensorwise" else f"fp8-{plan.float8_recipe}")
     if plan.compile:
         parts.append("compile")
     if plan.sequence_parallel:

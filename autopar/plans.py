@@ -41,6 +41,8 @@ CHECKPOINTING = ("none", "selective", "alternate", "full")
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (1, 2, 3)
+#: torchao's float8 training recipes a plan can name (Plan.float8_recipe): one scale per tensor, or per row
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
 #: The torch.compile backend of a plan that compiles: `AUTOPAR_COMPILE_BACKEND` if set, else inductor.
 COMPILE_BACKEND_ENV = "AUTOPAR_COMPILE_BACKEND"
 DEFAULT_COMPILE_BACKEND = "inductor"
@@ -251,8 +253,11 @@ class Plan:
     Precision:
       precision     "fp32", or "bf16" (autocast; FSDP2's mixed precision where it shards)
       float8        with bf16: the large linear layers of the blocks train in float8 (torchao's Float8Linear,
-                    tensorwise dynamic scaling; autopar.layout.float8_converts says which); needs torchao and a
-                    GPU with float8 tensor cores (compute capability 8.9 or newer)
+                    dynamic scaling; autopar.layout.float8_converts says which); needs torchao and a GPU with
+                    float8 tensor cores (compute capability 8.9 or newer)
+      float8_recipe "tensorwise" (one scale a tensor; under FSDP the weights are all-gathered in float8 where the
+                    process group can send it: NCCL) or "rowwise" (a scale a row or column: closer to bf16, more
+                    casts, bf16 gathers); with float8=True only
     """
 
     pp: int = 1
@@ -272,6 +277,7 @@ class Plan:
     precision: str = "fp32"
     compile: bool = False
     float8: bool = False
+    float8_recipe: str = "tensorwise"
     model_fingerprint: str | None = None
     topology_fingerprint: str | None = None
     prediction: Mapping[str, Any] | None = field(default=None, compare=False)
@@ -326,6 +332,10 @@ class Plan:
         if self.float8 and self.precision != "bf16":
             raise PlanError("float8=True runs the large linear layers' GEMMs in float8 inside bf16 autocast: set "
                             "precision='bf16', or float8=False.")
+        _check_choice("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
+        if self.float8_recipe != "tensorwise" and not self.float8:
+            raise PlanError(f"float8_recipe={self.float8_recipe!r} applies to float8 linears: set float8=True, or drop "
+                            "float8_recipe.")
         if self.float8 and self.tp > 1:
             raise PlanError("float8 linears under tensor parallelism need float8 tensor-parallel styles, which "
                             "autopar does not apply yet: set tp=1, or float8=False.")
@@ -371,6 +381,13 @@ class Plan:
         parallel plans always are (over a data-parallel axis of one rank if need be), so that every
         parameter is a DTensor: torch's foreach and fused optimizers refuse a mix of DTensors and tensors."""
         return self.dp_size > 1 or self.cpu_offload or self.tp > 1
+
+    @property
+    def float8_all_gather(self) -> bool:
+        """Whether FSDP2 all-gathers the float8 linears' weights in float8 (1 byte an element, not 2): tensorwise
+        scaling with the weights sharded (torchao's enable_fsdp_float8_all_gather; its rowwise recipe gathers in
+        the compute dtype). Applied where the process group sends float8 (NCCL; not gloo: autopar.strategies.float8)."""
+        return self.float8 and self.float8_recipe == "tensorwise" and self.uses_fsdp and self.dp_shard > 1
 
     @property
     def compiles_whole_model(self) -> bool:
@@ -433,6 +450,8 @@ class Plan:
             out["zero_stage"] = self.zero_stage
         if self.float8:  # left out when off, as zero_stage at its default: older plans keep their keys
             out["float8"] = True
+        if self.float8_recipe != "tensorwise":  # the same, at its default
+            out["float8_recipe"] = self.float8_recipe
         return out
 
     def key(self) -> str:
@@ -450,7 +469,7 @@ class Plan:
                 continue
             if f.name == "zero_stage" and value == 3:  # left out at its default: files an older autopar reads
                 continue
-            if f.name == "float8" and not value:  # the same
+            if (f.name == "float8" and not value) or (f.name == "float8_recipe" and value == "tensorwise"):  # the same
                 continue
             out[f.name] = value
         return out
@@ -552,7 +571,8 @@ class Plan:
             )
         every = "" if self.checkpoint_every == 1 else f" (every {_ordinal(self.checkpoint_every)} block)"
         lines.append(f"  checkpointing {self.checkpointing}{every}")
-        float8 = " + float8 linears" if self.float8 else ""
+        float8 = f" + float8 linears ({self.float8_recipe}{', float8 all-gathers' if self.float8_all_gather else ''})" \
+            if self.float8 else ""
         lines.append(f"  precision     {self.precision}{float8}   compile: {self.compile}")
         if self.prediction:
             p = self.prediction

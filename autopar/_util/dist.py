@@ -118,6 +118,14 @@ def broadcast_text(text: str | None, *, src: int = 0) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
+def backend() -> str | None:
+    """The default process group's backend as torch.distributed names it ("nccl", "gloo", "cpu:gloo,cuda:nccl"), or
+    None without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return str(dist.get_backend())
+
+
 def ensure_single_process_group() -> None:
     """A one-process group (NCCL on a GPU, gloo on CPU) for FSDP2 on a job without one (CPU offload on one GPU)."""
     if dist.is_initialized():

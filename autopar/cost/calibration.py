@@ -83,6 +83,11 @@ class Calibration:
     # absolute maximum, then the cast) in bf16 and written once in float8 (5 a element); backward, the output's
     # gradient cast likewise (5) and the three float8 operands the backward GEMMs read transposed copied (2 each):
     # 7 bytes an element of (M x K + N x K + M x N) over the three GEMMs, whose operands sum to twice that
+    float8_rowwise_cast_bytes: float = 6.0  # the same under rowwise scaling (Plan.float8_recipe="rowwise"); bytes;
+    # counted as above: each of the three GEMMs scales its two operands along its own reduction axis, so all six
+    # operands are cast from bf16 apart (5 bytes an element each: none is shared between GEMMs as tensorwise's
+    # forward casts are), and the three backward operands copied transposed (2 each): 12 bytes an element of
+    # (M x K + N x K + M x N), over operands summing to twice that; the GEMM rate is tensorwise's (an assumption)
     matmul_half_width: float = 40.0  # GEMM reduction depth at which the efficiency halves; elements; H200 kernel
     # profile (depths 1024 and 2048 ran at the same rate: the loss is small there)
     matmul_rows_half: float = 64.0  # rows (tokens) of a 2048-wide GEMM at which the efficiency halves (the

@@ -103,7 +103,8 @@ class Rates:
                    fused_hbm=device.hbm_bytes_per_s * cal.fused_memory_efficiency,
                    float8_peak=device.peak_flops("fp8") if plan.float8 and device.supports("fp8") else 0.0,
                    float8_eff=cal.matmul_efficiency * arch.efficiency_ratio * cal.float8_matmul_efficiency_ratio,
-                   float8_cast_bytes=cal.float8_cast_bytes)
+                   float8_cast_bytes=(cal.float8_cast_bytes if plan.float8_recipe == "tensorwise"
+                                      else cal.float8_rowwise_cast_bytes))
 
     def with_float8(self, shapes: frozenset) -> "Rates":
         """These rates for the blocks' records of a float8 plan: the GEMMs of weights of these shapes in float8."""

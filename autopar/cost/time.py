@@ -23,7 +23,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import Mapping
 
-from ..layout import float8_weight_shapes, pairs_from_calls, split_stages, stage_ids
+from ..layout import float8_weight_params, float8_weight_shapes, pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
 from ..profile import ModelProfile
 from ..profile.model_profile import OpGroup
@@ -358,7 +358,10 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         bw = _group_bandwidth(topology, plan.dp_shard, tp, cal)
         gathers = (2 if plan.reshard_after_forward else 1) * (n_micro if plan.zero_stage == 3 else 1)
         scatters = 1 if plan.zero_stage == 1 else n_micro
-        total = gathers * _collective_s(params * elem, plan.dp_shard, bw, cal, "all_gather") \
+        # float8 all-gather (Plan.float8_all_gather): the float8 layers' weights gathered at 1 byte an element
+        float8_params = float8_weight_params(profile, blocks) if plan.float8_all_gather else 0.0
+        total = gathers * _collective_s((params - float8_params) * elem + float8_params, plan.dp_shard, bw, cal,
+                                        "all_gather") \
             + scatters * _collective_s(trainable * 4, plan.dp_shard, bw, cal, "reduce_scatter")
         hidden_by = cal.fsdp_overlap * (compute + memory + recompute)
         dp_comm += max(total - hidden_by, total / max(len(blocks), 1))  # the first unit's gather never hides

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._util.dist import backend as _backend
 from .._util.dist import ensure_single_process_group, world
 from .._util.kv_cache import kv_cache_off_in_training
 from ..errors import PlanError
@@ -40,7 +41,7 @@ from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile
-from .float8 import apply_float8, float8_refusal
+from .float8 import apply_float8, float8_all_gather_refusal, float8_refusal
 from .fsdp import apply_fsdp
 from .materialize import materialize
 from .mesh import data_shard, dp_mesh
@@ -113,10 +114,18 @@ def apply_plan(
         if (why := float8_refusal(device)) is not None:
             raise PlanError(why)
         linears = ((n, m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear))
-        converted = apply_float8(model, float8_layers(linears, [b.name for b in profile.blocks]))
+        gather_note = None
+        if plan.float8_all_gather and (gather_note := float8_all_gather_refusal(_backend())) is not None:
+            gather_note = f"float8: {gather_note}"
+        converted = apply_float8(model, float8_layers(linears, [b.name for b in profile.blocks]),
+                                 recipe=plan.float8_recipe, all_gather=plan.float8_all_gather and gather_note is None)
         notes.append(f"float8: {len(converted)} linear layer(s) of the blocks train in float8 (torchao's Float8Linear, "
-                     "tensorwise scaling); " + (f"{converted[0]}, ..." if converted else
-                                                 "none is large enough for it to pay (autopar.layout.float8_converts)"))
+                     f"{plan.float8_recipe} scaling"
+                     + (", weights all-gathered in float8" if plan.float8_all_gather and gather_note is None else "")
+                     + "); " + (f"{converted[0]}, ..." if converted else
+                                "none is large enough for it to pay (autopar.layout.float8_converts)"))
+        if gather_note is not None and converted:
+            notes.append(gather_note)
     # 2. Pipeline split.
     runtime = None
     if plan.pp > 1:

@@ -79,3 +79,43 @@ def test_only_the_tuners_search_has_float8_plans_and_only_on_a_gpu_with_float8(m
     assert tuned and all(p.precision == "bf16" and p.tp == 1 for p in tuned)
     assert not float8_plans("1xH200", False)  # wrap and autopar.plan: not on the prediction alone
     assert not float8_plans("1xA100-SXM-80GB", True)  # no float8 tensor cores
+
+
+def test_rowwise_pays_more_casts_than_tensorwise_for_the_same_float8_gemms():
+    bf16 = _step_s(2048, 8192, compile=True)
+    tensorwise = _step_s(2048, 8192, compile=True, float8=True)
+    rowwise = _step_s(2048, 8192, compile=True, float8=True, float8_recipe="rowwise")
+    assert tensorwise < rowwise < bf16  # six casts a layer instead of three, the same float8 GEMMs
+    cal = Calibration()
+    # the casts are all the difference: at tensorwise's bytes an element, rowwise is priced as tensorwise
+    from dataclasses import replace
+
+    profile, variants = _traced(2048, 8192)
+    same = predict_profile(profile, autopar.Plan(precision="bf16", micro_batch_size=8, compile=True, float8=True,
+                                                 float8_recipe="rowwise"), H200,
+                           replace(cal, float8_rowwise_cast_bytes=cal.float8_cast_bytes), variants=variants).step_s
+    assert same == pytest.approx(tensorwise, rel=1e-12)
+
+
+def test_fsdp_gathers_the_float8_weights_in_half_the_bytes_with_tensorwise_scaling():
+    """Two nodes of 8 (the gathers cross the network): dp_comm's all-gathers carry the float8 layers' weights at 1
+    byte an element under tensorwise scaling (Plan.float8_all_gather), at bf16's 2 under rowwise; with everything
+    exposed (no overlap) the gathers' seconds drop by the float8 weights' share of the gathered bytes."""
+    from dataclasses import replace
+
+    from autopar.cost.time import _group_bandwidth, time_terms
+    from autopar.layout import float8_weight_params
+
+    profile, variants = _traced(2048, 8192)
+    topology = autopar.Topology.from_spec("2x8xH200")
+    cal = replace(Calibration(), fsdp_overlap=0.0, comm_latency_s=0.0)
+    plans = {recipe: autopar.Plan(dp_shard=16, precision="bf16", micro_batch_size=8, float8=True,
+                                  float8_recipe=recipe) for recipe in ("tensorwise", "rowwise")}
+    assert plans["tensorwise"].float8_all_gather and not plans["rowwise"].float8_all_gather
+    assert not autopar.Plan(precision="bf16", float8=True).float8_all_gather  # nothing gathered on one GPU
+    comm = {r: time_terms(profile, p, topology, cal, variants=variants)[0].dp_comm_s for r, p in plans.items()}
+    f8 = float8_weight_params(profile, range(len(profile.blocks)))
+    assert f8 == 2 * (3 * 2048 * 8192 + 4 * 2048 * 2048)  # both blocks: gate, up, down; q, k, v, o (2048 out > 1024)
+    bw = _group_bandwidth(topology, 16, 1, cal)
+    gathers = 2  # forward and backward (resharded after forward), one micro-batch
+    assert comm["rowwise"] - comm["tensorwise"] == pytest.approx(gathers * 15 / 16 * f8 / bw, rel=1e-9)
