@@ -246,7 +246,7 @@ def main() -> None:
                      f"({tflops / published - 1:+.1%})")
         print(lines[-1], flush=True)
     lines += ["", "torchtitan, Llama 3.1 8B on H200 (tokens/s/GPU; FSDP over every GPU, compile, Float8 linears; its "
-              "float8 all-gather priced as bf16's, as autopar's FSDP gathers; its op-level SAC recomputes every other "
+              "float8 all-gather as autopar's tensorwise FSDP plans gather, at 1 byte a float8 weight's element; its op-level SAC recomputes every other "
               "aten.mm and, under Float8, every linear's _scaled_mm: between autopar's 'alternate' and 'full', so each "
               "row under autopar's three modes):",
               f"{'model':>4} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>9} {'publ':>7} {'pred':>8} {'err':>7}"]
