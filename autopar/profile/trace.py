@@ -190,7 +190,7 @@ class StepTrace:
     def _step(self) -> float:
         """Forward (with the loss) and backward; the forward's FLOPs."""
         with self.fake_mode, self.watcher, self.shadows, self.sdpa, \
-                self.watcher.compile_masks.installed():
+                self.watcher.compile_masks.installed(), conversions_without_swaps():
             # The model's tensors stay swapped for their fake copies through backward as well: a forward that
             # checkpoints (torch.utils.checkpoint) runs its modules again there, and must find the fake ones.
             tensors = {**_per_slot(self.model, self.state), **self.attributes}
@@ -389,6 +389,44 @@ def quiet_fake_kernel_errors() -> Iterator[None]:
         yield
     finally:
         log.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def conversions_without_swaps() -> Iterator[None]:
+    """nn.Module._apply (what a forward's `module.to(dtype)`, `.float()`, `.half()` run) as the traced step can run
+    it. torch converts a FakeTensor parameter by swapping it in place (torch.utils.swap_tensors, even where the
+    conversion returns the same tensor), which refuses a tensor with weak references, and the trace holds some to
+    every tensor it sees: NLLB-MoE's router runs `self.classifier = self.classifier.to(dtype)` in its forward. Inside
+    the trace, a module holding fake tensors gets the converted ones set in their slots instead (a new Parameter
+    where the conversion made a new tensor, nothing where it returned the same one), as torch's own path for plain
+    tensors does without the future flag; the model's real tensors are restored after the step as always
+    (functional_call puts them back by name)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = nn.Module._apply
+
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        params = [p for p in self._parameters.values() if p is not None]
+        if not any(isinstance(t, FakeTensor) for t in (*params, *self._buffers.values())) \
+                or any(p.grad is not None for p in params):
+            return original(self, fn, recurse)
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        with torch.no_grad():
+            for key, p in self._parameters.items():
+                if p is not None and (applied := fn(p)) is not p:
+                    self._parameters[key] = nn.Parameter(applied, requires_grad=p.requires_grad)
+            for key, b in self._buffers.items():
+                if b is not None:
+                    self._buffers[key] = fn(b)
+        return self
+
+    nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
 
 
 def _cannot_trace(model: nn.Module, exc: Exception) -> str:

@@ -175,3 +175,30 @@ def test_the_profile_says_which_op_and_where_made_the_largest_tensor():
     assert profile.largest_transient_op == "mul"
     assert profile.largest_transient_where == "the forward of block layers.0"
     assert "(mul, in the forward of block layers.0)" in profile.describe()
+
+
+class _Converts(nn.Module):
+    """A forward that converts a submodule, as NLLB-MoE's router does (`self.classifier = self.classifier.to(dtype)`):
+    to its own dtype (nothing changes) or, in the bf16-weights trace, to float32 (a new tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.router, self.out = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.inp(x)
+        self.router = self.router.to(torch.float32)
+        return self.out(self.router(h.float()).to(h.dtype))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-pure"])
+def test_a_forward_that_converts_a_submodule_is_traced_and_the_model_left_as_it_was(precision):
+    torch.manual_seed(0)
+    model, x = _Converts(), torch.randn(4, 16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    router = model.router.weight
+    prof = profile_model(model, x, precision=precision, warn=False)  # torch's swap of a fake parameter raised here
+    assert prof.traced and prof.num_params == sum(p.numel() for p in model.parameters()) and prof.flops > 0
+    assert model.router.weight is router and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(type(p) is nn.Parameter and not p.is_meta for p in model.parameters())
+    assert nn.Module._apply.__qualname__ == "Module._apply"  # the trace's own conversion is gone after it
