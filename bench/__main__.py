@@ -26,6 +26,7 @@ import sys
 SUITES: dict[str, str] = {
     # on one GPU (most have a CPU smoke test: see each suite's --help)
     "zoo": "bench.zoo_h200",
+    "suite": "bench.suite",
     "race": "bench.zoo_race",
     "ops": "bench.microbench_ops",
     "graph-breaks": "bench.graph_breaks",

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from bench._common import results_path
-from bench.zoo import FAMILIES, Family, build_model, make_sample
+from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 
 NUM_REASONS = 12  # breaks kept per family (the first ones; a break in a block repeats per block)
 
@@ -70,7 +70,7 @@ def environment(device: str) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.graph_breaks", description=__doc__.splitlines()[0])
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(f.name for f in ZOO))
     ap.add_argument("--size", choices=("realistic", "tiny"), default="realistic")
     ap.add_argument("--family-timeout-s", type=float, default=120.0)
     ap.add_argument("--time-budget-s", type=float, default=400.0, help="no family starts after this (s)")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import itertools
 import json
 import math
@@ -50,21 +51,28 @@ from torch.profiler import ProfilerActivity, profile
 
 import autopar
 from autopar.planning import calibration_for, profile_variants, short_name
+from autopar.search import enumerate_plans
 from bench._common import host_op_us, kernel_kind, results_path
 from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
-MODES = ("hand", "hand_compile", "hand_bf16", "wrap", "rewrap", "plan_eager", "plan_compile", "plan_float8")
+MODES = ("hand", "hand_compile", "hand_bf16", "fp32", "wrap", "rewrap", "plan_eager", "plan_compile", "plan_float8",
+         "oracle")
 #: "hand_bf16": the other hand recipe, the model's weights cast to bf16 (`model.to(torch.bfloat16)`; no autocast, no
 #: fp32 master weights; eager): matmuls autocast does not reach (a custom op's, e.g. an MoE's experts in
 #: transformers' grouped_mm fallback) run in bf16 there; not an autopar plan, so not in the must-show's "best".
 #: "rewrap": a fresh copy of the model wrapped again after "wrap" in the same process (same model and job):
 #: wrap's own cache (autopar/wrap_cache.py) then gives the plan, and `wrap_s` is the cached start-up (no steps are
 #: timed: they are "wrap"'s).
+#: "fp32": by hand without autocast (fp32 weights and compute, fused AdamW), issue 14's baseline column.
+#: "oracle": every plan of autopar's own one-GPU candidate space for the family's batch (autopar.search's
+#: enumerate_plans: checkpointing x compile, x float8 where torchao imports), each measured as wrap given that
+#: plan; the record is the fastest's, every candidate's step and status in `grid` (issue 14's oracle).
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
 PLAN_MODES = ("plan_eager", "plan_compile", "plan_float8")  # wrap given the plan of mode_plan
 # the modes that run one GPU's bf16 plan at the family's batch, by hand or given to wrap: mode -> the plan's options
-ONE_GPU_MODES = {"hand": {}, "hand_compile": {"compile": True}, "plan_eager": {}, "plan_compile": {"compile": True},
+ONE_GPU_MODES = {"hand": {}, "hand_compile": {"compile": True}, "fp32": {"precision": "fp32"}, "plan_eager": {},
+                 "plan_compile": {"compile": True},
                  "plan_float8": {"compile": True, "float8": True}}
 MAX_TIMED_STEPS = 200  # --min-timed-s's most timed steps
 STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
@@ -316,9 +324,10 @@ def clean(device: str) -> None:
 
 # ---- what autopar predicts -----------------------------------------------------------------------------
 def mode_plan(mode: str, batch: int) -> autopar.Plan:
-    """A one-GPU mode's recipe as an autopar plan (ONE_GPU_MODES): bf16 autocast with fp32 master weights, no
-    checkpointing, the batch as one micro-batch; compiled, with float8 linears, as the mode says."""
-    return autopar.Plan(micro_batch_size=batch, precision="bf16", **ONE_GPU_MODES[mode])
+    """A one-GPU mode's recipe as an autopar plan (ONE_GPU_MODES): bf16 autocast with fp32 master weights (fp32
+    throughout for "fp32"), no checkpointing, the batch as one micro-batch; compiled, with float8 linears, as the
+    mode says."""
+    return autopar.Plan(micro_batch_size=batch, **{"precision": "bf16", **ONE_GPU_MODES[mode]})
 
 
 def prediction_fields(summary: dict[str, Any] | None, context_bytes: float) -> dict[str, Any]:
@@ -356,6 +365,21 @@ class Predictor:
                 self._error = first_line(exc)
         return self._traced
 
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    def candidates(self, batch: int) -> list[autopar.Plan]:
+        """autopar's own candidate plans for one device at `batch` samples a step in a plain loop (the search's
+        enumerate_plans; float8 twins where torchao imports; compiled ones even where the trace read values: they
+        are measured here, not predicted), or none where the trace failed."""
+        traced = self._trace()
+        if traced is None:
+            return []
+        float8 = importlib.util.find_spec("torchao") is not None
+        return list(enumerate_plans(traced[0], self.topology, world_size=1, global_batch_size=batch, loop="plain",
+                                    measured=True, float8=float8))
+
     def fields(self, plan: autopar.Plan) -> dict[str, Any]:
         traced = self._trace()
         if traced is None:
@@ -381,6 +405,30 @@ class Measurement:
 
     def __init__(self, family: Family, opts: Options, predictor: Predictor) -> None:
         self.family, self.opts, self.predictor = family, opts, predictor
+        self._given: autopar.Plan | None = None  # the oracle's plan being measured
+
+    def oracle(self) -> dict[str, Any]:
+        """Mode "oracle": each plan of autopar's one-GPU candidate space (Predictor.candidates) measured as wrap
+        given it, in turn; the fastest's record, with every candidate's plan, status and step in `grid`."""
+        grid: list[dict[str, Any]] = []
+        best: dict[str, Any] | None = None
+        last: dict[str, Any] = {}
+        for plan in self.predictor.candidates(batch_of(self.family, self.opts)):
+            self._given = plan
+            try:
+                last = self.run("oracle")
+            finally:
+                self._given = None
+            grid.append({"plan_short": short_name(plan), "status": last["status"], "step_s": last.get("step_s"),
+                         "error": last.get("error")})
+            if last["status"] == "ok" and (best is None or last["step_s"] < best["step_s"]):
+                best = last
+        if best is None:
+            base = last or {"family": self.family.name, "kind": self.family.kind, "mode": "oracle",
+                            "size": self.opts.size, "batch": batch_of(self.family, self.opts), **environment(self.opts)}
+            why = "no candidate plan ran" if grid else f"no candidate plans: {self.predictor.error or 'none made'}"
+            best = {**base, "status": "error", "error": why}
+        return {**best, "grid": grid}
 
     def run(self, mode: str) -> dict[str, Any]:
         batch = batch_of(self.family, self.opts)
@@ -400,7 +448,7 @@ class Measurement:
             rec["parameters"] = sum(p.numel() for p in model.parameters())
             # dynamo's graphs from here: wrap's race compiles the plan before the steps (its failed compiles too)
             graphs_before = compile_counts()
-            if mode in ("wrap", "rewrap", *PLAN_MODES):
+            if mode in ("wrap", "rewrap", "oracle", *PLAN_MODES):
                 step = self._wrap(model, sample, rec, mode)
             else:
                 step = self._hand(model, sample, rec, mode)
@@ -445,11 +493,12 @@ class Measurement:
         rec["plan_short"] = short_name(plan)
         opt, rec["optimizer"] = adamw(model, self.opts.lr, fused=True)
         runnable = torch.compile(model) if plan.compile else model
-        return Step(runnable, self.family, sample, opt, autocast_device=self.opts.device)
+        return Step(runnable, self.family, sample, opt,
+                    autocast_device=self.opts.device if plan.precision == "bf16" else None)
 
     def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
         """wrap's own choice (mode "wrap"), or the plan a plan mode names."""
-        given = mode_plan(mode, rec["batch"]) if mode in PLAN_MODES else None
+        given = self._given if mode == "oracle" else mode_plan(mode, rec["batch"]) if mode in PLAN_MODES else None
         t0 = time.perf_counter()
         autopar.wrap(model, sample=sample, plan=given, loss_fn=self.family.loss_fn, verbose=False)
         rec["wrap_s"] = round(time.perf_counter() - t0, 3)
@@ -507,7 +556,7 @@ def run_family(name: str, modes: Iterable[str], opts: Options) -> None:
     predictor = Predictor(family, opts)
     measurement = Measurement(family, opts, predictor)
     for mode in modes:
-        rec = measurement.run(mode)
+        rec = measurement.oracle() if mode == "oracle" else measurement.run(mode)
         append(opts.out, rec)
         print(brief(rec), flush=True)
 
