@@ -114,18 +114,17 @@ def apply_plan(
         if (why := float8_refusal(device)) is not None:
             raise PlanError(why)
         linears = ((n, m.in_features, m.out_features) for n, m in model.named_modules() if isinstance(m, nn.Linear))
-        gather_note = None
-        if plan.float8_all_gather and (gather_note := float8_all_gather_refusal(_backend())) is not None:
-            gather_note = f"float8: {gather_note}"
+        # FSDP gathers the float8 weights in float8 where the plan says so and the process group can send it
+        not_gathered = float8_all_gather_refusal(_backend()) if plan.float8_all_gather else None
+        gathers = plan.float8_all_gather and not_gathered is None
         converted = apply_float8(model, float8_layers(linears, [b.name for b in profile.blocks]),
-                                 recipe=plan.float8_recipe, all_gather=plan.float8_all_gather and gather_note is None)
+                                 recipe=plan.float8_recipe, all_gather=gathers)
         notes.append(f"float8: {len(converted)} linear layer(s) of the blocks train in float8 (torchao's Float8Linear, "
-                     f"{plan.float8_recipe} scaling"
-                     + (", weights all-gathered in float8" if plan.float8_all_gather and gather_note is None else "")
-                     + "); " + (f"{converted[0]}, ..." if converted else
-                                "none is large enough for it to pay (autopar.layout.float8_converts)"))
-        if gather_note is not None and converted:
-            notes.append(gather_note)
+                     f"{plan.float8_recipe} scaling{', weights all-gathered in float8' if gathers else ''}); "
+                     + (f"{converted[0]}, ..." if converted else
+                        "none is large enough for it to pay (autopar.layout.float8_converts)"))
+        if not_gathered is not None and converted:
+            notes.append(f"float8: {not_gathered}")
     # 2. Pipeline split.
     runtime = None
     if plan.pp > 1:

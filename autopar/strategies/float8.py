@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import PlanError
+from ..plans import FLOAT8_RECIPES
 
 #: CUDA compute capability from which GPUs have float8 tensor cores (Ada, Hopper and later)
 FLOAT8_CAPABILITY = (8, 9)
@@ -59,8 +60,8 @@ def apply_float8(model: nn.Module, layers: Sequence[str], *, recipe: str = "tens
     state_dict keys too."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    if recipe not in ("tensorwise", "rowwise"):
-        raise PlanError(f"float8: unknown recipe {recipe!r}: use 'tensorwise' or 'rowwise'.")
+    if recipe not in FLOAT8_RECIPES:
+        raise PlanError(f"float8: unknown recipe {recipe!r}: use one of {', '.join(map(repr, FLOAT8_RECIPES))}.")
     if all_gather and recipe != "tensorwise":
         raise PlanError("float8: FSDP's float8 all-gather needs tensorwise scaling (torchao's rowwise recipe gathers "
                         "in bf16): set float8_recipe='tensorwise'.")
