@@ -38,6 +38,8 @@ SUITES: dict[str, str] = {
     "grid": "bench.grid_single_gpu",
     "kernels": "bench.profile_kernels",
     "tune": "bench.tune_h200",
+    # on a host of several GPUs, one process a GPU (torchrun --nproc_per_node N -m bench.multigpu ...; --report here)
+    "multigpu": "bench.multigpu",
     # on a CPU
     "paper": "bench.paper",
     "megatron": "bench.megatron_table1",
