@@ -134,6 +134,16 @@ def check_pipeline(plan: Plan, profile: ModelProfile) -> None:
             f"grad_accum={plan.grad_accum} < pp={plan.pp}. Raise grad_accum (and lower micro_batch_size to keep "
             "the global batch), or use pp_schedule='gpipe'."
         )
+    if plan.pp_schedule == "zero_bubble" and plan.uses_fsdp:
+        # torch.distributed.pipelining (2.11-2.13) splits each backward into its input half and its weight half, and
+        # maps the weight half's gradients to the stage's parameters as they are then; FSDP2 (which every data- or
+        # tensor-parallel plan runs through) has swapped them for other tensors by then: KeyError in
+        # stage_backward_weight on every rank (bench/multigpu.py on 4 gloo ranks: dp_shard, dp_replicate and tp alike)
+        raise PlanError(
+            "the zero_bubble schedule cannot run beside data or tensor parallelism (torch's pipelining loses FSDP2's "
+            "parameters between a backward's two halves): use pp_schedule='interleaved_1f1b' or '1f1b', or "
+            "zero_bubble with pipeline parallelism alone."
+        )
     if plan.pp_schedule in MULTI_STAGE and plan.grad_accum % plan.pp:
         raise PlanError(
             f"the {plan.pp_schedule} schedule needs a number of micro-batches divisible by pp={plan.pp}; "

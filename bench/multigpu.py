@@ -61,18 +61,21 @@ PUBLISHED_8B = ("torchtitan, 8 H100 (FSDP + compile): 6,667; + Float8: 8,532 (ll
 
 def scenarios(world: int, batch: int) -> dict[str, dict[str, Any] | None]:
     """The plans of this world size (bf16 added), by name; None: wrap chooses. FSDP over every rank; HSDP (2
-    replicas); tensor parallel 2 with sequence parallel (x FSDP over the rest); pipelines of 2 stages under 1F1B,
-    interleaved 1F1B and zero-bubble (4 micro-batches, x FSDP over the rest); on 8 or more, all three at once."""
+    replicas); tensor parallel 2 with sequence parallel (x FSDP over the rest); pipelines of 2 stages under 1F1B and
+    interleaved 1F1B (4 micro-batches, x FSDP over the rest), and zero-bubble on 2 (it runs with pipeline
+    parallelism alone: autopar refuses it beside FSDP); on 8 or more, all three at once."""
     out: dict[str, dict[str, Any] | None] = {"fsdp": {"dp_shard": world, "micro_batch_size": batch // world}}
     if world >= 4 and world % 2 == 0:
         out["hsdp"] = {"dp_replicate": 2, "dp_shard": world // 2, "micro_batch_size": batch // world}
     if world % 2 == 0:
         dp = world // 2
         out["tp-sp"] = {"tp": 2, "dp_shard": dp, "sequence_parallel": True, "micro_batch_size": batch // dp}
-        for name, schedule, per_rank in (("pp-1f1b", "1f1b", 1), ("pp-interleaved", "interleaved_1f1b", 2),
-                                         ("pp-zero-bubble", "zero_bubble", 2)):
+        for name, schedule, per_rank in (("pp-1f1b", "1f1b", 1), ("pp-interleaved", "interleaved_1f1b", 2)):
             out[name] = {"pp": 2, "dp_shard": dp, "pp_schedule": schedule, "pp_stages_per_rank": per_rank,
                          "micro_batch_size": batch // dp // 4, "grad_accum": 4}
+    if world == 2:  # zero-bubble runs with pipeline parallelism alone (autopar.layout.check_pipeline says why)
+        out["pp-zero-bubble"] = {"pp": 2, "pp_schedule": "zero_bubble", "pp_stages_per_rank": 2,
+                                 "micro_batch_size": batch // 4, "grad_accum": 4}
     if world >= 8 and world % 4 == 0:
         dp = world // 4
         out["pp-tp-fsdp"] = {"pp": 2, "tp": 2, "dp_shard": dp, "sequence_parallel": True, "pp_schedule": "1f1b",

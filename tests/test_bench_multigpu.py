@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_scenario_is_a_valid_plan_of_the_world_size_and_the_global_batch(world):
     made = scenarios(world, GLOBAL_BATCH["small"])
     assert made.pop("wrap") is None  # wrap's own choice
-    want = {"fsdp", "tp-sp", "pp-1f1b", "pp-interleaved", "pp-zero-bubble"} | ({"hsdp"} if world >= 4 else set()) \
-        | ({"pp-tp-fsdp"} if world >= 8 else set())
+    want = {"fsdp", "tp-sp", "pp-1f1b", "pp-interleaved"} | ({"hsdp"} if world >= 4 else set()) \
+        | ({"pp-zero-bubble"} if world == 2 else set()) | ({"pp-tp-fsdp"} if world >= 8 else set())
     assert set(made) == want
     for kwargs in made.values():
         plan = autopar.Plan(precision="bf16", **kwargs)

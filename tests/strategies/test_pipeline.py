@@ -185,6 +185,19 @@ def test_gpipe_takes_any_number_of_micro_batches(gpt_profile, accum):
     assert check_pipeline(Plan(pp=2, pp_schedule="gpipe", grad_accum=accum), gpt_profile) is None
 
 
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"dp_replicate": 2}, {"tp": 2}])
+def test_check_pipeline_refuses_zero_bubble_beside_data_or_tensor_parallelism(gpt_profile, parallel):
+    """torch's pipelining loses FSDP2's parameters between the two halves of a zero-bubble backward (a KeyError
+    in stage_backward_weight on every rank: bench/multigpu.py on 4 gloo ranks), so autopar refuses it in one line,
+    before anything changes; pipeline parallelism alone runs it (test_zero_bubble_v)."""
+    zb = Plan(pp=2, pp_schedule="zero_bubble", pp_stages_per_rank=2, grad_accum=2)
+    with pytest.raises(PlanError, match="interleaved_1f1b") as err:
+        check_pipeline(zb.replace(**parallel), gpt_profile)
+    assert "\n" not in str(err.value)
+    check_pipeline(zb, gpt_profile)
+    check_pipeline(zb.replace(pp_schedule="interleaved_1f1b", **parallel), gpt_profile)
+
+
 def test_check_pipeline_refuses_too_many_stages_and_untraced_profiles(gpt_profile):
     with pytest.raises(PlanError, match="8 pipeline stages but GPT has 4 blocks"):
         check_pipeline(Plan(pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2, grad_accum=4), gpt_profile)
