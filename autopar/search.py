@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Protocol
+from typing import Callable, Iterator, Mapping, Protocol
 
 from .cost import Calibration, Prediction, predict_profile
 from .cost.memory import MemoryPrediction, predict_host_memory, predict_memory
@@ -275,7 +275,9 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                     if pp > 1:
                         schedules = [("1f1b", 1)] if accum >= pp else [("gpipe", 1)]
                         if accum >= pp and accum % pp == 0 and 2 * pp <= blocks:
-                            schedules += [("interleaved_1f1b", 2), ("zero_bubble", 2)]
+                            schedules += [("interleaved_1f1b", 2)]
+                            if dp == 1 and tp == 1:  # zero-bubble beside FSDP: refused (layout.check_pipeline)
+                                schedules += [("zero_bubble", 2)]
                     for schedule, per_rank in schedules:
                         for ckpt in CHECKPOINTING:
                             # float8 linears under TP: not applied yet (Plan refuses them)
@@ -340,29 +342,34 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
                                     measured=measured, float8=float8):
             groups.setdefault(_group_key(plan), []).append(plan)
         memories: dict[int, MemoryPrediction] = {}  # id(plan that fits) -> its memory, computed once
+
+        def fitting(plan: Plan) -> Plan | None:
+            """The plan with its memory if it runs and fits; else None, its Candidate (why not) in `out`."""
+            if plan.tp > 1 and tp_refusal is not None:
+                out.append(Candidate(plan, None, False, Drop.unrunnable(tp_refusal)))
+                return None
+            if plan.pp > 1:
+                try:
+                    check_pipeline(plan, profile)
+                except PlanError as exc:
+                    out.append(Candidate(plan, None, False, Drop.unrunnable(str(exc).split(":")[0])))
+                    return None
+            memory = predict_memory(profile, plan, cal, variants=variants)
+            need = plan.replace(prediction={"memory_bytes": float(memory.peak_bytes),
+                                            "allocated_bytes": float(memory.allocated_bytes)})
+            host = _host_drop(profile, plan, topology, headroom, world_size)
+            if memory.peak_bytes > budget:
+                out.append(Candidate(need, None, False, Drop.memory(memory.peak_bytes, budget)))
+            elif host is not None:
+                out.append(Candidate(need, None, False, host))
+            else:
+                memories[id(need)] = memory
+                return need
+            return None
+
         for plans in groups.values():
-            fits: list[Plan] = []
-            for plan in plans:
-                if plan.tp > 1 and tp_refusal is not None:
-                    out.append(Candidate(plan, None, False, Drop.unrunnable(tp_refusal)))
-                    continue
-                if plan.pp > 1:
-                    try:
-                        check_pipeline(plan, profile)
-                    except PlanError as exc:
-                        out.append(Candidate(plan, None, False, Drop.unrunnable(str(exc).split(":")[0])))
-                        continue
-                memory = predict_memory(profile, plan, cal, variants=variants)
-                need = plan.replace(prediction={"memory_bytes": float(memory.peak_bytes),
-                                                "allocated_bytes": float(memory.allocated_bytes)})
-                host = _host_drop(profile, plan, topology, headroom, world_size)
-                if memory.peak_bytes > budget:
-                    out.append(Candidate(need, None, False, Drop.memory(memory.peak_bytes, budget)))
-                elif host is not None:
-                    out.append(Candidate(need, None, False, host))
-                else:
-                    fits.append(need)
-                    memories[id(need)] = memory
+            fits = [need for plan in plans if (need := fitting(plan)) is not None]
+            fits += _partial_checkpointing(fits, fitting)
             for plan in fits:
                 better = next((q for q in fits if q is not plan and _no_more_work(q, plan)), None)
                 if better is not None:
@@ -401,11 +408,44 @@ def _regathers(plan: Plan) -> int:
     return 3 if plan.reshard_after_forward else {3: 2, 2: 1, 1: 0}[plan.zero_stage]
 
 
+#: checkpoint_every tried where the checkpointing a plan needs to fit is for every block (_partial_checkpointing)
+PARTIAL_EVERY = (2, 3, 4)
+
+
+def _partial_checkpointing(fits: list[Plan], fitting: Callable[[Plan], Plan | None]) -> list[Plan]:
+    """Checkpointing by a memory budget rather than all or nothing: where a group's plan without checkpointing does
+    not fit and one that checkpoints every block does, the same checkpointing of every 2nd, 3rd or 4th block
+    (Plan.checkpoint_every: torchtitan's per-layer activation checkpointing) while it still fits (memory grows with
+    the period, so the first that does not fit ends the tries); `fitting` predicts each (None: it does not fit).
+    The dominance pass then keeps the one recomputing least."""
+    if any(p.checkpointing == "none" for p in fits):
+        return []
+    out: list[Plan] = []
+    for plan in fits:
+        if plan.checkpointing == "none" or plan.checkpoint_every != 1:
+            continue
+        for every in PARTIAL_EVERY:
+            partial = fitting(plan.replace(checkpoint_every=every, prediction=None))
+            if partial is None:
+                break
+            out.append(partial)
+    return out
+
+
+def _recomputed_share(plan: Plan) -> float:
+    """The share of the blocks a plan checkpoints (0 without checkpointing)."""
+    return 0.0 if plan.checkpointing == "none" else 1.0 / plan.checkpoint_every
+
+
 def _no_more_work(q: Plan, plan: Plan) -> bool:
-    """Whether q (same group as plan) recomputes and re-gathers no more than plan, and is a different plan."""
+    """Whether q (same group as plan) recomputes and re-gathers no more than plan, and is a different plan:
+    checkpointing no heavier (none < selective < alternate < full) of no more of the blocks, re-gathering no
+    more."""
     return (_CKPT_ORDER[q.checkpointing] <= _CKPT_ORDER[plan.checkpointing]
+            and _recomputed_share(q) <= _recomputed_share(plan)
             and _regathers(q) <= _regathers(plan)
-            and (q.checkpointing, _regathers(q)) != (plan.checkpointing, _regathers(plan)))
+            and (q.checkpointing, _recomputed_share(q), _regathers(q))
+            != (plan.checkpointing, _recomputed_share(plan), _regathers(plan)))
 
 
 def rank_key(c: Candidate) -> tuple[bool, int, float, bool]:

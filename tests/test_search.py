@@ -322,3 +322,37 @@ def test_a_small_models_offload_plan_fits_host_memory_until_the_node_has_less_th
     assert not any(c.feasible and c.plan.key() == feasible[0].plan.key() for c in starved)
     assert any(c.drop is not None and c.drop.kind is DropKind.HOST_MEMORY and c.drop.needed_bytes == need
                for c in starved)
+
+
+def test_checkpointing_every_few_blocks_is_chosen_where_memory_allows_it_but_not_every_block_uncheckpointed():
+    """Where no plan fits without checkpointing and one checkpointing every block does, the search tries the same
+    checkpointing of every 2nd, 3rd and 4th block (Plan.checkpoint_every) while it fits, and takes the fastest:
+    here, with the budget between selective-of-every-other-block and no checkpointing, a partial plan that
+    recomputes less than any plan checkpointing every block."""
+    from autopar.cost import Calibration, predict_memory
+
+    cfg = GPTConfig(vocab_size=512, seq_len=256, num_layers=8, hidden_dim=256, num_heads=8)
+    profile = _profile(cfg, batch=8)
+    topo = Topology.from_spec("1xH100-SXM")
+
+    def peak(**kw) -> float:  # the larger of eager's and compiled's (the search has both)
+        return max(predict_memory(profile, Plan(micro_batch_size=64, precision="bf16", compile=c, **kw),
+                                  Calibration()).peak_bytes for c in (False, True))
+
+    def least(**kw) -> float:
+        return min(predict_memory(profile, Plan(micro_batch_size=64, precision="bf16", compile=c, **kw),
+                                  Calibration()).peak_bytes for c in (False, True))
+
+    every_other, none = peak(checkpointing="selective", checkpoint_every=2), least()
+    assert peak(checkpointing="selective") < every_other < none
+    headroom = (every_other + none) / 2 / topo.device.memory_bytes  # selective of every other block fits, none not
+    ranked = search(profile, topo, world_size=1, global_batch_size=64, headroom=headroom)
+    feasible = [c for c in ranked if c.feasible]
+    assert feasible and all(c.plan.checkpointing != "none" for c in feasible)
+    best = feasible[0]
+    assert best.plan.checkpoint_every > 1
+    whole = [c for c in feasible if c.plan.checkpoint_every == 1]
+    assert not whole or best.prediction.step_s < min(c.prediction.step_s for c in whole)
+    # each partial plan tried stops at the first period that does not fit: none tried beyond it
+    tried = [c.plan for c in ranked if c.plan.checkpoint_every > 1]
+    assert tried and all(p.checkpoint_every in (2, 3, 4) for p in tried)
