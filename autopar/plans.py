@@ -41,8 +41,7 @@ CHECKPOINTING = ("none", "selective", "alternate", "full")
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (1, 2, 3)
-#: torchao's float8 training recipes a plan can name (Plan.float8_recipe): one scale per tensor, or per row
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes a plan can name (Plan.float8_recipe)
 #: The torch.compile backend of a plan that compiles: `AUTOPAR_COMPILE_BACKEND` if set, else inductor.
 COMPILE_BACKEND_ENV = "AUTOPAR_COMPILE_BACKEND"
 DEFAULT_COMPILE_BACKEND = "inductor"
@@ -255,9 +254,8 @@ class Plan:
       float8        with bf16: the large linear layers of the blocks train in float8 (torchao's Float8Linear,
                     dynamic scaling; autopar.layout.float8_converts says which); needs torchao and a GPU with
                     float8 tensor cores (compute capability 8.9 or newer)
-      float8_recipe "tensorwise" (one scale a tensor; under FSDP the weights are all-gathered in float8 where the
-                    process group can send it: NCCL) or "rowwise" (a scale a row or column: closer to bf16, more
-                    casts, bf16 gathers); with float8=True only
+      float8_recipe "tensorwise" (a scale a tensor; FSDP gathers in float8) or "rowwise" (a scale a row or
+                    column: closer to bf16, more casts); with float8=True only
     """
 
     pp: int = 1
@@ -334,8 +332,7 @@ class Plan:
                             "precision='bf16', or float8=False.")
         _check_choice("float8_recipe", self.float8_recipe, FLOAT8_RECIPES)
         if self.float8_recipe != "tensorwise" and not self.float8:
-            raise PlanError(f"float8_recipe={self.float8_recipe!r} applies to float8 linears: set float8=True, or drop "
-                            "float8_recipe.")
+            raise PlanError(f"float8_recipe={self.float8_recipe!r} applies to float8 linears: set float8=True, or drop it.")
         if self.float8 and self.tp > 1:
             raise PlanError("float8 linears under tensor parallelism need float8 tensor-parallel styles, which "
                             "autopar does not apply yet: set tp=1, or float8=False.")
@@ -384,9 +381,8 @@ class Plan:
 
     @property
     def float8_all_gather(self) -> bool:
-        """Whether FSDP2 all-gathers the float8 linears' weights in float8 (1 byte an element, not 2): tensorwise
-        scaling with the weights sharded (torchao's enable_fsdp_float8_all_gather; its rowwise recipe gathers in
-        the compute dtype). Applied where the process group sends float8 (NCCL; not gloo: autopar.strategies.float8)."""
+        """Whether FSDP2 gathers the float8 linears' weights in float8 (tensorwise and sharded: torchao's
+        enable_fsdp_float8_all_gather), where the process group sends float8 (NCCL: autopar.strategies.float8)."""
         return self.float8 and self.float8_recipe == "tensorwise" and self.uses_fsdp and self.dp_shard > 1
 
     @property

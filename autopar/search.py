@@ -413,16 +413,16 @@ PARTIAL_EVERY = (2, 3, 4)
 
 
 def _partial_checkpointing(fits: list[Plan], fitting: Callable[[Plan], Plan | None]) -> list[Plan]:
-    """Checkpointing by a memory budget rather than all or nothing: where a group's plan without checkpointing does
-    not fit and one that checkpoints every block does, the same checkpointing of every 2nd, 3rd or 4th block
-    (Plan.checkpoint_every: torchtitan's per-layer activation checkpointing) while it still fits (memory grows with
-    the period, so the first that does not fit ends the tries); `fitting` predicts each (None: it does not fit).
-    The dominance pass then keeps the one recomputing least."""
-    if any(p.checkpointing == "none" for p in fits):
-        return []
+    """Checkpointing by a memory budget rather than all or nothing: where a plan of the group checkpoints every
+    block and the same plan without checkpointing (the same resharding) does not fit, the same checkpointing of
+    every 2nd, 3rd or 4th block (Plan.checkpoint_every: torchtitan's per-layer activation checkpointing) while it
+    still fits (memory grows with the period, so the first that does not fit ends the tries); `fitting` predicts
+    each (None: it does not fit). The dominance pass then keeps the one recomputing least."""
+    uncheckpointed = {(p.reshard_after_forward, p.zero_stage) for p in fits if p.checkpointing == "none"}
     out: list[Plan] = []
     for plan in fits:
-        if plan.checkpointing == "none" or plan.checkpoint_every != 1:
+        if plan.checkpointing == "none" or plan.checkpoint_every != 1 \
+                or (plan.reshard_after_forward, plan.zero_stage) in uncheckpointed:
             continue
         for every in PARTIAL_EVERY:
             partial = fitting(plan.replace(checkpoint_every=every, prediction=None))

@@ -325,8 +325,8 @@ def test_a_small_models_offload_plan_fits_host_memory_until_the_node_has_less_th
 
 
 def test_checkpointing_every_few_blocks_is_chosen_where_memory_allows_it_but_not_every_block_uncheckpointed():
-    """Where no plan fits without checkpointing and one checkpointing every block does, the search tries the same
-    checkpointing of every 2nd, 3rd and 4th block (Plan.checkpoint_every) while it fits, and takes the fastest:
+    """Where a plan fits only with checkpointing (not without it, with the same resharding), the search tries the
+    same checkpointing of every 2nd, 3rd and 4th block (Plan.checkpoint_every) while it fits, and takes the fastest:
     here, with the budget between selective-of-every-other-block and no checkpointing, a partial plan that
     recomputes less than any plan checkpointing every block."""
     from autopar.cost import Calibration, predict_memory
