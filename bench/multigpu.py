@@ -36,6 +36,7 @@ import torch.distributed as dist
 import autopar
 from autopar.models.llama import Llama, LlamaConfig, lm_loss
 from autopar.planning import profile_variants, short_name
+from autopar.search import enumerate_plans
 
 #: every loss of a plan within this of the reference's (relative): bf16 compute over reduction orders that differ
 #: (sharded, split by tensor parallelism, micro-batched), 10 steps of AdamW
@@ -81,6 +82,27 @@ def scenarios(world: int, batch: int) -> dict[str, dict[str, Any] | None]:
         out["pp-tp-fsdp"] = {"pp": 2, "tp": 2, "dp_shard": dp, "sequence_parallel": True, "pp_schedule": "1f1b",
                              "micro_batch_size": batch // dp // 4, "grad_accum": 4}
     out["wrap"] = None
+    return out
+
+
+def search_scenarios(opts: "Options", world: int) -> dict[str, dict[str, Any]]:
+    """Every distinct plan shape of autopar's own candidate space at this world size (`--scenarios search`): the
+    search's enumeration under autopar.train_step (every mesh, schedule, ZeRO stage, resharding and checkpointing),
+    one plan per shape, eager (compile is the zoo's), by their short names; on a CPU the plans of as many H100s."""
+    topology = (autopar.Topology.detect() if opts.device == "cuda"
+                else autopar.Topology.from_spec(f"1x{world}xH100-SXM"))
+    sample = tokens(opts, world, 0)[:2].to("meta")
+    profile, _ = profile_variants(build(opts, meta=True), sample, topology, loss_fn=_loss, warn=False)
+    out: dict[str, dict[str, Any]] = {}
+    shapes: set[tuple[Any, ...]] = set()
+    for plan in enumerate_plans(profile, topology, world_size=world, global_batch_size=opts.global_batch(world),
+                                loop="train_step", compile_available=False):
+        shape = (plan.pp, plan.dp_replicate, plan.dp_shard, plan.tp, plan.pp_schedule, plan.pp_stages_per_rank,
+                 plan.zero_stage, plan.reshard_after_forward, plan.checkpointing, plan.sequence_parallel,
+                 plan.grad_accum > 1)
+        if shape not in shapes:  # one plan a shape (the first micro-batch size of it)
+            shapes.add(shape)
+            out[short_name(plan)] = {k: v for k, v in plan.strategy().items() if k != "precision"}
     return out
 
 
@@ -223,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--scenarios", default=None, help="comma-separated, of scenarios() for this world size "
-                                                      "(default: all; at --size llama3-8b: wrap)")
+                                                      "(default: all; at --size llama3-8b: wrap), or 'search': one "
+                                                      "plan of every shape autopar's search enumerates")
     ap.add_argument("--steps", type=int, default=10, help="steps compared with the reference")
     ap.add_argument("--timed-steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -248,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    all_scenarios = scenarios(world, opts.global_batch(world))
-    names = (args.scenarios.split(",") if args.scenarios else ["wrap"] if args.size == "llama3-8b"
-             else list(all_scenarios))
+    all_scenarios = (search_scenarios(opts, world) if args.scenarios == "search"
+                     else scenarios(world, opts.global_batch(world)))
+    names = (list(all_scenarios) if args.scenarios == "search" else args.scenarios.split(",") if args.scenarios
+             else ["wrap"] if args.size == "llama3-8b" else list(all_scenarios))
     unknown = [n for n in names if n not in all_scenarios]
     if unknown:
         raise SystemExit(f"no scenario {', '.join(unknown)} at world size {world}; there are {', '.join(all_scenarios)}")

@@ -49,3 +49,19 @@ def test_the_script_runs_on_two_gloo_processes_and_each_plan_trains_as_one_proce
     assert recs[0]["plan"]["dp_shard"] == 2 and recs[1]["plan"]["pp"] == 2
     table = report(recs)
     assert table.count("| 2 | tiny |") == 3 and "| ok |" in table
+
+
+def test_the_search_scenarios_are_one_plan_of_every_shape_the_search_enumerates():
+    from pathlib import Path as _Path
+
+    from bench.multigpu import Options, search_scenarios
+
+    opts = Options("tiny", "cpu", 2, 0, 1e-3, _Path("unused"), "")
+    made = search_scenarios(opts, 4)
+    plans = [autopar.Plan(precision="bf16", **kwargs) for kwargs in made.values()]
+    assert len(plans) > 50 and all(p.world_size == 4 and p.global_batch_size == 8 for p in plans)
+    shapes = {(p.pp, p.dp_replicate, p.dp_shard, p.tp) for p in plans}
+    assert {(1, 1, 4, 1), (1, 4, 1, 1), (1, 2, 1, 2), (1, 1, 2, 2), (2, 1, 2, 1), (2, 2, 1, 1), (4, 1, 1, 1), (2, 1, 1, 2)} <= shapes
+    assert {p.checkpointing for p in plans} == {"none", "selective", "alternate", "full"}
+    assert {p.zero_stage for p in plans} == {1, 2, 3} and not any(p.compile for p in plans)
+    assert all(not p.uses_fsdp for p in plans if p.pp_schedule == "zero_bubble")  # refused beside FSDP
