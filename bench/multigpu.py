@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -89,10 +90,9 @@ def search_scenarios(opts: "Options", world: int) -> dict[str, dict[str, Any]]:
     """Every distinct plan shape of autopar's own candidate space at this world size (`--scenarios search`): the
     search's enumeration under autopar.train_step (every mesh, schedule, ZeRO stage, resharding and checkpointing),
     one plan per shape, eager (compile is the zoo's), by their short names; on a CPU the plans of as many H100s."""
-    topology = (autopar.Topology.detect() if opts.device == "cuda"
+    topology = (_this_machine() if opts.device == "cuda"
                 else autopar.Topology.from_spec(f"1x{world}xH100-SXM"))
-    sample = tokens(opts, world, 0)[:2].to("meta")
-    profile, _ = profile_variants(build(opts, meta=True), sample, topology, loss_fn=_loss, warn=False)
+    profile, _ = _traced(opts, world, 2, topology)
     out: dict[str, dict[str, Any]] = {}
     shapes: set[tuple[Any, ...]] = set()
     for plan in enumerate_plans(profile, topology, world_size=world, global_batch_size=opts.global_batch(world),
@@ -167,12 +167,24 @@ def reference(opts: Options, world: int, device: torch.device) -> list[float]:
     return losses
 
 
+@functools.lru_cache(maxsize=None)
+def _traced(opts: Options, world: int, rows: int, topology: autopar.Topology) -> tuple[Any, Any]:
+    """The model's profile and its precision variants (autopar.planning.profile_variants) from a meta trace of `rows`
+    samples, for `topology`; traced once a size (the scenarios of one micro-batch share it)."""
+    sample = tokens(opts, world, 0)[:rows].to("meta")
+    return profile_variants(build(opts, meta=True), sample, topology, loss_fn=_loss, warn=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _this_machine() -> autopar.Topology:
+    return autopar.Topology.detect()
+
+
 def predicted(opts: Options, plan: autopar.Plan, world: int) -> dict[str, Any]:
     """autopar.predict's step and peak for `plan` on this machine (from a meta trace at one micro-batch)."""
     try:
-        topology = autopar.Topology.detect()
-        sample = tokens(opts, world, 0)[: plan.micro_batch_size].to("meta")
-        profile, variants = profile_variants(build(opts, meta=True), sample, topology, loss_fn=_loss, warn=False)
+        topology = _this_machine()
+        profile, variants = _traced(opts, world, plan.micro_batch_size, topology)
         pred = autopar.predict(profile, plan, topology=topology, variants=variants)
         return {"predicted_step_s": pred.step_s, "predicted_peak_bytes": pred.memory.peak_bytes}
     except Exception as exc:  # recorded beside the measurement, which still stands
