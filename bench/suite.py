@@ -4,9 +4,10 @@
 
 Each model is a zoo family (bench/zoo.py: ZOO, and SIZED for GPT-2 355M / 1.5B and Llama 3B) measured by
 bench/zoo_h200.py in its modes: "fp32" (by hand, no autocast), "hand" (bf16 autocast + fused AdamW), "hand_compile"
-(the same + torch.compile(model)), "wrap" (autopar.wrap with no tuning) and "oracle" (every plan of autopar's own
-one-GPU candidate space for the batch, each measured; the fastest). autopar tune's trials are bench/tune_h200.py's
-suite (they run a user's script). The zoo's records go to --out (JSON lines, one a mode as it ends: a cut call keeps
+(the same + torch.compile(model)), "wrap" (autopar.wrap with no tuning), "oracle" (every plan of autopar's own
+one-GPU candidate space for the batch, each measured; the fastest) and "tune" (autopar.autotune's trials in the
+process, then wrap given the study's best plan; not in the default modes: its trials outlast a call's family timeout
+on the large models). A launched script's `autopar tune` is bench/tune_h200.py's suite. The zoo's records go to --out (JSON lines, one a mode as it ends: a cut call keeps
 what finished); then `suite_<date>.json` (a list of records with keys model, mode, per_s, per_s_unit, step_s,
 peak_bytes, plan, status, device, torch, date, command) and `suite_<date>.md` (per model: each mode's rate, wrap
 against the best hand column and against the oracle) are written beside it. Flags after `--` go to the zoo script
@@ -31,7 +32,10 @@ from bench._common import results_path
 #: 3B; an encoder, a vision CNN and a vision transformer; an MoE; and a model the hand recipe cannot fit (Llama 3B
 #: at 16 x 2048 tokens: 169 GiB predicted by hand on one H200, autopar's checkpointed plans fit)
 MODELS = ("gpt2", "gpt2-355m", "gpt2-1.5b", "llama", "llama-3b", "bert", "resnet", "vit", "qwen2-moe", "llama-3b-b16")
-MODES = ("fp32", "hand", "hand_compile", "wrap", "oracle")
+MODES = ("fp32", "hand", "hand_compile", "wrap", "oracle", "tune")
+#: without --modes: "tune" runs autotune's trials, a compile warm-up each (about a minute a trial on the large
+#: models), more than one call's family timeout; asked for with --modes ...,tune (and a longer --family-timeout-s)
+DEFAULT_MODES = MODES[:-1]
 HAND = ("hand", "hand_compile")  # the best hand column: issue 14's "at least as fast as" bar
 
 
@@ -64,13 +68,15 @@ def _rate(recs: dict[str, dict[str, Any]], mode: str) -> float | None:
 
 
 def ratios(recs: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """One model's records by mode -> wrap over the best hand column, over hand_compile, and over the oracle."""
+    """One model's records by mode -> wrap over the best hand column, over hand_compile, and over the oracle; the
+    tuned plan over the oracle."""
     wrap = _rate(recs, "wrap")
     hands = [r for r in (_rate(recs, m) for m in HAND) if r]
-    oracle, compiled = _rate(recs, "oracle"), _rate(recs, "hand_compile")
+    oracle, compiled, tuned = _rate(recs, "oracle"), _rate(recs, "hand_compile"), _rate(recs, "tune")
     return {"wrap_over_best_hand": wrap / max(hands) if wrap and hands else None,
             "wrap_over_hand_compile": wrap / compiled if wrap and compiled else None,
-            "wrap_over_oracle": wrap / oracle if wrap and oracle else None}
+            "wrap_over_oracle": wrap / oracle if wrap and oracle else None,
+            "tune_over_oracle": tuned / oracle if tuned and oracle else None}
 
 
 def markdown(records: list[dict[str, Any]]) -> str:
@@ -82,10 +88,11 @@ def markdown(records: list[dict[str, Any]]) -> str:
              f"    {first.get('command')}", "",
              "Each mode's rate (tokens/s, or samples/s where the sample has no tokens; a status where it did not run); "
              "the ratios are wrap's rate over the best of hand and hand_compile, over hand_compile, and over the "
-             "oracle (the fastest of autopar's own candidate plans, each measured).", "",
+             "oracle (the fastest of autopar's own candidate plans, each measured); the last, autotune's plan over the oracle.",
+             "",
              "| model | batch | " + " | ".join(MODES) + " | wrap plan | wrap / best hand | wrap / hand_compile | "
-             "wrap / oracle | oracle plan |",
-             "| --- | ---: | " + " | ".join("---:" for _ in MODES) + " | --- | ---: | ---: | ---: | --- |"]
+             "wrap / oracle | oracle plan | tune / oracle |",
+             "| --- | ---: | " + " | ".join("---:" for _ in MODES) + " | --- | ---: | ---: | ---: | --- | ---: |"]
 
     def cell(rec: dict[str, Any] | None) -> str:
         if rec is None:
@@ -101,7 +108,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
         lines.append(f"| {model} | {batch} | " + " | ".join(cell(recs.get(m)) for m in MODES)
                      + f" | {(recs.get('wrap') or {}).get('plan') or '-'} | {ratio(r['wrap_over_best_hand'])} | "
                      f"{ratio(r['wrap_over_hand_compile'])} | {ratio(r['wrap_over_oracle'])} | "
-                     f"{(recs.get('oracle') or {}).get('plan') or '-'} |")
+                     f"{(recs.get('oracle') or {}).get('plan') or '-'} | {ratio(r['tune_over_oracle'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     own = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(prog="python -m bench suite", description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated zoo families (default: {', '.join(MODELS)})")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--out", default=None, help="the zoo's JSON-lines file (default: $OUT/suite.jsonl); the JSON "
                                                 "and Markdown go beside it")
     ap.add_argument("--report", nargs="+", type=Path, default=None, help="write the JSON and Markdown of these "

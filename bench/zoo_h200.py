@@ -28,6 +28,7 @@ not measured again (but those of status `cut`, `unavailable`: `--redo`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import importlib.util
@@ -39,6 +40,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -57,7 +59,7 @@ from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
 MODES = ("hand", "hand_compile", "hand_bf16", "fp32", "wrap", "rewrap", "plan_eager", "plan_compile", "plan_float8",
-         "oracle")
+         "oracle", "tune")
 #: "hand_bf16": the other hand recipe, the model's weights cast to bf16 (`model.to(torch.bfloat16)`; no autocast, no
 #: fp32 master weights; eager): matmuls autocast does not reach (a custom op's, e.g. an MoE's experts in
 #: transformers' grouped_mm fallback) run in bf16 there; not an autopar plan, so not in the must-show's "best".
@@ -68,6 +70,8 @@ MODES = ("hand", "hand_compile", "hand_bf16", "fp32", "wrap", "rewrap", "plan_ea
 #: "oracle": every plan of autopar's own one-GPU candidate space for the family's batch (autopar.search's
 #: enumerate_plans: checkpointing x compile, x float8 where torchao imports), each measured as wrap given that
 #: plan; the record is the fastest's, every candidate's step and status in `grid` (issue 14's oracle).
+#: "tune": autopar.autotune's study in this process (--tune-trials trials, a fresh model each, over the same plain-loop
+#: space), then wrap given its best plan, measured like the others; the trials in `grid`, the study's time `tune_s`.
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
 PLAN_MODES = ("plan_eager", "plan_compile", "plan_float8")  # wrap given the plan of mode_plan
 # the modes that run one GPU's bf16 plan at the family's batch, by hand or given to wrap: mode -> the plan's options
@@ -94,6 +98,7 @@ class Options:
     command: str
     profile_steps: int = 0  # > 0: torch.profiler over this many more steps, GPU kernel time by kind (kernels_of)
     min_timed_s: float = 0.0  # more steps than `steps` where they last less than this (a steadier median)
+    tune_trials: int = 6  # mode "tune": the study's trials
 
 
 # ---- what a record says about where it was made -------------------------------------------------------
@@ -430,6 +435,37 @@ class Measurement:
             best = {**base, "status": "error", "error": why}
         return {**best, "grid": grid}
 
+    def tune(self) -> dict[str, Any]:
+        """Mode "tune": autopar.autotune's trials (each a fresh model, wrapped with the trial's plan and timed with
+        autopar.train_step) over the plain loop's space at the family's batch, then wrap given the study's best plan
+        measured as the other modes are; the trials' plans, statuses and steps in `grid`."""
+        t0 = time.perf_counter()
+        try:
+            with tempfile.TemporaryDirectory() as cache:  # the study's plan cache: not the user's
+                report = autopar.autotune(lambda: build_on_device(self.family, self.opts),
+                                          real_sample(self.family, self.opts), self.family.loss_fn,
+                                          trials=self.opts.tune_trials, steps=self.opts.steps,
+                                          warmup=self.opts.warmup, loop="plain", cache_directory=cache)
+        except Exception as exc:  # recorded like a failed mode; the next mode still runs
+            clean(self.opts.device)
+            return {"family": self.family.name, "kind": self.family.kind, "mode": "tune", "size": self.opts.size,
+                    "batch": batch_of(self.family, self.opts), **environment(self.opts), "status": "error",
+                    "error": first_line(exc), "tune_s": round(time.perf_counter() - t0, 2)}
+        clean(self.opts.device)
+        tune_s = round(time.perf_counter() - t0, 2)
+        grid = [{"plan_short": short_name(r.plan), "status": r.status, "step_s": r.measured_step_s, "error": r.cause}
+                for r in report.rows]
+        if report.best is None:
+            return {"family": self.family.name, "kind": self.family.kind, "mode": "tune", "size": self.opts.size,
+                    "batch": batch_of(self.family, self.opts), **environment(self.opts), "status": "error",
+                    "error": "no trial ran", "grid": grid, "tune_s": tune_s}
+        self._given = dataclasses.replace(report.best, measurement=None)  # the plan; its trial is in grid
+        try:
+            rec = self.run("tune")
+        finally:
+            self._given = None
+        return {**rec, "grid": grid, "tune_s": tune_s, "tune_trials": report.trials_run}
+
     def run(self, mode: str) -> dict[str, Any]:
         batch = batch_of(self.family, self.opts)
         rec: dict[str, Any] = {"family": self.family.name, "kind": self.family.kind, "mode": mode,
@@ -448,7 +484,7 @@ class Measurement:
             rec["parameters"] = sum(p.numel() for p in model.parameters())
             # dynamo's graphs from here: wrap's race compiles the plan before the steps (its failed compiles too)
             graphs_before = compile_counts()
-            if mode in ("wrap", "rewrap", "oracle", *PLAN_MODES):
+            if mode in ("wrap", "rewrap", "oracle", "tune", *PLAN_MODES):
                 step = self._wrap(model, sample, rec, mode)
             else:
                 step = self._hand(model, sample, rec, mode)
@@ -498,7 +534,7 @@ class Measurement:
 
     def _wrap(self, model: nn.Module, sample: dict[str, Any], rec: dict[str, Any], mode: str) -> Step:
         """wrap's own choice (mode "wrap"), or the plan a plan mode names."""
-        given = self._given if mode == "oracle" else mode_plan(mode, rec["batch"]) if mode in PLAN_MODES else None
+        given = self._given if mode in ("oracle", "tune") else mode_plan(mode, rec["batch"]) if mode in PLAN_MODES else None
         t0 = time.perf_counter()
         autopar.wrap(model, sample=sample, plan=given, loss_fn=self.family.loss_fn, verbose=False)
         rec["wrap_s"] = round(time.perf_counter() - t0, 3)
@@ -556,7 +592,8 @@ def run_family(name: str, modes: Iterable[str], opts: Options) -> None:
     predictor = Predictor(family, opts)
     measurement = Measurement(family, opts, predictor)
     for mode in modes:
-        rec = measurement.oracle() if mode == "oracle" else measurement.run(mode)
+        rec = (measurement.oracle() if mode == "oracle" else measurement.tune() if mode == "tune"
+               else measurement.run(mode))
         append(opts.out, rec)
         print(brief(rec), flush=True)
 
@@ -701,6 +738,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--redo", default=",".join(NOT_MEASURED), help="statuses measured again when resuming")
     ap.add_argument("--no-hand-predictions", action="store_true", help="no meta trace for the hand plans' predictions")
     ap.add_argument("--compile-on-cpu", action="store_true", help="measure hand_compile on a CPU too")
+    ap.add_argument("--tune-trials", type=int, default=6, help="mode tune: autopar.autotune's trials")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many more steps: GPU kernel time by kind in the record")
     ap.add_argument("--report", nargs="+", default=None, help="print the must-show table of these files and exit")
@@ -722,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m bench.zoo_h200", *(sys.argv[1:] if argv is None else argv)])
     opts = Options(device=args.device, size=args.size, batch=args.batch, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, hand_predictions=not args.no_hand_predictions, compile_on_cpu=args.compile_on_cpu,
-                   out=out, command=command, profile_steps=args.profile_steps, min_timed_s=args.min_timed_s)
+                   out=out, command=command, profile_steps=args.profile_steps, min_timed_s=args.min_timed_s,
+                   tune_trials=args.tune_trials)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode {', '.join(bad)}; the modes are {', '.join(MODES)}")
