@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-from ..layout import pairs_from_calls, split_stages, stage_ids
+from ..layout import float8_weight_params, pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
 from ..profile import BlockProfile, ModelProfile
 from .calibration import Calibration
@@ -113,6 +113,7 @@ class _RankParams:
     largest_unit: float  # the largest block's parameters on this rank (what FSDP gathers at once)
     grouped: float = 0.0  # of `params`, the weights of grouped GEMMs (MoE experts): bf16 autocast leaves them
     # in fp32 (torch._grouped_mm and transformers' fallback are on none of autocast's lists), so no copy is cast
+    float8_share: float = 0.0  # of the largest unit's parameters, the float8 layers' weights (layout.float8_layers)
 
     @classmethod
     def of(cls, profile: ModelProfile, plan: Plan, blocks: list[int], first: bool, last: bool) -> "_RankParams":
@@ -131,10 +132,14 @@ class _RankParams:
             share = float(first or last) if profile.tied_params else 0.5 * first + 0.5 * last
         if profile.vocab_size is not None and tp > 1 and profile.vocab_size % tp == 0:
             share /= tp
+        largest = max(blocks, key=lambda i: on_rank[i], default=None)
+        float8 = 0.0
+        if plan.float8 and largest is not None and on_rank[largest] > 0:
+            float8 = min(1.0, float8_weight_params(profile, [largest]) / tp / on_rank[largest])
         return cls(params=sum(on_rank.values()) + outside * share,
                    trainable=trainable + max(outside_trainable, 0.0) * share,
                    outside=outside * share, largest_unit=max(on_rank.values(), default=0.0),
-                   grouped=sum(_grouped_weights(profile, i) for i in blocks))
+                   grouped=sum(_grouped_weights(profile, i) for i in blocks), float8_share=float8)
 
 
 def _grouped_weights(profile: ModelProfile, block: int) -> float:
@@ -318,7 +323,11 @@ def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: int
     grouped GEMMs' expert weights, which autocast leaves in fp32 (their GEMMs run in fp32)."""
     if plan.uses_fsdp:
         units = (len(blocks) if not plan.reshard_after_forward else 2) * rp.largest_unit
-        gathered = compute * (units + rp.outside) + (compute + 4) * rp.largest_unit
+        # under float8 all-gather (Plan.float8_all_gather) the float8 layers' weights arrive in float8, 1 byte an
+        # element, and their GEMMs read them so: no compute-dtype copy (torchao's WeightWithDynamicFloat8CastTensor)
+        share = rp.float8_share if plan.float8_all_gather else 0.0
+        gathered = (compute * (1 - share) + share) * units + compute * rp.outside \
+            + (compute + 4) * rp.largest_unit
         if plan.cpu_offload:  # sharded states live in host memory; gathered copies come over PCIe
             gathered += 4 * rp.largest_unit
         return gathered

@@ -119,3 +119,22 @@ def test_fsdp_gathers_the_float8_weights_in_half_the_bytes_with_tensorwise_scali
     bw = _group_bandwidth(topology, 16, 1, cal)
     gathers = 2  # forward and backward (resharded after forward), one micro-batch
     assert comm["rowwise"] - comm["tensorwise"] == pytest.approx(gathers * 15 / 16 * f8 / bw, rel=1e-9)
+
+
+def test_fsdp_holds_the_gathered_float8_weights_at_one_byte_an_element_with_tensorwise_scaling():
+    """Memory: under float8 all-gather the gathered units' float8 layers are held at 1 byte an element (no bf16 copy:
+    their GEMMs read the gathered float8 weights), so the tensorwise plan's gathered bytes are lower than rowwise's
+    (gathered in bf16) by the two units in flight times the float8 weights of the largest block; nothing else
+    changes."""
+    from autopar.cost import predict_memory
+    from autopar.layout import float8_weight_params
+
+    profile, variants = _traced(2048, 8192)
+    mems = {r: predict_memory(profile, autopar.Plan(dp_shard=16, precision="bf16", micro_batch_size=8, float8=True,
+                                                    float8_recipe=r), Calibration(), variants=variants)
+            for r in ("tensorwise", "rowwise")}
+    per_block = float8_weight_params(profile, [0])
+    assert per_block == 3 * 2048 * 8192 + 4 * 2048 * 2048
+    saved = mems["rowwise"].gathered_bytes - mems["tensorwise"].gathered_bytes
+    assert saved == pytest.approx(2 * per_block * (2 - 1), rel=1e-9)  # two units, 2 bytes -> 1
+    assert mems["rowwise"].activations_bytes == mems["tensorwise"].activations_bytes
