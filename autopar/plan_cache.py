@@ -37,11 +37,12 @@ from typing import Any, Mapping
 import torch
 import yaml
 
+from ._util.compile_backend import COMPILE_BACKEND_ENV
 from ._util.io import CacheWarning, atomic_write_text, cache_root, cache_subdir, read_private_bytes
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, CacheError, PlanError
 from .plans import SCHEMA_VERSION as PLAN_SCHEMA_VERSION
-from .plans import COMPILE_BACKEND_ENV, Loop, Plan
+from .plans import Loop, Plan
 
 #: Version of the cache file layout (the top-level mapping). It is part of every key's digest, so files of
 #: another layout are never read under this one's names.

@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from ._util.compile_backend import configured_compile_backend
 from ._util.io import atomic_write_text
 from ._util.yaml_text import MAX_YAML_CHARS, load_yaml
 from .errors import PlanError, PlanMismatchError
@@ -42,9 +43,6 @@ PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (1, 2, 3)
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # torchao's float8 training recipes a plan can name (Plan.float8_recipe)
-#: The torch.compile backend of a plan that compiles: `AUTOPAR_COMPILE_BACKEND` if set, else inductor.
-COMPILE_BACKEND_ENV = "AUTOPAR_COMPILE_BACKEND"
-DEFAULT_COMPILE_BACKEND = "inductor"
 
 #: The numbers a prediction (autopar.cost.Prediction.summary) or a measurement records, by what they measure:
 #: seconds and bytes are finite and not negative; rates and fractions are numbers, not negative (NaN: unknown).
@@ -195,40 +193,6 @@ def _plain_mapping(name: str, value: Any, depth: int = 0) -> dict[str, Any] | No
             raise PlanError(f"Plan.{field_name} must be a number, string or bool (or null), got {v!r} "
                             f"({type(v).__name__}).")
     return out
-
-
-_REGISTERED_BACKENDS: set[str] = {DEFAULT_COMPILE_BACKEND}  # names found registered, so looked up once each
-
-
-def compile_backends() -> list[str]:
-    """torch.compile's registered backends (torch._dynamo.list_backends, every tag), sorted. torch._dynamo is
-    imported here, on first use, not when autopar is."""
-    import torch._dynamo
-
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
-
-
-def compile_backend_refusal(backend: Any, *, source: str) -> str | None:
-    """Why `backend` (named by `source`, e.g. "AUTOPAR_COMPILE_BACKEND") is not a torch.compile backend (one line
-    naming it and the valid choices), or None when torch registers it."""
-    if isinstance(backend, str) and backend in _REGISTERED_BACKENDS:
-        return None
-    choices = compile_backends()
-    if isinstance(backend, str) and backend in choices:
-        _REGISTERED_BACKENDS.add(backend)
-        return None
-    return (f"{source}={backend!r} is not a torch.compile backend: use one of {', '.join(map(repr, choices))} "
-            f"(default {DEFAULT_COMPILE_BACKEND!r}).")
-
-
-def configured_compile_backend() -> str:
-    """The backend a compiling plan runs with: AUTOPAR_COMPILE_BACKEND if set, else inductor; a name torch does
-    not register is refused (PlanError, naming it and the valid choices)."""
-    backend = os.environ.get(COMPILE_BACKEND_ENV) or DEFAULT_COMPILE_BACKEND
-    why = compile_backend_refusal(backend, source=COMPILE_BACKEND_ENV)
-    if why is not None:
-        raise PlanError(why.replace(" (default", ", or unset it (default", 1))
-    return backend
 
 
 @dataclass(frozen=True)

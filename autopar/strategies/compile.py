@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import PlanError
-from ..plans import compile_backend_refusal, configured_compile_backend
+from .._util.compile_backend import compile_backend_refusal, configured_compile_backend
 
 
 def default_backend() -> str:
