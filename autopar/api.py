@@ -357,7 +357,8 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
         race = race_compile(model, sample, device=state.device, loss_fn=loss_fn,
                             rows=state.plan.micro_batch_size)
     prediction = measured_prediction(state.plan, race)
-    plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction)
+    plan = state.plan.replace(compile=race.kept_compiled, cuda_graphs=state.plan.cuda_graphs and race.kept_compiled,
+                              prediction=prediction)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
                                 notes=(*state.notes, race.describe()))
     attach(model, state)

@@ -220,6 +220,11 @@ class Plan:
                     float8 tensor cores (compute capability 8.9 or newer)
       float8_recipe "tensorwise" (a scale a tensor; FSDP gathers in float8) or "rowwise" (a scale a row or
                     column: closer to bf16, more casts); with float8=True only
+    Compile:
+      compile       torch.compile (the whole model's forward in one process, each block under FSDP or a pipeline)
+      cuda_graphs   with compile, in one process on a GPU: the compiled graphs replayed as CUDA graphs
+                    (torch.compile's "reduce-overhead" mode, inductor only): the host launches a step's kernels
+                    once a graph instead of once a kernel (a host-bound step: small kernels, a fast GPU)
     """
 
     pp: int = 1
@@ -240,6 +245,7 @@ class Plan:
     compile: bool = False
     float8: bool = False
     float8_recipe: str = "tensorwise"
+    cuda_graphs: bool = False
     model_fingerprint: str | None = None
     topology_fingerprint: str | None = None
     prediction: Mapping[str, Any] | None = field(default=None, compare=False)
@@ -255,7 +261,7 @@ class Plan:
                 f"this plan has schema version {self.schema_version}; this autopar reads version "
                 f"{SCHEMA_VERSION}. Make the plan again with this autopar (autopar.plan)."
             )
-        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile", "float8"):
+        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile", "float8", "cuda_graphs"):
             _check_bool(name, getattr(self, name))
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice("precision", self.precision, PRECISIONS)
@@ -300,6 +306,10 @@ class Plan:
         if self.float8 and self.tp > 1:
             raise PlanError("float8 linears under tensor parallelism need float8 tensor-parallel styles, which "
                             "autopar does not apply yet: set tp=1, or float8=False.")
+        if self.cuda_graphs and (not self.compile or self.world_size > 1 or self.cpu_offload):
+            raise PlanError("cuda_graphs=True replays torch.compile's graphs in one process on one GPU (FSDP's, DDP's "
+                            "and a pipeline's hooks and collectives run between them): set compile=True with every "
+                            "degree 1 and cpu_offload=False, or cuda_graphs=False.")
         self._check_zero_stage()
 
     def _check_zero_stage(self) -> None:
@@ -412,6 +422,8 @@ class Plan:
             out["float8"] = True
         if self.float8_recipe != "tensorwise":  # the same, at its default
             out["float8_recipe"] = self.float8_recipe
+        if self.cuda_graphs:  # the same, when off
+            out["cuda_graphs"] = True
         return out
 
     def key(self) -> str:
@@ -429,8 +441,8 @@ class Plan:
                 continue
             if f.name == "zero_stage" and value == 3:  # left out at its default: files an older autopar reads
                 continue
-            if (f.name == "float8" and not value) or (f.name == "float8_recipe" and value == "tensorwise"):  # the same
-                continue
+            if (f.name in ("float8", "cuda_graphs") and not value) or (f.name == "float8_recipe" and value == "tensorwise"):
+                continue  # the same: left out at their defaults
             out[f.name] = value
         return out
 
@@ -533,7 +545,8 @@ class Plan:
         lines.append(f"  checkpointing {self.checkpointing}{every}")
         float8 = f" + float8 linears ({self.float8_recipe}{', float8 all-gathers' if self.float8_all_gather else ''})" \
             if self.float8 else ""
-        lines.append(f"  precision     {self.precision}{float8}   compile: {self.compile}")
+        graphs = " (CUDA graphs)" if self.cuda_graphs else ""
+        lines.append(f"  precision     {self.precision}{float8}   compile: {self.compile}{graphs}")
         if self.prediction:
             p = self.prediction
             parts = []

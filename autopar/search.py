@@ -18,7 +18,8 @@ Pruned as dominated, never predicted for time:
   no compiled plans, unless `eager=False` or `measured=True` (the tuner, which runs its candidates).
   The tuner's search (`measured=True`, torchao installed) has float8 twins of the bf16 plans too
   (Plan.float8, on GPUs with float8 tensor cores); wrap and `autopar.plan` do not offer them until a float8
-  step has been measured on the H200 against its prediction.
+  step has been measured on the H200 against its prediction. So with CUDA graphs (Plan.cuda_graphs, one
+  process): the tuner's compiled plans have twins that replay their graphs.
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
   (none < selective < alternate < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without
   resharding after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
@@ -282,7 +283,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                         for ckpt in CHECKPOINTING:
                             # float8 linears under TP: not applied yet (Plan refuses them)
                             for precision, f8 in [(p, False) for p in precisions] + (floats8 if tp == 1 else []):
-                                for compile_ in compiles:
+                                for compile_, graphs in _compile_modes(compiles, measured, world_size, offload):
                                     for sp in ([True] if tp > 1 and sp_ok else [False]):
                                         for reshard, zero in _gather_schedules(shard, accum, pp, offload, loop):
                                             yield Plan(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
@@ -290,7 +291,15 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                                                        pp_stages_per_rank=per_rank, reshard_after_forward=reshard,
                                                        zero_stage=zero, cpu_offload=offload, sequence_parallel=sp,
                                                        checkpointing=ckpt, precision=precision, compile=compile_,
-                                                       float8=f8, **fingerprints)
+                                                       float8=f8, cuda_graphs=graphs, **fingerprints)
+
+
+def _compile_modes(compiles: list[bool], measured: bool, world_size: int, offload: bool) -> list[tuple[bool, bool]]:
+    """(compile, cuda_graphs) pairs: each compile choice; for the tuner (`measured`: it runs its candidates) in one
+    process without offload, a compiled plan's CUDA-graph twin too (Plan.cuda_graphs), whose graphs' memory pool
+    and copied outputs the trial measures (the cost model prices its launches, not that memory)."""
+    graphs = measured and world_size == 1 and not offload
+    return [(c, False) for c in compiles] + ([(True, True)] if graphs and True in compiles else [])
 
 
 def _gather_schedules(shard: int, accum: int, pp: int, offload: bool, loop: Loop) -> list[tuple[bool, int]]:

@@ -204,6 +204,10 @@ class Calibration:
     # kernels autopar.profile.fusion.FusionModel counts, a kernel per weight cast: inductor's Python wrapper, the
     # launch, autograd, guards); seconds; H200 host, the fit above (the profiler's own count on CLIP: 16.6 ms in
     # its two graphs for 1769 kernels, 9.4 us each, plus the step's per-parameter work outside them)
+    graph_kernel_launch_s: float = 1e-6  # per kernel of a compiled step replayed as a CUDA graph (Plan.cuda_graphs):
+    # the host launches the graph once, the GPU its kernels; seconds; NVIDIA's "Getting Started with CUDA Graphs"
+    # (2019): about 3.4 us a kernel in a graph for kernels of about 2.9 us (3.8 us a kernel from a stream);
+    # not yet measured on the H200 (the tuner's trials measure these plans)
     conv_host_s: float = 40e-6  # CPU time per convolution call beyond its kernel launch: cuDNN's own (the frontend's
     # plan lookup and execute), eager or compiled; seconds; the fit above; prior: PyTorch PR #51390 timed one small
     # convolution through cuDNN's v8 API at 52 us of host time a call

@@ -129,8 +129,9 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
     scale = plan.micro_batch_size / prof.sample_batch_size
     inside, outside = _tp_splits(profile, plan.tp)
     whole = plan.compiles_whole_model
-    modes = {compiled: (Rates.of(topology.device, replace(plan, compile=compiled), cal,
-                                 trace_precision=prof.profile_precision), HostCosts.of(cal, compiled),
+    graphs = plan.cuda_graphs  # the compiled graphs replayed as CUDA graphs (whole model, one process)
+    modes = {compiled: (Rates.of(topology.device, replace(plan, compile=compiled, cuda_graphs=graphs and compiled), cal,
+                                 trace_precision=prof.profile_precision), HostCosts.of(cal, compiled, graphs),
                         1.0 if compiled else cal.eager_traffic_factor)
              for compiled in {plan.compile, whole, False}}
 
@@ -169,9 +170,12 @@ class HostCosts:
     conv_s: float = 0.0  # per convolution call, beyond its launch (cuDNN's own host work, eager or compiled); seconds
 
     @classmethod
-    def of(cls, cal: Calibration, compiled: bool) -> "HostCosts":
+    def of(cls, cal: Calibration, compiled: bool, graphs: bool = False) -> "HostCosts":
         """Compiled, inductor's Python wrapper launches the kernels of both graphs (the backward's from the
-        compiled autograd function), so one cost a kernel both ways."""
+        compiled autograd function), so one cost a kernel both ways; replayed as CUDA graphs (`graphs`), the GPU
+        launches them (cuDNN's host work was done when the graph was recorded)."""
+        if compiled and graphs:
+            return cls(cal.graph_kernel_launch_s, cal.graph_kernel_launch_s)
         if compiled:
             return cls(cal.compiled_kernel_launch_s, cal.compiled_kernel_launch_s, conv_s=cal.conv_host_s)
         return cls(cal.launch_s, cal.backward_launch_s, cal.view_host_s, cal.backward_view_host_s, cal.conv_host_s)

@@ -40,7 +40,7 @@ from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
 from .checkpointing import apply_checkpointing
-from .compile import apply_compile
+from .compile import apply_compile, cuda_graphs_refusal, default_backend
 from .float8 import apply_float8, float8_all_gather_refusal, float8_refusal
 from .fsdp import apply_fsdp
 from .materialize import materialize
@@ -109,6 +109,8 @@ def apply_plan(
 
     later = fake_mode if fake_mode is not None else contextlib.nullcontext()
     notes: list[str] = []
+    if plan.cuda_graphs and (why := cuda_graphs_refusal(device, compile_backend or default_backend())) is not None:
+        raise PlanError(why)  # before anything changes
     # 1. float8 linears (refused, before anything changes, where they cannot run).
     if plan.float8:
         if (why := float8_refusal(device)) is not None:
@@ -231,7 +233,8 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
         # autocast entered inside the compiled call held 6.3 GiB more and ran 25% slower than this order:
         # bench/results/zoo_h200_2026-12-01.jsonl, wrap against hand_compile)
         if plan.compiles_whole_model:
-            compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend)
+            compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend,
+                                        cuda_graphs=plan.cuda_graphs)
         if runtime is None:
             apply_autocast(model, precision=plan.precision, device_type=device.type, weights=bf16_weights)
         else:  # each pipeline stage's forward runs under autocast

@@ -6,17 +6,25 @@ The module's `forward` is replaced by its compiled self, so the module keeps its
 keys, and its hooks (FSDP's, the pipeline's) and what wraps the forward afterwards (autocast) run outside the
 graph. Each compiled module keeps its eager forward beside the compiled one, so that `use_compiled` can switch
 between them in place (autopar.race measures both on the device and keeps the faster).
+
+With CUDA graphs (Plan.cuda_graphs: torch.compile's "reduce-overhead" mode, inductor only, one process on a GPU),
+inductor records each graph once and replays it: the host launches a graph, not each kernel. Its outputs live in
+the graphs' memory pool and the next replay overwrites them, so a loop that keeps a step's output past the next
+step (a list of losses, a metric's logits) would read another step's values or raise; the compiled forward's
+tensors are copied out of the pool (`_outputs_copied`), as torch's own error message advises.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from ..errors import PlanError
-from .._util.compile_backend import compile_backend_refusal, configured_compile_backend
+from .._util.batch import map_tensors
+from .._util.compile_backend import DEFAULT_COMPILE_BACKEND, compile_backend_refusal, configured_compile_backend
 
 
 def default_backend() -> str:
@@ -25,33 +33,60 @@ def default_backend() -> str:
     return configured_compile_backend()
 
 
+def cuda_graphs_refusal(device: torch.device, backend: str) -> str | None:
+    """Why a plan's CUDA graphs cannot run here (one line saying what to change), or None."""
+    if device.type != "cuda":
+        return (f"cuda_graphs=True replays CUDA graphs, and this model runs on {device.type}: set cuda_graphs=False "
+                "(or run on a GPU).")
+    if backend != DEFAULT_COMPILE_BACKEND:
+        return (f"cuda_graphs=True is torch.compile's 'reduce-overhead' mode of inductor, and the compile backend is "
+                f"{backend!r}: unset AUTOPAR_COMPILE_BACKEND (or pass compile_backend='inductor'), or set "
+                "cuda_graphs=False.")
+    return None
+
+
 def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, per_block: bool,
-                  backend: str | None = None) -> list[str]:
-    """Compile the blocks (per_block) or the whole model; returns the names of what was compiled."""
+                  backend: str | None = None, cuda_graphs: bool = False) -> list[str]:
+    """Compile the blocks (per_block) or the whole model; returns the names of what was compiled. `cuda_graphs`:
+    inductor's "reduce-overhead" mode, the forward's outputs copied out of the graphs' pool (the module docstring);
+    the caller checks cuda_graphs_refusal first."""
     if isinstance(backend, str) and backend:  # refused before anything is compiled, naming the choices
         why = compile_backend_refusal(backend, source="compile_backend")
         if why is not None:
             raise PlanError(why)
     backend = backend or default_backend()
+    mode = "reduce-overhead" if cuda_graphs else None
     if per_block and blocks:
         # The block's forward, not its call: module hooks (FSDP's, the pipeline's) stay outside the graph.
         for _, block in blocks:
-            _compile_forward(block, backend)
+            _compile_forward(block, backend, mode)
         return [name for name, _ in blocks]
     # The whole model: its forward, so that what wraps the forward from outside (apply_autocast's autocast and
     # fp32 outputs, applied after this) stays outside the graph, as in the usual `with autocast: compiled(x)`.
-    _compile_forward(model, backend)
+    _compile_forward(model, backend, mode)
     return ["<model>"]
 
 
 _FORWARDS = "_autopar_forwards"  # on a compiled module: (its eager forward, its compiled forward)
 
 
-def _compile_forward(module: nn.Module, backend: Any) -> None:
+def _compile_forward(module: nn.Module, backend: Any, mode: str | None = None) -> None:
     eager = module.forward
-    compiled = torch.compile(eager, backend=backend)
+    compiled = torch.compile(eager, backend=backend, **({"mode": mode} if mode else {}))
+    if mode == "reduce-overhead":
+        compiled = _outputs_copied(compiled)
     object.__setattr__(module, _FORWARDS, (eager, compiled))
     module.forward = compiled
+
+
+def _outputs_copied(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` whose tensors come back as copies (autograd goes through the copy): a CUDA graph's outputs are its
+    pool's memory, overwritten by the next replay."""
+    @functools.wraps(forward)
+    def copied(*args: Any, **kwargs: Any) -> Any:
+        return map_tensors(torch.Tensor.clone, forward(*args, **kwargs))
+
+    return copied
 
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:

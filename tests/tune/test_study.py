@@ -625,7 +625,7 @@ def test_real_study_of_six_trials_survives_a_killed_tuner_and_caches_the_best(tm
 def test_the_space_holds_the_eager_twin_of_each_compiled_plan_unless_compiled_only(tmp_path):
     """On a GPU where compile is searched, the tuner measures eager plans too (eager=True, the default):
     compilation can fail or lose on a model. eager=False (autopar tune --compiled-only) keeps the search's
-    compiled plans only."""
+    compiled plans only (with, in one process, their CUDA-graph twins)."""
     topo = Topology.from_spec("1xH200")
     profile, variants = profile_variants(GPT(CFG), synthetic_tokens(GLOBAL, CFG), topo, loss_fn=lm_loss)
     probe = types.SimpleNamespace(profile=profile, variants=variants, topology=topo, world_size=1,
@@ -636,8 +636,12 @@ def test_the_space_holds_the_eager_twin_of_each_compiled_plan_unless_compiled_on
     storage = optuna.storages.RDBStorage(f"sqlite:///{tmp_path / 'both.db'}")
     space = [e["plan"] for e in optuna.load_study(study_name="autopar", storage=storage).user_attrs[STUDY_SPACE]]
     plans = [Plan.from_yaml(text) for text in space]
-    assert both.space_size == 2 * compiled.space_size > 0
-    assert {p.replace(compile=False).key() for p in plans if p.compile} == {p.key() for p in plans if not p.compile}
+    eager = [p for p in plans if not p.compile]
+    plain = [p for p in plans if p.compile and not p.cuda_graphs]
+    graphs = [p for p in plans if p.cuda_graphs]  # one process: the compiled plans' CUDA-graph twins too
+    assert both.space_size == compiled.space_size + len(eager) and len(eager) == len(plain) == len(graphs) > 0
+    assert {p.replace(compile=False).key() for p in plain} == {p.key() for p in eager}
+    assert {p.replace(cuda_graphs=False).key() for p in graphs} == {p.key() for p in plain}
     assert both.rows[0].plan.compile and compiled.rows[0].plan.compile  # the best predicted runs first
     with pytest.raises(AutoparError, match="--compiled-only"):  # resuming with the other setting is refused
         _tune(probe, FakeRunner(probe), tmp_path / "both.db", trials=2, prune_factor=NO_PRUNING, eager=False)
