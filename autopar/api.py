@@ -26,10 +26,10 @@ from ._util.io import CacheWarning
 from .plan_cache import cache_key as plan_cache_key
 from .plan_cache import cached_plan_for, plans_folder
 from .planning import (base_profile, bf16_variants, calibration_for, check_traced_for, has_bf16, profile_variants,
-                       resolve_topology)
+                       resolve_topology, with_graphs_prediction)
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
-from .race import measured_prediction, race_compile
+from .race import measured_prediction, race_compile, races_graphs
 from .safe_plan import safe_plan, untraced_message
 from .search import DropKind, largest_tensor_hint, search
 from .strategies.apply import apply_plan, check_plan
@@ -149,8 +149,10 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
             f"no plan for {profile.model_class} with a global batch of {global_batch_size} fits in "
             f"{topology.device.memory_bytes / 2**30:.0f} GiB per device{need}: use more devices, a smaller batch,"
             f"{hint} or a shorter sequence.{largest_tensor_hint(profile, best.plan, topology)}")
-    # The prediction says which calibration it was made with (a cached file's path, or the defaults).
-    return best.plan.replace(prediction={**(best.plan.prediction or {}), "calibration": calibration.source})
+    # The prediction says which calibration it was made with (a cached file's path, or the defaults), and the step
+    # replayed as CUDA graphs where they could run (wrap races them where they are predicted to pay).
+    chosen = best.plan.replace(prediction={**(best.plan.prediction or {}), "calibration": calibration.source})
+    return with_graphs_prediction(chosen, profile, topology, calibration, variants)
 
 
 def wrap(
@@ -354,11 +356,11 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
     prediction and the applied state say which, and what was measured."""
     what = "eager and compiled (compiling first)" if state.plan.compile else "eager"
     with phase(f"measuring the step on {state.device} ({what})", say=say):
-        race = race_compile(model, sample, device=state.device, loss_fn=loss_fn,
-                            rows=state.plan.micro_batch_size)
+        race = race_compile(model, sample, device=state.device, loss_fn=loss_fn, rows=state.plan.micro_batch_size,
+                            graphs=races_graphs(state.plan, state.device))
     prediction = measured_prediction(state.plan, race)
-    plan = state.plan.replace(compile=race.kept_compiled, cuda_graphs=state.plan.cuda_graphs and race.kept_compiled,
-                              prediction=prediction)
+    plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction,
+                              cuda_graphs=(state.plan.cuda_graphs or race.kept_graphs) and race.kept_compiled)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
                                 notes=(*state.notes, race.describe()))
     attach(model, state)

@@ -188,6 +188,18 @@ def bf16_variants(model: nn.Module, sample: Any, topology: Topology, *, loss_fn:
     return _resolved(traced, precisions)
 
 
+def with_graphs_prediction(plan: Plan, profile: ModelProfile, topology: Topology, calibration: Calibration,
+                           variants: Mapping[str, ModelProfile] | None) -> Plan:
+    """`plan` with the cost model's step for its compiled graphs replayed as CUDA graphs in its prediction
+    (`graphs_step_s`), where they could run (the whole model compiled in one process on a GPU): what makes wrap race
+    them (autopar.race.races_graphs)."""
+    if not (plan.compiles_whole_model and plan.world_size == 1 and not plan.cpu_offload and not plan.cuda_graphs
+            and topology.is_gpu and plan.prediction):
+        return plan
+    graphs = predict_profile(profile, plan.replace(cuda_graphs=True), topology, calibration, variants=variants)
+    return plan.replace(prediction={**plan.prediction, "graphs_step_s": float(graphs.time.step_s)})
+
+
 def check_traced_for(profile: ModelProfile, topology: Topology) -> None:
     """A TraceError where the profile was traced only in bf16 (its fp32 step could not be) and the hardware
     has no bf16: no plan can be predicted there."""

@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from ._util.batch import call_model, default_loss, first_rows, map_tensors
 from .plans import Plan
-from .strategies.compile import compiled_modules, forget_compiled, use_compiled
+from .strategies.compile import (add_graphs_forwards, compiled_modules, cuda_graphs_refusal, default_backend,
+                                 forget_compiled, settle_graphs, use_compiled)
 
 #: A compiled step is kept unless eager runs faster by more than this fraction: compile's memory (what the
 #: plan was sized with) and its warm-up are already paid.
@@ -51,6 +52,10 @@ RESERVE_STEPS = 3
 RESERVE_BUDGET_S = 1.5
 RESERVE_MAX_S = 4.0
 
+#: wrap races CUDA graphs (a third contender) where the cost model predicts the replayed step this much faster than
+#: the compiled one: their compile and recording are warm-up the hand recipe does not pay
+GRAPHS_GAIN = 0.10
+
 
 @dataclass(frozen=True)
 class CompileRace:
@@ -72,17 +77,43 @@ class CompileRace:
     # of this model's real shapes (a mixture of experts' routed batches differ in size every layer and step, which
     # the trace's replay does not see). None off a GPU, or where those steps did not run.
     kept_reserve_bytes: float | None = None
+    # The third contender, where the race was asked to run it (`graphs`): the compiled forward replaying CUDA graphs
+    graphs_step_s: float | None = None  # None: not raced, or it did not run
+    graphs_peak_bytes: float | None = None
+    kept_graphs: bool = False  # kept_compiled too: the kept forward is compiled, replayed as CUDA graphs
+
+    @property
+    def kept_step_s(self) -> float | None:
+        if self.kept_graphs:
+            return self.graphs_step_s
+        return self.compiled_step_s if self.kept_compiled else self.eager_step_s
 
     @property
     def kept_peak_bytes(self) -> float | None:
+        if self.kept_graphs:
+            return self.graphs_peak_bytes
         return self.compiled_peak_bytes if self.kept_compiled else self.eager_peak_bytes
 
     def describe(self) -> str:
         def ms(x: float | None) -> str:
             return "did not run" if x is None else f"{x * 1e3:.1f} ms"
 
+        graphs = f", CUDA graphs {ms(self.graphs_step_s)}" if self.graphs_step_s is not None or self.kept_graphs else ""
         return (f"measured on this device, forward + backward: eager {ms(self.eager_step_s)}, compiled "
-                f"{ms(self.compiled_step_s)} (warm-up {self.compiled_warmup_s:.1f} s): {self.why}")
+                f"{ms(self.compiled_step_s)}{graphs} (warm-up {self.compiled_warmup_s:.1f} s): {self.why}")
+
+
+def races_graphs(plan: Plan, device: torch.device) -> bool:
+    """Whether wrap's race runs CUDA graphs beside eager and compiled for `plan`: the whole model compiled in one
+    process on a CUDA device with inductor (cuda_graphs_refusal), not already replaying them, and the cost model
+    predicting the replayed step GRAPHS_GAIN faster (`graphs_step_s` in the plan's prediction:
+    autopar.planning.with_graphs_prediction)."""
+    pred = plan.prediction or {}
+    graphs_s, step_s = pred.get("graphs_step_s"), pred.get("step_s")
+    if plan.cuda_graphs or not plan.compiles_whole_model or plan.world_size > 1 or plan.cpu_offload \
+            or not isinstance(graphs_s, (int, float)) or not isinstance(step_s, (int, float)):
+        return False
+    return cuda_graphs_refusal(device, default_backend()) is None and graphs_s < (1 - GRAPHS_GAIN) * step_s
 
 
 def real_batch(sample: Any, device: torch.device) -> Any:
@@ -257,7 +288,7 @@ def _median(times: list[float]) -> float | None:
 
 
 def _choice(has_compiled: bool, eager_s: float | None, compiled_s: float | None,
-            errors: dict[bool, str]) -> tuple[bool, str]:
+            errors: dict[Any, str]) -> tuple[bool, str]:
     """Whether to keep the compiled forward, and why (one line): compile unless eager is EAGER_MARGIN faster or
     the compiled step did not run."""
     if not has_compiled:
@@ -272,6 +303,19 @@ def _choice(has_compiled: bool, eager_s: float | None, compiled_s: float | None,
     return True, f"compile is {eager_s / compiled_s:.2f}x faster: kept compile"
 
 
+def _graphs_choice(keep: bool, why: str, eager_s: float | None, compiled_s: float | None, graphs_s: float | None,
+                   errors: dict[Any, str]) -> tuple[bool, str]:
+    """Whether the CUDA-graphs forward is kept over the choice between eager and compiled (`keep`, `why`): where it
+    is EAGER_MARGIN faster than the kept one (its graphs' memory pool and its recording are the price); and why."""
+    if graphs_s is None:
+        return False, why + (f"; CUDA graphs did not run ({errors['graphs']})" if "graphs" in errors else "")
+    best_s, name = (compiled_s, "compiled") if keep else (eager_s, "eager")
+    if best_s is None or graphs_s < best_s * (1 - EAGER_MARGIN):
+        return True, ("CUDA graphs ran where nothing else did: kept CUDA graphs" if best_s is None else
+                      f"CUDA graphs are {best_s / graphs_s:.2f}x faster than {name}: kept CUDA graphs")
+    return False, f"{why}; CUDA graphs did not pay ({best_s / graphs_s:.2f}x)"
+
+
 def _drop_grads(model: nn.Module, device: torch.device) -> None:
     """After a step that raised (out of memory): its gradients and the allocator's cache go."""
     for p in model.parameters():
@@ -282,7 +326,7 @@ def _drop_grads(model: nn.Module, device: torch.device) -> None:
 
 def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 2,
-                 steps: int = 9, rows: int | None = None) -> CompileRace:
+                 steps: int = 9, rows: int | None = None, graphs: bool = False) -> CompileRace:
     """Time the applied, compiled `model`'s forward and backward on `sample`, eager and compiled in interleaved
     rounds (the first of `steps / ROUNDS` steps a mode, fewer where a step is long (TIMED_BUDGET_S); the later ones
     of MIN_ROUND_S at least, within that budget, and none once the timed steps have taken it; each round's steps back
@@ -291,7 +335,9 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
     (`_reserve_over_peak`). `rows`: the samples a training step's forward runs (a plan's micro-batch, fewer than
     the sample's where it accumulates): the race runs the sample's first `rows` (all of it where it has fewer).
     Out of memory or an error in one mode keeps the other; both failing keeps the plan's compiled forward and says
-    so."""
+    so. `graphs`: a third contender, the compiled forward replaying CUDA graphs (add_graphs_forwards; one warm-up
+    step more, its recording), kept where it beats the other two by EAGER_MARGIN; not for a long step (one a round),
+    which its launches cannot shorten."""
     start = time.perf_counter()
     batch, ran = first_rows(sample, rows)
     batch = real_batch(batch, device)
@@ -308,12 +354,12 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         for p in model.parameters():
             p.grad = None
 
-    measured: dict[bool, list[float]] = {}
-    peaks: dict[bool, int] = {}
-    warm: dict[bool, float] = {}
-    errors: dict[bool, str] = {}
+    measured: dict[Any, list[float]] = {}
+    peaks: dict[Any, int] = {}
+    warm: dict[Any, float] = {}
+    errors: dict[Any, str] = {}
     has_compiled = bool(compiled_modules(model))  # a plan without compile: its eager step measured alone
-    modes = [False, True] if has_compiled else [False]
+    modes: list[Any] = [False, True] if has_compiled else [False]  # eager, compiled, and "graphs" where raced
     per_round = max(1, -(-steps // ROUNDS))
     timed_s = 0.0  # the timed steps' seconds so far, every mode
     try:
@@ -337,6 +383,10 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         # step runs after the race: Mamba-2's 4.7 s step on the H200 was timed once and run once more for this.
         long_eager = eager_warm_s is not None and per_round == 1 and _reads_reserve(device) \
             and reserve_steps(eager_warm_s) == 1
+        if graphs and has_compiled and per_round > 1 and add_graphs_forwards(model):  # (one process: no peer)
+            modes.append("graphs")
+            if eager_warm_s is not None:  # the budget shared by three modes
+                per_round = min(per_round, max(1, int(TIMED_BUDGET_S / (ROUNDS * len(modes) * eager_warm_s))))
         reserves: dict[bool, int] = {}
         # Interleaved rounds, the order turned each round: the host's speed drifts within seconds (bench/NOTES.md),
         # and a drift then weighs on both modes alike. The first round warms the compiled mode up (compiles).
@@ -344,8 +394,8 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
             for compiled in modes if r % 2 == 0 else modes[::-1]:
                 if compiled in errors:
                     continue
-                use_compiled(model, compiled)
-                first = warmup if compiled and r == 0 else 0
+                use_compiled(model, compiled is not False, graphs=compiled == "graphs")
+                first = (warmup + (compiled == "graphs")) if compiled is not False and r == 0 else 0
                 attempt = time.perf_counter()
                 try:
                     if long_eager and not compiled and r == 0:
@@ -376,12 +426,18 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
                 per_round = _later_round_steps(per_round, [m[0] for m in measured.values()], len(modes), device)
         eager_s, compiled_s = (_slowest(_median(measured.get(mode, [])), device) for mode in (False, True))
         keep, why = _choice(has_compiled, eager_s, compiled_s, errors)
+        graphs_s = _slowest(_median(measured.get("graphs", [])), device) if "graphs" in modes else None
+        keep_graphs = False
+        if "graphs" in modes:
+            keep_graphs, why = _graphs_choice(keep, why, eager_s, compiled_s, graphs_s, errors)
+            settle_graphs(model, keep_graphs)  # the graphs' forward becomes the compiled one, or goes
+            keep = keep or keep_graphs
         if keep:
             use_compiled(model, True)
         elif has_compiled:
             forget_compiled(model)
-        kept_s = compiled_s if keep else eager_s
-        reserve = reserves.get(keep)  # read with a long step's timing (long_eager)
+        kept_s = graphs_s if keep_graphs else compiled_s if keep else eager_s
+        reserve = reserves.get(keep) if not keep_graphs else None  # read with a long step's timing (long_eager)
         if reserve is None and _reads_reserve(device) and kept_s is not None:
             reserve = _reserve_over_peak(step, model, device, steps=reserve_steps(kept_s))
     finally:
@@ -391,14 +447,16 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         batch = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    own_warm_s = warm.get(True, 0.0)
+    own_warm_s = warm.get(True, 0.0) + warm.get("graphs", 0.0)
     measuring_s = _slowest(time.perf_counter() - start - own_warm_s, device) or 0.0
     warm_s = _slowest(own_warm_s, device) or 0.0  # the slowest rank's, so every rank's note reads the same
     return CompileRace(eager_step_s=eager_s, compiled_step_s=compiled_s, compiled_warmup_s=warm_s,
                        kept_compiled=keep, why=why, measuring_s=measuring_s,
                        eager_peak_bytes=_slowest(peaks.get(False), device),
                        compiled_peak_bytes=_slowest(peaks.get(True), device) if has_compiled else None, rows=ran,
-                       kept_reserve_bytes=_slowest(reserve, device))
+                       kept_reserve_bytes=_slowest(reserve, device), graphs_step_s=graphs_s,
+                       graphs_peak_bytes=_slowest(peaks.get("graphs"), device) if "graphs" in modes else None,
+                       kept_graphs=keep_graphs)
 
 
 def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
@@ -411,12 +469,12 @@ def measured_prediction(plan: Plan, race: CompileRace) -> dict[str, Any]:
     the kept mode's steps (modelled where it was not). With accumulation the gradients stay between micro-batches,
     which the race's step does not see, so the modelled peaks stay. A race that ran fewer
     samples than a micro-batch (a sample smaller than the plan's micro-batch) is recorded and not used."""
-    kept_s = race.compiled_step_s if race.kept_compiled else race.eager_step_s
+    kept_s = race.kept_step_s
     prediction = {**(plan.prediction or {})}
     if kept_s is not None:
         prediction["measured_forward_backward_s"] = kept_s
     for key, value in (("measured_eager_s", race.eager_step_s), ("measured_compiled_s", race.compiled_step_s),
-                       ("measured_peak_allocated_bytes", race.kept_peak_bytes)):
+                       ("measured_graphs_s", race.graphs_step_s), ("measured_peak_allocated_bytes", race.kept_peak_bytes)):
         if value is not None:
             prediction[key] = value
     # wrap's own time measuring: the race less the compiled warm-up (the compile the first step pays anyway)

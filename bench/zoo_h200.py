@@ -8,6 +8,7 @@ For each family of bench/zoo.py at its realistic size and batch, the model built
   plan_eager    autopar.wrap with the plan given: one GPU, bf16, micro-batch = the batch, eager
   plan_compile  the same, compiled (the two plans wrap chooses between on one GPU)
   plan_float8   the same compiled, with float8 linears (Plan.float8; needs torchao there: `.whl-fp8`)
+  plan_graphs   the same compiled, replayed as CUDA graphs (Plan.cuda_graphs: what wrap's race may keep)
 each timed over `--steps` steps after `--warmup`, more where they last under `--min-timed-s` (the median of
 per-step CUDA-event times), with the steady
 state's torch.cuda.max_memory_allocated / max_memory_reserved and the CUDA context (device memory in use
@@ -59,7 +60,7 @@ from bench.zoo import FAMILIES, ZOO, Family, build_model, make_sample
 from bench.zoo_h200_report import NOT_MEASURED, read_records, report
 
 MODES = ("hand", "hand_compile", "hand_bf16", "fp32", "wrap", "rewrap", "plan_eager", "plan_compile", "plan_float8",
-         "oracle", "tune")
+         "plan_graphs", "oracle", "tune")
 #: "hand_bf16": the other hand recipe, the model's weights cast to bf16 (`model.to(torch.bfloat16)`; no autocast, no
 #: fp32 master weights; eager): matmuls autocast does not reach (a custom op's, e.g. an MoE's experts in
 #: transformers' grouped_mm fallback) run in bf16 there; not an autopar plan, so not in the must-show's "best".
@@ -73,11 +74,12 @@ MODES = ("hand", "hand_compile", "hand_bf16", "fp32", "wrap", "rewrap", "plan_ea
 #: "tune": autopar.autotune's study in this process (--tune-trials trials, a fresh model each, over the same plain-loop
 #: space), then wrap given its best plan, measured like the others; the trials in `grid`, the study's time `tune_s`.
 DEFAULT_MODES = ("hand", "hand_compile", "wrap")  # the must-show's; the plan modes when asked for
-PLAN_MODES = ("plan_eager", "plan_compile", "plan_float8")  # wrap given the plan of mode_plan
+PLAN_MODES = ("plan_eager", "plan_compile", "plan_float8", "plan_graphs")  # wrap given the plan of mode_plan
 # the modes that run one GPU's bf16 plan at the family's batch, by hand or given to wrap: mode -> the plan's options
 ONE_GPU_MODES = {"hand": {}, "hand_compile": {"compile": True}, "fp32": {"precision": "fp32"}, "plan_eager": {},
                  "plan_compile": {"compile": True},
-                 "plan_float8": {"compile": True, "float8": True}}
+                 "plan_float8": {"compile": True, "float8": True},
+                 "plan_graphs": {"compile": True, "cuda_graphs": True}}  # Plan.cuda_graphs: CUDA graphs replayed
 MAX_TIMED_STEPS = 200  # --min-timed-s's most timed steps
 STATUSES = ("ok", "oom", "error", "skipped", "unavailable", "timeout", "cut")
 GiB = 2**30

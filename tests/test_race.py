@@ -395,3 +395,75 @@ def test_a_short_eager_step_has_its_reserve_read_after_the_race(monkeypatch):
     monkeypatch.setattr(race_module, "_reserve_run", lambda *a, **kw: (runs.append(kw["steps"]), real_run(*a, **kw))[1])
     result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"))
     assert runs == [race_module.reserve_steps(result.eager_step_s)] and result.kept_reserve_bytes == 3 << 20
+
+
+def _forward_kind(model: nn.Module) -> str:
+    forward = vars(model).get("forward")
+    if forward is not None and forward is vars(model).get("_autopar_graphs_forward"):
+        return "graphs"
+    return "compiled" if _is_compiled(model) else "eager"
+
+
+@pytest.mark.parametrize("graphs_s, kept", [(0.0025, True), (0.0049, False)])
+def test_cuda_graphs_race_as_a_third_contender_and_are_kept_where_they_pay(monkeypatch, graphs_s, kept):
+    """graphs=True: the compiled forward compiled again to replay CUDA graphs (inductor's reduce-overhead mode; on
+    this CPU the test backend's second compile stands in) runs beside eager and compiled, one warm-up step more
+    (its recording); kept where it is EAGER_MARGIN faster than the better of the two, in place of the compiled
+    forward; else dropped, the compiled forward kept."""
+    model = _compiled(SLOW)
+    compiled_forward = vars(model)["forward"]
+    calls = []
+
+    def timer(step, device, *, warmup, steps):
+        kind = _forward_kind(model)
+        calls.append((kind, warmup))
+        return 0.0, {"eager": 0.010, "compiled": 0.005, "graphs": graphs_s}[kind]
+
+    monkeypatch.setattr(race_module, "_time", timer)
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"), graphs=True)
+    assert calls[:3] == [("eager", 0), ("compiled", 2), ("graphs", 3)]  # round 1; then reversed, and so on
+    assert sorted(k for k, _ in calls) == ["compiled"] * 3 + ["eager"] * 3 + ["graphs"] * 3
+    assert result.graphs_step_s == graphs_s and result.kept_graphs is kept and result.kept_compiled
+    assert "_autopar_graphs_forward" not in vars(model)  # settled: kept as the compiled forward, or dropped
+    if kept:
+        assert "CUDA graphs are 2.00x faster than compiled: kept CUDA graphs" in result.why
+        assert vars(model)["forward"] is not compiled_forward and _is_compiled(model)
+        assert result.kept_step_s == graphs_s and "CUDA graphs 2.5 ms" in result.describe()
+        p = measured_prediction(autopar.Plan(micro_batch_size=8, prediction={"step_s": 0.01, "optimizer_s": 0.001}),
+                                result)
+        assert p["measured_forward_backward_s"] == graphs_s and p["measured_graphs_s"] == graphs_s
+        assert p["step_s"] == pytest.approx(graphs_s + 0.001)
+    else:
+        assert "compile is 2.00x faster: kept compile; CUDA graphs did not pay (1.02x)" == result.why
+        assert vars(model)["forward"] is compiled_forward
+
+
+def test_cuda_graphs_that_fail_leave_the_choice_between_eager_and_compiled(monkeypatch):
+    model = _compiled(SLOW)
+
+    def timer(step, device, *, warmup, steps):
+        kind = _forward_kind(model)
+        if kind == "graphs":
+            raise RuntimeError("CUDA graphs cannot capture this")
+        return 0.0, {"eager": 0.010, "compiled": 0.005}[kind]
+
+    monkeypatch.setattr(race_module, "_time", timer)
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"), graphs=True)
+    assert result.kept_compiled and not result.kept_graphs and result.graphs_step_s is None
+    assert "CUDA graphs did not run (RuntimeError: CUDA graphs cannot capture this)" in result.why
+    assert _is_compiled(model) and "_autopar_graphs_forward" not in vars(model)
+
+
+def test_wrap_races_cuda_graphs_only_where_the_cost_model_predicts_they_pay_on_a_cuda_device():
+    from autopar.race import races_graphs
+
+    cuda = torch.device("cuda", 0)
+    plan = autopar.Plan(precision="bf16", compile=True, micro_batch_size=8,
+                        prediction={"step_s": 0.020, "graphs_step_s": 0.012})
+    assert races_graphs(plan, cuda)
+    assert not races_graphs(plan, torch.device("cpu"))
+    assert not races_graphs(plan.replace(prediction={"step_s": 0.020, "graphs_step_s": 0.019}), cuda)  # 5%: no
+    assert not races_graphs(plan.replace(cuda_graphs=True), cuda)  # replayed already
+    assert not races_graphs(plan.replace(prediction={"step_s": 0.02}), cuda)  # not predicted
+    assert not races_graphs(autopar.Plan(precision="bf16", compile=True, dp_shard=2, micro_batch_size=4,
+                                         prediction=dict(plan.prediction)), cuda)

@@ -68,14 +68,27 @@ def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, 
 
 
 _FORWARDS = "_autopar_forwards"  # on a compiled module: (its eager forward, its compiled forward)
+_BACKEND = "_autopar_compile_backend"  # on a compiled module: the backend it was compiled with
+_GRAPHS = "_autopar_graphs_forward"  # on a compiled module, during a race: its forward compiled to replay CUDA graphs
+
+
+#: inductor's options for CUDA graphs: its "reduce-overhead" mode (`triton.cudagraphs`), with graphs of dynamic shapes
+#: left unrecorded: a loop whose shapes vary (batches padded to their longest) recompiles with symbolic sizes, and a
+#: graph recorded for each size would hold a memory pool each; those run compiled without graphs instead
+GRAPHS_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+
+
+def _compiled(eager: Callable[..., Any], backend: Any, mode: str | None) -> Callable[..., Any]:
+    if mode == "reduce-overhead":
+        return _outputs_copied(torch.compile(eager, backend=backend, options=dict(GRAPHS_OPTIONS)))
+    return torch.compile(eager, backend=backend)
 
 
 def _compile_forward(module: nn.Module, backend: Any, mode: str | None = None) -> None:
     eager = module.forward
-    compiled = torch.compile(eager, backend=backend, **({"mode": mode} if mode else {}))
-    if mode == "reduce-overhead":
-        compiled = _outputs_copied(compiled)
+    compiled = _compiled(eager, backend, mode)
     object.__setattr__(module, _FORWARDS, (eager, compiled))
+    object.__setattr__(module, _BACKEND, backend)
     module.forward = compiled
 
 
@@ -94,24 +107,51 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if _FORWARDS in vars(m)]
 
 
-def use_compiled(model: nn.Module, on: bool) -> int:
-    """Run each module apply_compile compiled through its compiled (`on`) or its eager forward, in place; what
-    wraps the forward from outside (autocast's AutocastForward, which calls its `__wrapped__`) stays. Returns
-    how many modules were switched."""
+def use_compiled(model: nn.Module, on: bool, *, graphs: bool = False) -> int:
+    """Run each module apply_compile compiled through its compiled (`on`), its CUDA-graphs (`graphs`, after
+    add_graphs_forwards) or its eager forward, in place; what wraps the forward from outside (autocast's
+    AutocastForward, which calls its `__wrapped__`) stays. Returns how many modules were switched."""
     modules = compiled_modules(model)
     for module in modules:
         eager, compiled = vars(module)[_FORWARDS]
+        forwards = (eager, compiled, *([vars(module)[_GRAPHS]] if _GRAPHS in vars(module) else []))
         current = vars(module).get("forward")
-        target = compiled if on else eager
-        if getattr(current, "__wrapped__", None) in (eager, compiled) and current not in (eager, compiled):
+        target = vars(module)[_GRAPHS] if graphs else compiled if on else eager
+        if getattr(current, "__wrapped__", None) in forwards and current not in forwards:
             current.__wrapped__ = target  # an outer wrapper (autocast) around the compiled forward
         else:
             module.forward = target
     return len(modules)
 
 
+def add_graphs_forwards(model: nn.Module) -> int:
+    """Beside each compiled module's forwards, its eager forward compiled again to replay CUDA graphs (inductor's
+    "reduce-overhead" mode, the outputs copied; compiled with another backend, a second compile of it as it is:
+    the tests' stand-in): the compile race's third contender (autopar.race). Returns how many modules got one."""
+    modules = compiled_modules(model)
+    for module in modules:
+        backend = vars(module).get(_BACKEND, DEFAULT_COMPILE_BACKEND)
+        mode = "reduce-overhead" if backend == DEFAULT_COMPILE_BACKEND else None
+        object.__setattr__(module, _GRAPHS, _compiled(vars(module)[_FORWARDS][0], backend, mode))
+    return len(modules)
+
+
+def settle_graphs(model: nn.Module, keep: bool) -> None:
+    """After a race: the CUDA-graphs forwards become the compiled ones (`keep`, and each module runs them), or go
+    (each module on its eager forward then: the caller picks)."""
+    use_compiled(model, False)  # off the graphs' forward while it is still known as one of the module's forwards
+    for module in compiled_modules(model):
+        graphs = vars(module).pop(_GRAPHS, None)
+        if keep and graphs is not None:
+            eager, _ = vars(module)[_FORWARDS]
+            object.__setattr__(module, _FORWARDS, (eager, graphs))
+    if keep:
+        use_compiled(model, True)
+
+
 def forget_compiled(model: nn.Module) -> None:
-    """Leave each compiled module on its eager forward for good (the compiled one is dropped)."""
+    """Leave each compiled module on its eager forward for good (the compiled ones are dropped)."""
     use_compiled(model, False)
     for module in compiled_modules(model):
-        delattr(module, _FORWARDS)
+        for name in (_FORWARDS, _BACKEND, _GRAPHS):
+            vars(module).pop(name, None)

@@ -103,3 +103,17 @@ def test_the_outputs_are_copies_that_carry_the_gradient():
     assert torch.equal(x.grad, torch.full((2, 3), 2.0))
     pool["logits"].fill_(7.0)  # the next replay overwrites the pool
     assert torch.equal(out["logits"], torch.full((2, 3), 2.0))
+
+
+def test_wraps_choice_carries_the_replayed_step_where_graphs_could_run_and_only_there():
+    """autopar.plan / wrap's choice for one GPU: the compiled plan's prediction holds the step replayed as CUDA graphs
+    (`graphs_step_s`, what makes wrap race them: autopar.race.races_graphs), below the compiled step for this
+    host-bound model; a plan for 8 GPUs has none."""
+    cfg = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, hidden_dim=64, num_heads=4)
+    torch.manual_seed(0)
+    model, sample = GPT(cfg), torch.randint(0, 256, (8, 64))
+    one = autopar.plan(model, sample=sample, loss_fn=lm_loss, topology="1xH200")
+    assert one.compile and not one.cuda_graphs
+    assert one.prediction["graphs_step_s"] < 0.9 * one.prediction["step_s"]
+    eight = autopar.plan(model, sample=sample, loss_fn=lm_loss, topology="8xH200")
+    assert "graphs_step_s" not in eight.prediction
