@@ -140,13 +140,23 @@ def settle_graphs(model: nn.Module, keep: bool) -> None:
     """After a race: the CUDA-graphs forwards become the compiled ones (`keep`, and each module runs them), or go
     (each module on its eager forward then: the caller picks)."""
     use_compiled(model, False)  # off the graphs' forward while it is still known as one of the module's forwards
+    dropped = False
     for module in compiled_modules(model):
         graphs = vars(module).pop(_GRAPHS, None)
         if keep and graphs is not None:
             eager, _ = vars(module)[_FORWARDS]
             object.__setattr__(module, _FORWARDS, (eager, graphs))
+        dropped = dropped or (graphs is not None and not keep)
     if keep:
         use_compiled(model, True)
+    elif dropped and torch.cuda.is_available():
+        # The graphs recorded in the race hold a memory pool (a step's activations) in inductor's tree of CUDA
+        # graphs, which outlives the forward dropped here: the trees are cleared so that it goes back to the
+        # allocator (the kept forwards replay no graph; another module of this process compiled in reduce-overhead
+        # mode records its graphs again at its next call)
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
 
 
 def forget_compiled(model: nn.Module) -> None:
