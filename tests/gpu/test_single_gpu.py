@@ -33,7 +33,7 @@ def _batch(vocab: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def _train(model, batch, *, autocast: bool) -> tuple[list[float], int]:
+def _train(model, batch, *, autocast: bool, kept: list | None = None) -> tuple[list[float], int]:
     batch = {k: v.cuda() for k, v in batch.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.cuda.reset_peak_memory_stats()
@@ -45,6 +45,8 @@ def _train(model, batch, *, autocast: bool) -> tuple[list[float], int]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if kept is not None:  # the step's loss tensor itself, read again after later steps
+            kept.append(loss.detach())
     torch.cuda.synchronize()
     return losses, torch.cuda.max_memory_allocated()
 
@@ -149,17 +151,8 @@ def test_cuda_graphs_train_like_plain_bf16_and_outputs_survive_the_next_step(ref
     plan = autopar.Plan(micro_batch_size=MB, precision="bf16", compile=True, cuda_graphs=True)
     model = autopar.wrap(model, sample=batch, plan=plan)
     assert autopar.plan_of(model).cuda_graphs and autopar.applied(model).compiled == ("<model>",)
-    cuda_batch = {k: v.cuda() for k, v in batch.items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    losses, kept = [], []
-    for _ in range(STEPS):
-        loss = model(**cuda_batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        kept.append(loss.detach())
-        losses.append(loss.item())
-    torch.cuda.synchronize()
+    kept: list = []
+    losses, _ = _train(model, batch, autocast=False, kept=kept)
     assert [k.item() for k in kept] == losses  # each step's own loss, read after the later replays
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
     del model
