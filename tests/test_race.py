@@ -467,3 +467,32 @@ def test_wrap_races_cuda_graphs_only_where_the_cost_model_predicts_they_pay_on_a
     assert not races_graphs(plan.replace(prediction={"step_s": 0.02}), cuda)  # not predicted
     assert not races_graphs(autopar.Plan(precision="bf16", compile=True, dp_shard=2, micro_batch_size=4,
                                          prediction=dict(plan.prediction)), cuda)
+
+
+def test_wrap_asks_its_race_for_cuda_graphs_where_they_are_predicted_to_pay_and_its_plan_says_when_kept(monkeypatch):
+    """wrap's glue: the chosen plan's prediction carries its step replayed as CUDA graphs; where races_graphs says
+    they may pay, the race is asked for them, and a race that kept them leaves the plan with cuda_graphs=True (the
+    race itself stands in here: on this CPU no graph is recorded)."""
+    _register()
+    monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
+    asked = []
+
+    def race(model, sample, **kw):
+        asked.append(kw["graphs"])
+        return CompileRace(eager_step_s=0.010, compiled_step_s=0.008, compiled_warmup_s=1.0, kept_compiled=True,
+                           why="CUDA graphs are 2.00x faster than compiled: kept CUDA graphs", graphs_step_s=0.004,
+                           kept_graphs=True, rows=32)
+
+    monkeypatch.setattr("autopar.api.race_compile", race)
+    monkeypatch.setattr("autopar.api.races_graphs", lambda plan, device: "graphs_step_s" in (plan.prediction or {}))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)], nn.Linear(64, 8))
+    sample = torch.randn(32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.wrap(model, sample=sample, topology="1xH200", measure=True)
+    plan = autopar.applied(model).plan
+    if not asked:
+        pytest.skip("the cost model does not compile this model on an H200")
+    assert asked == [True] and plan.compile and plan.cuda_graphs
+    assert plan.prediction["measured_forward_backward_s"] == 0.004 and "compile: True (CUDA graphs)" in plan.describe()
