@@ -316,6 +316,15 @@ def _graphs_choice(keep: bool, why: str, eager_s: float | None, compiled_s: floa
     return False, f"{why}; CUDA graphs did not pay ({best_s / graphs_s:.2f}x)"
 
 
+def _graphs_added(model: nn.Module, errors: dict[Any, str]) -> bool:
+    """Whether the CUDA-graphs forwards could be made (add_graphs_forwards); why not in `errors`."""
+    try:
+        return add_graphs_forwards(model) > 0
+    except Exception as exc:  # torch.compile refusing its options: the race goes on with two contenders
+        errors["graphs"] = _one_line(exc)
+        return False
+
+
 def _drop_grads(model: nn.Module, device: torch.device) -> None:
     """After a step that raised (out of memory): its gradients and the allocator's cache go."""
     for p in model.parameters():
@@ -383,7 +392,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         # step runs after the race: Mamba-2's 4.7 s step on the H200 was timed once and run once more for this.
         long_eager = eager_warm_s is not None and per_round == 1 and _reads_reserve(device) \
             and reserve_steps(eager_warm_s) == 1
-        if graphs and has_compiled and per_round > 1 and add_graphs_forwards(model):  # (one process: no peer)
+        if graphs and has_compiled and per_round > 1 and _graphs_added(model, errors):  # (one process: no peer)
             modes.append("graphs")
             if eager_warm_s is not None:  # the budget shared by three modes
                 per_round = min(per_round, max(1, int(TIMED_BUDGET_S / (ROUNDS * len(modes) * eager_warm_s))))
@@ -428,7 +437,7 @@ def race_compile(model: nn.Module, sample: Any, *, device: torch.device,
         keep, why = _choice(has_compiled, eager_s, compiled_s, errors)
         graphs_s = _slowest(_median(measured.get("graphs", [])), device) if "graphs" in modes else None
         keep_graphs = False
-        if "graphs" in modes:
+        if "graphs" in modes or "graphs" in errors:
             keep_graphs, why = _graphs_choice(keep, why, eager_s, compiled_s, graphs_s, errors)
             settle_graphs(model, keep_graphs)  # the graphs' forward becomes the compiled one, or goes
             keep = keep or keep_graphs

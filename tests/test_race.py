@@ -496,3 +496,18 @@ def test_wrap_asks_its_race_for_cuda_graphs_where_they_are_predicted_to_pay_and_
         pytest.skip("the cost model does not compile this model on an H200")
     assert asked == [True] and plan.compile and plan.cuda_graphs
     assert plan.prediction["measured_forward_backward_s"] == 0.004 and "compile: True (CUDA graphs)" in plan.describe()
+
+
+def test_cuda_graphs_that_cannot_be_compiled_leave_the_race_to_the_other_two(monkeypatch):
+    model = _compiled(SLOW)
+
+    def refuse(model):
+        raise RuntimeError("Unexpected optimization option triton.cudagraph_skip_dynamic_graphs")
+
+    monkeypatch.setattr(race_module, "add_graphs_forwards", refuse)
+    monkeypatch.setattr(race_module, "_time", lambda step, device, *, warmup, steps:
+                        (0.0, 0.005 if _is_compiled(model) else 0.010))
+    result = race_compile(model, torch.randn(8, 16), device=torch.device("cpu"), graphs=True)
+    assert result.kept_compiled and not result.kept_graphs and result.graphs_step_s is None
+    assert result.why.endswith("; CUDA graphs did not run (RuntimeError: Unexpected optimization option "
+                               "triton.cudagraph_skip_dynamic_graphs)")
