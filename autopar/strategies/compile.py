@@ -40,8 +40,7 @@ def cuda_graphs_refusal(device: torch.device, backend: str) -> str | None:
                 "(or run on a GPU).")
     if backend != DEFAULT_COMPILE_BACKEND:
         return (f"cuda_graphs=True is torch.compile's 'reduce-overhead' mode of inductor, and the compile backend is "
-                f"{backend!r}: unset AUTOPAR_COMPILE_BACKEND (or pass compile_backend='inductor'), or set "
-                "cuda_graphs=False.")
+                f"{backend!r}: unset AUTOPAR_COMPILE_BACKEND (or set it to 'inductor'), or set cuda_graphs=False.")
     return None
 
 
