@@ -193,8 +193,7 @@ def with_graphs_prediction(plan: Plan, profile: ModelProfile, topology: Topology
     """`plan` with the cost model's step for its compiled graphs replayed as CUDA graphs in its prediction
     (`graphs_step_s`), where they could run (the whole model compiled in one process on a GPU): what makes wrap race
     them (autopar.race.races_graphs)."""
-    if not (plan.compiles_whole_model and plan.world_size == 1 and not plan.cpu_offload and not plan.cuda_graphs
-            and topology.is_gpu and plan.prediction):
+    if not (plan.compiles_whole_model and not plan.cuda_graphs and topology.is_gpu and plan.prediction):
         return plan
     graphs = predict_profile(profile, plan.replace(cuda_graphs=True), topology, calibration, variants=variants)
     return plan.replace(prediction={**plan.prediction, "graphs_step_s": float(graphs.time.step_s)})

@@ -306,7 +306,7 @@ class Plan:
         if self.float8 and self.tp > 1:
             raise PlanError("float8 linears under tensor parallelism need float8 tensor-parallel styles, which "
                             "autopar does not apply yet: set tp=1, or float8=False.")
-        if self.cuda_graphs and (not self.compile or self.world_size > 1 or self.cpu_offload):
+        if self.cuda_graphs and not self.compiles_whole_model:  # compiled, one process, no offload
             raise PlanError("cuda_graphs=True replays torch.compile's graphs in one process on one GPU (FSDP's, DDP's "
                             "and a pipeline's hooks and collectives run between them): set compile=True with every "
                             "degree 1 and cpu_offload=False, or cuda_graphs=False.")

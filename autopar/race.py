@@ -110,8 +110,8 @@ def races_graphs(plan: Plan, device: torch.device) -> bool:
     autopar.planning.with_graphs_prediction)."""
     pred = plan.prediction or {}
     graphs_s, step_s = pred.get("graphs_step_s"), pred.get("step_s")
-    if plan.cuda_graphs or not plan.compiles_whole_model or plan.world_size > 1 or plan.cpu_offload \
-            or not isinstance(graphs_s, (int, float)) or not isinstance(step_s, (int, float)):
+    if plan.cuda_graphs or not plan.compiles_whole_model or not isinstance(graphs_s, (int, float)) \
+            or not isinstance(step_s, (int, float)):
         return False
     return cuda_graphs_refusal(device, default_backend()) is None and graphs_s < (1 - GRAPHS_GAIN) * step_s
 

@@ -421,18 +421,13 @@ class Measurement:
         best: dict[str, Any] | None = None
         last: dict[str, Any] = {}
         for plan in self.predictor.candidates(batch_of(self.family, self.opts)):
-            self._given = plan
-            try:
-                last = self.run("oracle")
-            finally:
-                self._given = None
+            last = self._run_given("oracle", plan)
             grid.append({"plan_short": short_name(plan), "status": last["status"], "step_s": last.get("step_s"),
                          "error": last.get("error")})
             if last["status"] == "ok" and (best is None or last["step_s"] < best["step_s"]):
                 best = last
         if best is None:
-            base = last or {"family": self.family.name, "kind": self.family.kind, "mode": "oracle",
-                            "size": self.opts.size, "batch": batch_of(self.family, self.opts), **environment(self.opts)}
+            base = last or self._record("oracle")
             why = "no candidate plan ran" if grid else f"no candidate plans: {self.predictor.error or 'none made'}"
             best = {**base, "status": "error", "error": why}
         return {**best, "grid": grid}
@@ -450,29 +445,33 @@ class Measurement:
                                           warmup=self.opts.warmup, loop="plain", cache_directory=cache)
         except Exception as exc:  # recorded like a failed mode; the next mode still runs
             clean(self.opts.device)
-            return {"family": self.family.name, "kind": self.family.kind, "mode": "tune", "size": self.opts.size,
-                    "batch": batch_of(self.family, self.opts), **environment(self.opts), "status": "error",
-                    "error": first_line(exc), "tune_s": round(time.perf_counter() - t0, 2)}
+            return {**self._record("tune"), "status": "error", "error": first_line(exc),
+                    "tune_s": round(time.perf_counter() - t0, 2)}
         clean(self.opts.device)
         tune_s = round(time.perf_counter() - t0, 2)
         grid = [{"plan_short": short_name(r.plan), "status": r.status, "step_s": r.measured_step_s, "error": r.cause}
                 for r in report.rows]
         if report.best is None:
-            return {"family": self.family.name, "kind": self.family.kind, "mode": "tune", "size": self.opts.size,
-                    "batch": batch_of(self.family, self.opts), **environment(self.opts), "status": "error",
-                    "error": "no trial ran", "grid": grid, "tune_s": tune_s}
-        self._given = dataclasses.replace(report.best, measurement=None)  # the plan; its trial is in grid
+            return {**self._record("tune"), "status": "error", "error": "no trial ran", "grid": grid, "tune_s": tune_s}
+        rec = self._run_given("tune", dataclasses.replace(report.best, measurement=None))  # its trial is in grid
+        return {**rec, "grid": grid, "tune_s": tune_s, "tune_trials": report.trials_run}
+
+    def _record(self, mode: str, **fields: Any) -> dict[str, Any]:
+        """What every record of this family and mode starts with: who, what, where."""
+        return {"family": self.family.name, "kind": self.family.kind, "mode": mode, "size": self.opts.size,
+                "batch": batch_of(self.family, self.opts), **fields, **environment(self.opts)}
+
+    def _run_given(self, mode: str, plan: autopar.Plan) -> dict[str, Any]:
+        """Mode `mode` ("oracle", "tune") measured as wrap given `plan`."""
+        self._given = plan
         try:
-            rec = self.run("tune")
+            return self.run(mode)
         finally:
             self._given = None
-        return {**rec, "grid": grid, "tune_s": tune_s, "tune_trials": report.trials_run}
 
     def run(self, mode: str) -> dict[str, Any]:
         batch = batch_of(self.family, self.opts)
-        rec: dict[str, Any] = {"family": self.family.name, "kind": self.family.kind, "mode": mode,
-                               "size": self.opts.size, "batch": batch, "warmup": self.opts.warmup,
-                               "steps": self.opts.steps, **environment(self.opts)}
+        rec = self._record(mode, warmup=self.opts.warmup, steps=self.opts.steps)
         skip = self._skip_reason(mode)
         if skip is not None:
             rec.update(status="skipped", error=skip)

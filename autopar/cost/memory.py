@@ -133,12 +133,13 @@ class _RankParams:
         if profile.vocab_size is not None and tp > 1 and profile.vocab_size % tp == 0:
             share /= tp
         largest = max(blocks, key=lambda i: on_rank[i], default=None)
+        largest_unit = on_rank[largest] if largest is not None else 0.0
         float8 = 0.0
-        if plan.float8 and largest is not None and on_rank[largest] > 0:
-            float8 = min(1.0, float8_weight_params(profile, [largest]) / tp / on_rank[largest])
+        if plan.float8 and largest_unit > 0:
+            float8 = min(1.0, float8_weight_params(profile, [largest]) / tp / largest_unit)
         return cls(params=sum(on_rank.values()) + outside * share,
                    trainable=trainable + max(outside_trainable, 0.0) * share,
-                   outside=outside * share, largest_unit=max(on_rank.values(), default=0.0),
+                   outside=outside * share, largest_unit=largest_unit,
                    grouped=sum(_grouped_weights(profile, i) for i in blocks), float8_share=float8)
 
 

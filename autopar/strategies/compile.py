@@ -54,15 +54,14 @@ def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, 
         if why is not None:
             raise PlanError(why)
     backend = backend or default_backend()
-    mode = "reduce-overhead" if cuda_graphs else None
     if per_block and blocks:
         # The block's forward, not its call: module hooks (FSDP's, the pipeline's) stay outside the graph.
         for _, block in blocks:
-            _compile_forward(block, backend, mode)
+            _compile_forward(block, backend, cuda_graphs)
         return [name for name, _ in blocks]
     # The whole model: its forward, so that what wraps the forward from outside (apply_autocast's autocast and
     # fp32 outputs, applied after this) stays outside the graph, as in the usual `with autocast: compiled(x)`.
-    _compile_forward(model, backend, mode)
+    _compile_forward(model, backend, cuda_graphs)
     return ["<model>"]
 
 
@@ -77,15 +76,16 @@ _GRAPHS = "_autopar_graphs_forward"  # on a compiled module, during a race: its 
 GRAPHS_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
 
 
-def _compiled(eager: Callable[..., Any], backend: Any, mode: str | None) -> Callable[..., Any]:
-    if mode == "reduce-overhead":
+def _compiled(eager: Callable[..., Any], backend: Any, graphs: bool) -> Callable[..., Any]:
+    """`eager` under torch.compile; `graphs`: replaying CUDA graphs (GRAPHS_OPTIONS), its outputs copied."""
+    if graphs:
         return _outputs_copied(torch.compile(eager, backend=backend, options=dict(GRAPHS_OPTIONS)))
     return torch.compile(eager, backend=backend)
 
 
-def _compile_forward(module: nn.Module, backend: Any, mode: str | None = None) -> None:
+def _compile_forward(module: nn.Module, backend: Any, graphs: bool = False) -> None:
     eager = module.forward
-    compiled = _compiled(eager, backend, mode)
+    compiled = _compiled(eager, backend, graphs)
     object.__setattr__(module, _FORWARDS, (eager, compiled))
     object.__setattr__(module, _BACKEND, backend)
     module.forward = compiled
@@ -130,8 +130,8 @@ def add_graphs_forwards(model: nn.Module) -> int:
     modules = compiled_modules(model)
     for module in modules:
         backend = vars(module).get(_BACKEND, DEFAULT_COMPILE_BACKEND)
-        mode = "reduce-overhead" if backend == DEFAULT_COMPILE_BACKEND else None
-        object.__setattr__(module, _GRAPHS, _compiled(vars(module)[_FORWARDS][0], backend, mode))
+        graphs = _compiled(vars(module)[_FORWARDS][0], backend, graphs=backend == DEFAULT_COMPILE_BACKEND)
+        object.__setattr__(module, _GRAPHS, graphs)
     return len(modules)
 
 
