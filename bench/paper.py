@@ -15,6 +15,9 @@ llm-foundry rows (MosaicML llm-foundry, scripts/train/benchmarking/README.md, "H
 The table's "MP Mode" column is DEFAULT (Composer's FSDP mixed precision: parameters gathered in bf16, gradients
 reduced in fp32), as autopar's FSDP2 bf16 plans do. What the plan cannot say of the run: FSDP1's flat parameters,
 Composer's loop and MPT's own kernels of 2023 (bench/NOTES.md, 2026-12-05: why the rows are over-predicted).
+The same README's A100 80GB table (the same software on a GPU it had matured on) is predicted too, as a check of
+where the H100 rows' error lies: its rows, and for the configurations both tables ran the published H100 / A100
+speed-up against the predicted one (bench/NOTES.md, 2026-12-07).
 
     python -m bench.paper [--out bench/results] [--no-search]
 
@@ -49,7 +52,8 @@ from bench.megatron_table1 import time_parts
 MPT_VOCAB = 50368
 # d_model, n_heads, n_layers (llm-foundry scripts/train/yamls/pretrain/mpt-<name>.yaml)
 MPT = {"70b": (8192, 64, 80), "30b": (7168, 56, 48), "13b": (5120, 40, 40), "7b": (4096, 32, 32),
-       "3b": (2560, 20, 32), "1b": (2048, 16, 24), "760m": (1536, 12, 24)}
+       "3b": (2560, 20, 32), "1b": (2048, 16, 24), "760m": (1536, 12, 24), "350m": (1024, 16, 24),
+       "125m": (768, 12, 12)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,8 @@ class FoundryRow:
     grad_accum: int
     tokens_per_s_per_gpu: float
     checkpointing: bool
+    gpu: str = "H100-SXM"
+    inter_node_gbps: float | None = None  # None: the spec's default (400 Gb/s a GPU)
 
     @property
     def plan(self) -> autopar.Plan:
@@ -77,7 +83,8 @@ class FoundryRow:
 
     @property
     def topology(self) -> autopar.Topology:
-        return autopar.Topology.from_spec(f"{max(self.num_gpus // 8, 1)}x8xH100-SXM")
+        return autopar.Topology.from_spec(f"{max(self.num_gpus // 8, 1)}x8x{self.gpu}",
+                                          inter_node_gbps=self.inter_node_gbps)
 
 
 FOUNDRY_H100_BF16 = [FoundryRow(*r) for r in (
@@ -89,6 +96,44 @@ FOUNDRY_H100_BF16 = [FoundryRow(*r) for r in (
     ("1b", 2048, 8, 41.82, 14, 1, 45455, False), ("1b", 16384, 8, 35.22, 2, 4, 19649, False),
     ("760m", 2048, 32, 37.57, 24, 1, 67971, False), ("760m", 512, 8, 40.42, 96, 2, 83749, False),
 )]
+
+# The same README's "A100 80GB with 1600 Gbps node-node interconnect (RoCE)" table, every row: the same 2023
+# software (Composer, FSDP1, MPT's kernels) on a GPU it had matured on. Not a must-show row: where the H100 rows'
+# error lies (main() sets the configurations both tables ran side by side).
+FOUNDRY_A100_80GB = [FoundryRow(*r, gpu="A100-SXM-80GB", inter_node_gbps=200.0) for r in (
+    ("70b", 2048, 64, 53.33, 8, 4, 410, True), ("70b", 2048, 32, 48.56, 2, 16, 373, True),
+    ("30b", 8192, 8, 39.38, 1, 21, 574, True), ("30b", 4096, 8, 51.37, 1, 21, 814, True),
+    ("30b", 2048, 8, 55.3, 3, 21, 916, True), ("30b", 1024, 8, 55.82, 6, 21, 946, True),
+    ("30b", 512, 8, 56.4, 12, 21, 967, True), ("13b", 32768, 8, 51.69, 1, 3, 1016, True),
+    ("13b", 16384, 8, 54.07, 3, 3, 1431, True), ("13b", 8192, 8, 56.07, 5, 3, 1795, True),
+    ("13b", 4096, 8, 57.62, 10, 3, 2060, True), ("13b", 2048, 8, 59.57, 2, 3, 2262, False),
+    ("13b", 1024, 8, 59.48, 40, 3, 2330, True), ("7b", 65536, 8, 46.97, 1, 2, 1013, True),
+    ("7b", 32768, 8, 49.46, 2, 2, 1672, True), ("7b", 16384, 8, 51.96, 4, 2, 2453, True),
+    ("7b", 8192, 8, 54.47, 8, 2, 3206, True), ("7b", 4096, 8, 54.84, 16, 2, 3684, True),
+    ("7b", 2048, 8, 64.23, 6, 2, 4641, False), ("7b", 1024, 8, 58.01, 64, 2, 4357, True),
+    ("3b", 65536, 8, 46.05, 1, 2, 1767, True), ("3b", 32768, 8, 47.18, 3, 6, 3029, True),
+    ("3b", 16384, 8, 57.13, 1, 6, 5529, False), ("3b", 8192, 8, 59.34, 3, 6, 7695, False),
+    ("3b", 4096, 8, 60.53, 5, 6, 9457, False), ("3b", 2048, 8, 62.11, 10, 2, 10811, False),
+    ("3b", 1024, 8, 62.73, 20, 6, 11580, False), ("3b", 512, 8, 63.71, 40, 6, 12127, False),
+    ("1b", 65536, 8, 46.18, 1, 2, 3044, True), ("1b", 32768, 8, 55.52, 1, 4, 6275, False),
+    ("1b", 16384, 8, 56.6, 2, 4, 9956, False), ("1b", 8192, 8, 56.69, 3, 4, 13814, False),
+    ("1b", 4096, 8, 59.0, 7, 4, 17807, False), ("1b", 2048, 8, 59.86, 14, 4, 20513, False),
+    ("1b", 1024, 8, 60.15, 18, 4, 22112, False), ("1b", 512, 8, 60.68, 56, 4, 23148, False),
+    ("760m", 65536, 8, 45.34, 1, 2, 4143, True), ("760m", 32768, 8, 54.57, 1, 2, 8802, False),
+    ("760m", 16384, 8, 54.64, 3, 2, 14274, False), ("760m", 8192, 8, 55.31, 6, 2, 20933, False),
+    ("760m", 4096, 8, 56.05, 12, 2, 27351, False), ("760m", 2048, 8, 56.85, 24, 2, 32434, False),
+    ("760m", 1024, 8, 47.76, 48, 2, 29765, False), ("760m", 512, 8, 45.07, 96, 2, 29446, False),
+    ("350m", 65536, 8, 52.7, 1, 2, 7524, False), ("350m", 32768, 8, 52.46, 2, 2, 13652, False),
+    ("350m", 16384, 8, 53.28, 4, 2, 23559, False), ("350m", 8192, 8, 53.8, 8, 2, 36569, False),
+    ("350m", 4096, 8, 53.31, 16, 2, 49555, False), ("350m", 2048, 8, 51.62, 32, 2, 58782, False),
+    ("350m", 1024, 8, 50.51, 64, 2, 64813, False), ("350m", 512, 8, 50.61, 128, 2, 69330, False),
+    ("125m", 65536, 8, 54.13, 1, 2, 20368, False), ("125m", 32768, 8, 52.71, 2, 2, 36407, False),
+    ("125m", 16384, 8, 50.61, 4, 2, 60040, False), ("125m", 8192, 8, 48.85, 8, 2, 90392, False),
+    ("125m", 4096, 8, 46.08, 16, 2, 118396, False), ("125m", 2048, 8, 44.79, 40, 2, 142830, False),
+    ("125m", 2048, 8, 44.45, 32, 2, 141737, False), ("125m", 1024, 8, 43.15, 64, 2, 156468, False),
+    ("125m", 512, 8, 42.56, 128, 2, 165681, False),
+)]
+# inter_node_gbps 200: the table's 1600 Gb/s RoCE a node of 8 GPUs, per GPU
 
 TORCHTITAN_NOT_EXPRESSIBLE = [
     "Llama 3.1 70B, 256 H100, FSDP 32 x TP 8, Float8 + compile: 829 tokens/s/GPU, 71.9 GiB (float8 under TP: "
@@ -206,6 +251,46 @@ def foundry_line(row: FoundryRow, *, with_search: bool) -> tuple[str, float]:
     return line + f"  | {parts}", err
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def a100_lines() -> list[str]:
+    """llm-foundry's A100 80GB rows under the same model (no search), and the configurations both of its tables
+    ran (model, sequence, GPUs, micro-batch, accumulation, checkpointing): the published H100 / A100 speed-up
+    against the predicted one. Where the A100 rows are near and the speed-ups apart, the H100 rows' error is that
+    software on that GPU in 2023, not the model's terms."""
+    lines = ["llm-foundry A100 80GB BF16, 1600 Gb/s RoCE a node (tokens/s/GPU; the same software on a GPU it had "
+             "matured on; a check, not a must-show row):",
+             f"{'model':>5} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>2} {'publ':>7} {'pred':>8} {'err':>7} "
+             f"{'GiB':>6}"]
+    errors, predicted = [], {}
+    for row in FOUNDRY_A100_80GB:
+        line, err = foundry_line(row, with_search=False)
+        lines.append(line)
+        print(line, flush=True)
+        errors.append(err)
+        predicted[_config(row)] = row.tokens_per_s_per_gpu * (1 + err)
+    lines.append(f"A100: {sum(abs(e) <= 0.15 for e in errors)} of {len(errors)} within 15%; errors "
+                 f"{min(errors):+.1%} .. {max(errors):+.1%}, median |err| {_median([abs(e) for e in errors]):.1%}")
+    lines += ["", "the configurations both tables ran: H100 / A100 tokens/s/GPU, published and predicted:"]
+    a100 = {_config(r): r for r in FOUNDRY_A100_80GB}
+    for h100 in FOUNDRY_H100_BF16:
+        other = a100.get(_config(h100))
+        if other is None:
+            continue
+        pred_h100 = h100.tokens_per_s_per_gpu * (1 + foundry_line(h100, with_search=False)[1])
+        lines.append(f"  {h100.model:>5} seq {h100.seq_len:>5} {h100.num_gpus:>3} GPUs mb {h100.micro_batch_size}x"
+                     f"{h100.grad_accum}: published {h100.tokens_per_s_per_gpu / other.tokens_per_s_per_gpu:.2f}x, "
+                     f"predicted {pred_h100 / predicted[_config(other)]:.2f}x (datasheet bf16 peak 3.17x)")
+    return lines
+
+
+def _config(row: FoundryRow) -> tuple:
+    return (row.model, row.seq_len, row.num_gpus, row.micro_batch_size, row.grad_accum, row.checkpointing)
+
+
 def _short(plan: autopar.Plan) -> str:
     mesh = "x".join(f"{axis}{getattr(plan, axis)}" for axis in ("pp", "dp_replicate", "dp_shard", "tp")
                     if getattr(plan, axis) > 1)
@@ -238,6 +323,7 @@ def main() -> None:
     within = sum(abs(e) <= 0.15 for e in errors)
     lines += [f"llm-foundry: {within} of {len(errors)} within 15%; errors {min(errors):+.1%} .. {max(errors):+.1%}, "
               f"median |err| {sorted(abs(e) for e in errors)[len(errors) // 2]:.1%}", "",
+              *a100_lines(), "",
               "Megatron-LM Table 1 (TFLOP/s per GPU; bench/megatron_table1.py's best plan per row):"]
     for row in MEGATRON_ROWS:
         params, _, _, _, tp, pp, gpus, _, published = row
