@@ -7,7 +7,6 @@ import functools
 import os
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,16 +14,19 @@ import torch
 import torch.nn as nn
 
 from ._util import dist as _dist
-from ._util.batch import check_peers_on_first_forward, sample_batch_size
+from ._util.batch import check_peers_on_first_forward
 from ._util.log import get_logger
 from ._util.progress import phase, recording
 from ._util.stale_params import forget_replaced
-from .errors import CacheError, InfeasiblePlanError, PlanError, TraceError, UntracedWarning
+from .errors import InfeasiblePlanError, PlanError, TraceError, UntracedWarning
 from .hooks import Profiled, WrapHook, wrap_hook
-from . import wrap_cache
-from ._util.io import CacheWarning
-from .plan_cache import cache_key as plan_cache_key
-from .plan_cache import cached_plan_for, plans_folder
+from .decision import Decision as _Decision
+from .decision import check_same_batch as _check_same_batch
+from .decision import from_wrap_cache as _from_wrap_cache
+from .decision import global_batch_of as _global_batch
+from .decision import store_wrap_choice as _store_wrap_choice
+from .decision import wrap_key_of as _wrap_key
+from .plan_cache import cached_plan_for
 from .planning import (base_profile, bf16_variants, calibration_for, check_traced_for, has_bf16, profile_variants,
                        resolve_topology, with_graphs_prediction)
 from .plans import Loop, Plan
@@ -41,16 +43,6 @@ from .strategies.tensor_parallel_trial import (tensor_parallel_trial, tp_does_no
 from .topology import Topology
 
 __all__ = ["wrap", "plan", "applied", "plan_of", "data_shard"]
-
-
-def _global_batch(sample: Any, global_batch_size: int | None, readers: int) -> int:
-    """The global batch: as given, else the sample's batch times the number of ranks that read different
-    data (every process today; a given plan's data-parallel degree)."""
-    if global_batch_size is None:
-        return sample_batch_size(sample) * readers
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise PlanError(f"global_batch_size must be a positive integer, got {global_batch_size!r}.")
-    return global_batch_size
 
 
 def _load_plan(plan: Plan | str | os.PathLike[str], profile: ModelProfile, world_size: int, force: bool) -> Plan:
@@ -401,115 +393,6 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
     assert result is not None
     _check_same_batch(sample)
     return result
-
-
-def _check_same_batch(sample: Any) -> None:
-    smallest, largest = _dist.min_max(sample_batch_size(sample))
-    if smallest != largest:  # every rank raises the same error (one raising alone leaves the others hanging)
-        raise PlanError(f"the ranks were given samples of different batch sizes ({smallest} to {largest} samples): "
-                        "give every rank one data-parallel rank's batch, the same size on each (the last, smaller "
-                        "batch of an epoch too: drop it, as autopar.dataloader does).")
-
-
-#: Where a plan came from when wrap's own cache held it (`_Decision.source`).
-WRAP_CACHE_SOURCE = "from wrap's cache"
-
-
-def _wrap_key(model: nn.Module, sample: Any, *, topology: Topology | str | None, loss_fn: Callable | None,
-              blocks: Any, global_batch_size: int | None, world: _dist.World, loop: Loop) -> Any:
-    """Rank 0: the wrap cache's key of this model and job (no trace; before the plan changes the model), or None
-    where the cache is off or the key cannot be made (the topology is then refused by the full path)."""
-    if not wrap_cache.enabled():
-        return None
-    try:
-        topo = resolve_topology(topology)
-        with phase("the wrap cache's key of the model", say=False, key="cache_key"):
-            return wrap_cache.wrap_key(model, sample, topology_fingerprint=topo.fingerprint(),
-                                       world_size=world.size,
-                                       global_batch_size=_global_batch(sample, global_batch_size, world.size),
-                                       loop=loop, loss_fn=loss_fn, blocks=blocks)
-    except Exception:  # noqa: BLE001 - the full path reports what is wrong with the job, with its own message
-        return None
-
-
-def _from_wrap_cache(model: nn.Module, sample: Any, key: Any, *, topology: Topology | str | None, blocks: Any,
-                     global_batch_size: int | None, world: _dist.World,
-                     started: float) -> tuple[Topology, ModelProfile, int, _Decision | None] | None:
-    """On every rank: (topology, the model's structure, global batch, rank 0's decision) when rank 0's wrap cache
-    holds a plan for this model and job (`key`, rank 0's `_wrap_key`), else None (every rank then plans as usual).
-    A refused cache file raises on every rank (CacheError on rank 0, with the remedy)."""
-    if not wrap_cache.enabled():
-        return None
-    text = None
-    found: tuple[Plan, str] | None = None
-    if world.rank == 0:
-        text = ""
-        try:
-            entry = wrap_cache.lookup(key) if key is not None else None
-        except Exception as exc:  # noqa: BLE001 - sent to every rank, raised on rank 0 as it is
-            entry, text = None, f"error: {type(exc).__name__}: {exc}"
-            failure = exc
-        if entry is not None and entry.tuned_key and (plans_folder() / f"{entry.tuned_key}.yaml").exists():
-            entry = None  # the tuner measured a plan for this model and job since: the full path uses it
-        if entry is not None:
-            found = entry.plan, entry.stored_at
-            text = entry.plan.to_yaml()
-    text = _dist.broadcast_text(text)
-    if text.startswith("error: "):
-        if world.rank == 0:
-            raise failure
-        raise PlanError(f"rank 0 could not read wrap's cache: {text[7:]}")
-    if not text:
-        return None
-    topo = resolve_topology(topology)
-    global_batch = _global_batch(sample, global_batch_size, world.size)
-    _check_same_batch(sample)
-    profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
-    plan_text = Plan.from_yaml(text).prediction or {}
-    traced = {name: plan_text.get(f"traced_{name}") for name in ("flops", "forward_flops")}
-    if all(isinstance(v, (int, float)) and v >= 0 for v in traced.values()):  # the step's FLOPs, as traced then
-        profile = dataclasses.replace(profile, **{k: float(v) for k, v in traced.items()})
-    weights = plan_text.get("traced_bf16_weights")
-    if isinstance(weights, str) and weights:  # the weights the autocast forward gives in bf16, as traced then
-        profile = dataclasses.replace(profile, bf16_weights=tuple(weights.split(",")))
-    decision = None
-    if found is not None:
-        plan, stored_at = found
-        prediction = {**{k: v for k, v in (plan.prediction or {}).items() if k != "planning_phases_s"},
-                      "planning_s": round(time.perf_counter() - started, 2), "measuring_s": 0.0,
-                      "cached_at": stored_at}  # the stored plan's own planning phases were that wrap's, not this one's
-        decision = _Decision(plan.replace(prediction=prediction), WRAP_CACHE_SOURCE,
-                             f"using the plan wrap chose for this model and job on {stored_at[:10]} (wrap's cache; "
-                             f"{wrap_cache.DISABLE_ENV}=1 plans afresh)")
-    return topo, profile, global_batch, decision
-
-
-def _store_wrap_choice(plan: Plan, key: Any, profile: ModelProfile, topo: Topology, *, global_batch: int,
-                       loop: Loop) -> None:
-    """Rank 0: keep wrap's choice for the next wrap of this model and job; a cache that cannot be written is
-    skipped with one warning (training goes on)."""
-    try:
-        tuned = plan_cache_key(profile, topo, global_batch_size=global_batch, loop=loop).digest()
-        # the traced FLOPs go with it: a cache hit reads the model's structure only, and MFU needs them
-        # and the weights autocast does not reach, which the autocast forward gives in bf16 (strategies.precision)
-        plan = plan.replace(prediction={**(plan.prediction or {}), "traced_flops": float(profile.flops),
-                                        "traced_forward_flops": float(profile.forward_flops),
-                                        "traced_bf16_weights": ",".join(profile.bf16_weights)})
-        wrap_cache.store(plan, key, tuned_key=tuned)
-    except (CacheError, OSError) as exc:
-        warnings.warn(f"autopar: wrap's choice was not cached ({exc}); the next wrap of this model plans afresh.",
-                      CacheWarning, stacklevel=3)
-
-
-@dataclass(frozen=True)
-class _Decision:
-    """Rank 0's decision: the plan and where it came from, or the error every rank must raise."""
-
-    plan: Plan | None
-    source: str  # "given", "from the plan cache", "chosen by the cost model" or SAFE_SOURCE
-    cache_note: str | None = None  # what the plan cache said (a hit, or why a stored plan was not used)
-    error: BaseException | None = None
-    warning: str | None = None  # said once on rank 0 (why a safe plan, and what it costs)
 
 
 #: Where a plan came from when the model could not be traced (`_Decision.source`).
