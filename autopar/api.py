@@ -352,7 +352,8 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
                             graphs=races_graphs(state.plan, state.device))
     prediction = measured_prediction(state.plan, race)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction,
-                              cuda_graphs=(state.plan.cuda_graphs or race.kept_graphs) and race.kept_compiled)
+                              cuda_graphs=(state.plan.cuda_graphs or race.kept_graphs) and race.kept_compiled,
+                              max_autotune=state.plan.max_autotune and race.kept_compiled)
     state = dataclasses.replace(state, plan=plan, compiled=state.compiled if race.kept_compiled else (),
                                 notes=(*state.notes, race.describe()))
     attach(model, state)

@@ -439,6 +439,9 @@ def _tune_parser() -> argparse.ArgumentParser:
     p.add_argument("--compiled-only", action="store_true",
                    help="measure only compiled plans where torch.compile is available (default: eager ones too; "
                         "the cost model ranks compiled plans first, but compilation can fail or lose on a model)")
+    p.add_argument("--max-autotune", action="store_true",
+                   help="also measure each compiled plan compiled with inductor's max-autotune (kernels chosen by "
+                        "timing: minutes more compile a trial; give --trial-timeout room)")
     p.add_argument("--top-k", type=int, default=5, metavar="K",
                    help="run the K best predicted plans first, in predicted order (default 5)")
     return p
@@ -470,7 +473,7 @@ def _tune(argv: list[str]) -> int:
         report = tune(command, study_path=args.study, trials=args.trials or None, time_budget_s=args.time_budget,
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
                       loop=_loop_option(args), top_k_enqueue=args.top_k, plan_out=args.plan_out,
-                      progress=bar, eager=not args.compiled_only)
+                      progress=bar, eager=not args.compiled_only, max_autotune=args.max_autotune)
     except ResultNotSavedError as exc:  # measured, not saved: the table first, then main's one line (exit 2)
         bar.close()
         print(exc.report.table())

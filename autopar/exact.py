@@ -148,7 +148,8 @@ def exact_memory(
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     topo = resolve_topology(topology) if topology is not None else (
         Topology.from_spec(f"{plan.world_size}xH200") if dev.type == "cuda" else Topology.cpu(plan.world_size))
-    exact_plan = plan.replace(compile=False, cuda_graphs=False, cpu_offload=plan.cpu_offload)
+    exact_plan = plan.replace(compile=False, cuda_graphs=False, max_autotune=False,
+                              cpu_offload=plan.cpu_offload)
     started = time.perf_counter()
     model = _build(model_fn)
     profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=False)

@@ -501,7 +501,7 @@ def short_name(plan: Plan) -> str:
     if plan.float8:
         parts.append("fp8" if plan.float8_recipe == "tensorwise" else f"fp8-{plan.float8_recipe}")
     if plan.compile:
-        parts.append("compile+graphs" if plan.cuda_graphs else "compile")
+        parts.append("compile" + ("+graphs" if plan.cuda_graphs else "") + ("+autotune" if plan.max_autotune else ""))
     if plan.sequence_parallel:
         parts.append("sp")
     if plan.uses_fsdp and not plan.reshard_after_forward:

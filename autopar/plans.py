@@ -225,6 +225,9 @@ class Plan:
       cuda_graphs   with compile, in one process on a GPU: the compiled graphs replayed as CUDA graphs
                     (torch.compile's "reduce-overhead" mode, inductor only): the host launches a step's kernels
                     once a graph instead of once a kernel (a host-bound step: small kernels, a fast GPU)
+      max_autotune  with compile: inductor's max-autotune (each GEMM's and convolution's kernel chosen by timing
+                    candidates as it compiles, coordinate-descent tuning of the others): minutes more compile;
+                    not priced by the cost model, so only the tuner's trials (autotune(max_autotune=True)) try it
     """
 
     pp: int = 1
@@ -246,6 +249,7 @@ class Plan:
     float8: bool = False
     float8_recipe: str = "tensorwise"
     cuda_graphs: bool = False
+    max_autotune: bool = False
     model_fingerprint: str | None = None
     topology_fingerprint: str | None = None
     prediction: Mapping[str, Any] | None = field(default=None, compare=False)
@@ -261,7 +265,8 @@ class Plan:
                 f"this plan has schema version {self.schema_version}; this autopar reads version "
                 f"{SCHEMA_VERSION}. Make the plan again with this autopar (autopar.plan)."
             )
-        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile", "float8", "cuda_graphs"):
+        for name in ("reshard_after_forward", "cpu_offload", "sequence_parallel", "compile", "float8", "cuda_graphs",
+                     "max_autotune"):
             _check_bool(name, getattr(self, name))
         _check_choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _check_choice("precision", self.precision, PRECISIONS)
@@ -310,6 +315,8 @@ class Plan:
             raise PlanError("cuda_graphs=True replays torch.compile's graphs in one process on one GPU (FSDP's, DDP's "
                             "and a pipeline's hooks and collectives run between them): set compile=True with every "
                             "degree 1 and cpu_offload=False, or cuda_graphs=False.")
+        if self.max_autotune and not self.compile:
+            raise PlanError("max_autotune=True is a torch.compile mode: set compile=True, or max_autotune=False.")
         self._check_zero_stage()
 
     def _check_zero_stage(self) -> None:
@@ -422,8 +429,9 @@ class Plan:
             out["float8"] = True
         if self.float8_recipe != "tensorwise":  # the same, at its default
             out["float8_recipe"] = self.float8_recipe
-        if self.cuda_graphs:  # the same, when off
-            out["cuda_graphs"] = True
+        for name in ("cuda_graphs", "max_autotune"):  # the same, when off
+            if getattr(self, name):
+                out[name] = True
         return out
 
     def key(self) -> str:
@@ -441,7 +449,7 @@ class Plan:
                 continue
             if f.name == "zero_stage" and value == 3:  # left out at its default: files an older autopar reads
                 continue
-            if (f.name in ("float8", "cuda_graphs") and not value) or (f.name == "float8_recipe" and value == "tensorwise"):
+            if (f.name in ("float8", "cuda_graphs", "max_autotune") and not value) or (f.name == "float8_recipe" and value == "tensorwise"):
                 continue  # the same: left out at their defaults
             out[f.name] = value
         return out
@@ -545,7 +553,8 @@ class Plan:
         lines.append(f"  checkpointing {self.checkpointing}{every}")
         float8 = f" + float8 linears ({self.float8_recipe}{', float8 all-gathers' if self.float8_all_gather else ''})" \
             if self.float8 else ""
-        graphs = " (CUDA graphs)" if self.cuda_graphs else ""
+        modes = ", ".join(m for m, on in (("CUDA graphs", self.cuda_graphs), ("max-autotune", self.max_autotune)) if on)
+        graphs = f" ({modes})" if modes else ""
         lines.append(f"  precision     {self.precision}{float8}   compile: {self.compile}{graphs}")
         if self.prediction:
             p = self.prediction

@@ -19,7 +19,8 @@ Pruned as dominated, never predicted for time:
   The tuner's search (`measured=True`, torchao installed) has float8 twins of the bf16 plans too
   (Plan.float8, on GPUs with float8 tensor cores); wrap and `autopar.plan` do not offer them until a float8
   step has been measured on the H200 against its prediction. So with CUDA graphs (Plan.cuda_graphs, one
-  process): the tuner's compiled plans have twins that replay their graphs.
+  process): the tuner's compiled plans have twins that replay their graphs; and, where the tuner is asked
+  (`max_autotune=True`), twins compiled with inductor's max-autotune (Plan.max_autotune: minutes more compile).
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
   (none < selective < alternate < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without
   resharding after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
@@ -216,7 +217,8 @@ def breaks_cut_blocks(profile: ModelProfile) -> bool:
 
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
                     loop: Loop | str = Loop.PLAIN, offload: bool = False, compile_available: bool = True,
-                    eager: bool = True, measured: bool = False, float8: bool = False) -> Iterator[Plan]:
+                    eager: bool = True, measured: bool = False, float8: bool = False,
+                    max_autotune: bool = False) -> Iterator[Plan]:
     """Every plan the search considers (see the module docstring). Accumulation and tensor parallelism only
     where `loop` runs them (Loop.ACCUMULATES, Loop.TRAIN_STEP), pipelines only under Loop.TRAIN_STEP; CPU
     offload only with `offload`; eager plans beside compiled ones (where compile is available) unless
@@ -224,6 +226,8 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     whose forward reads tensor values (`profile.value_reads`: torch.compile's graph breaks there, which the cost
     model cannot price) gets no compiled plans, unless `eager=False` or `measured` (the tuner, which runs them).
     `float8`: bf16 plans have float8 twins (Plan.float8, tp=1) on a GPU with float8 tensor cores.
+    `max_autotune` (the tuner, when asked: autotune(max_autotune=True)): compiled plans have max-autotune twins
+    (Plan.max_autotune), priced as their twins (the cost model does not price inductor's kernel choice).
 
     The work is one step per plan yielded: the loops run over divisors of the world size and of the
     local batch, never over ranks."""
@@ -283,7 +287,8 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                         for ckpt in CHECKPOINTING:
                             # float8 linears under TP: not applied yet (Plan refuses them)
                             for precision, f8 in [(p, False) for p in precisions] + (floats8 if tp == 1 else []):
-                                for compile_, graphs in _compile_modes(compiles, measured, world_size, offload):
+                                for compile_, graphs, tuned in _compile_modes(compiles, measured, world_size,
+                                                                              offload, max_autotune):
                                     for sp in ([True] if tp > 1 and sp_ok else [False]):
                                         for reshard, zero in _gather_schedules(shard, accum, pp, offload, loop):
                                             yield Plan(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp,
@@ -291,15 +296,20 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
                                                        pp_stages_per_rank=per_rank, reshard_after_forward=reshard,
                                                        zero_stage=zero, cpu_offload=offload, sequence_parallel=sp,
                                                        checkpointing=ckpt, precision=precision, compile=compile_,
-                                                       float8=f8, cuda_graphs=graphs, **fingerprints)
+                                                       float8=f8, cuda_graphs=graphs, max_autotune=tuned,
+                                                       **fingerprints)
 
 
-def _compile_modes(compiles: list[bool], measured: bool, world_size: int, offload: bool) -> list[tuple[bool, bool]]:
-    """(compile, cuda_graphs) pairs: each compile choice; for the tuner (`measured`: it runs its candidates) in one
-    process without offload, a compiled plan's CUDA-graph twin too (Plan.cuda_graphs), whose graphs' memory pool
-    and copied outputs the trial measures (the cost model prices its launches, not that memory)."""
+def _compile_modes(compiles: list[bool], measured: bool, world_size: int, offload: bool,
+                   max_autotune: bool = False) -> list[tuple[bool, bool, bool]]:
+    """(compile, cuda_graphs, max_autotune) triples: each compile choice; for the tuner (`measured`: it runs its
+    candidates) in one process without offload, a compiled plan's CUDA-graph twin too (Plan.cuda_graphs), whose
+    graphs' memory pool and copied outputs the trial measures (the cost model prices its launches, not that
+    memory); where the tuner is asked (`max_autotune`), each compiled mode's max-autotune twin (Plan.max_autotune)."""
     graphs = measured and world_size == 1 and not offload
-    return [(c, False) for c in compiles] + ([(True, True)] if graphs and True in compiles else [])
+    modes = [(c, False) for c in compiles] + ([(True, True)] if graphs and True in compiles else [])
+    return [(c, g, False) for c, g in modes] + \
+        [(c, g, True) for c, g in modes if c and measured and max_autotune]
 
 
 def _gather_schedules(shard: int, accum: int, pp: int, offload: bool, loop: Loop) -> list[tuple[bool, int]]:
@@ -316,7 +326,7 @@ def _gather_schedules(shard: int, accum: int, pp: int, offload: bool, loop: Loop
 def search(profile: ModelProfile, topology: Topology, *, world_size: int | None = None, global_batch_size: int,
            variants: Mapping[str, ModelProfile] | None = None, calibration: Calibration | None = None,
            loop: Loop | str = Loop.PLAIN, headroom: float = 0.95, eager: bool = True,
-           tp_refusal: str | None = None, measured: bool = False) -> list[Candidate]:
+           tp_refusal: str | None = None, measured: bool = False, max_autotune: bool = False) -> list[Candidate]:
     """Every candidate plan: the feasible ones first, fastest first; then the dropped ones with the reason
     (those that do not fit, the smallest first; then the dominated ones; then those the model cannot run).
     Feasible: the predicted peak (reserved memory + CUDA context) within `headroom` of a GPU's memory, for a
@@ -348,7 +358,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
         groups: dict[tuple, list[Plan]] = {}
         for plan in enumerate_plans(profile, topology, world_size=world_size, global_batch_size=global_batch_size,
                                     loop=loop, offload=offload, compile_available=compile_available, eager=eager,
-                                    measured=measured, float8=float8):
+                                    measured=measured, float8=float8, max_autotune=max_autotune):
             groups.setdefault(_group_key(plan), []).append(plan)
         memories: dict[int, MemoryPrediction] = {}  # id(plan that fits) -> its memory, computed once
 

@@ -130,7 +130,8 @@ def _stage_work(profile: ModelProfile, prof: ModelProfile, plan: Plan, topology:
     inside, outside = _tp_splits(profile, plan.tp)
     whole = plan.compiles_whole_model
     graphs = plan.cuda_graphs  # the compiled graphs replayed as CUDA graphs (whole model, one process)
-    modes = {compiled: (Rates.of(topology.device, replace(plan, compile=compiled, cuda_graphs=graphs and compiled), cal,
+    modes = {compiled: (Rates.of(topology.device, replace(plan, compile=compiled, cuda_graphs=graphs and compiled,
+                                                          max_autotune=plan.max_autotune and compiled), cal,
                                  trace_precision=prof.profile_precision), HostCosts.of(cal, compiled, graphs),
                         1.0 if compiled else cal.eager_traffic_factor)
              for compiled in {plan.compile, whole, False}}

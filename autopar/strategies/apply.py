@@ -40,7 +40,7 @@ from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
 from .checkpointing import apply_checkpointing
-from .compile import apply_compile, cuda_graphs_refusal, default_backend
+from .compile import apply_compile, cuda_graphs_refusal, default_backend, max_autotune_refusal
 from .float8 import apply_float8, float8_all_gather_refusal, float8_refusal
 from .fsdp import apply_fsdp
 from .materialize import materialize
@@ -111,6 +111,8 @@ def apply_plan(
     notes: list[str] = []
     if plan.cuda_graphs and (why := cuda_graphs_refusal(device, compile_backend or default_backend())) is not None:
         raise PlanError(why)  # before anything changes
+    if plan.max_autotune and (why := max_autotune_refusal(compile_backend or default_backend())) is not None:
+        raise PlanError(why)
     # 1. float8 linears (refused, before anything changes, where they cannot run).
     if plan.float8:
         if (why := float8_refusal(device)) is not None:
@@ -164,7 +166,8 @@ def apply_plan(
     use_fsdp = plan.uses_fsdp
     compiled: list[str] = []
     if plan.compile and not plan.compiles_whole_model:  # FSDP's or the pipeline's hooks wrap the blocks
-        compiled = apply_compile(model, blocks, per_block=True, backend=compile_backend)
+        compiled = apply_compile(model, blocks, per_block=True, backend=compile_backend,
+                                 max_autotune=plan.max_autotune)
     # 6. FSDP2 (over a one-process mesh when CPU offload is asked for on a single process).
     if use_fsdp:
         fsdp_mesh = dp_mesh(mesh, plan)
@@ -234,7 +237,7 @@ def _finish(model: nn.Module, plan: Plan, blocks: list, runtime: Any, mesh: Devi
         # bench/results/zoo_h200_2026-12-01.jsonl, wrap against hand_compile)
         if plan.compiles_whole_model:
             compiled[:] = apply_compile(model, blocks, per_block=False, backend=compile_backend,
-                                        cuda_graphs=plan.cuda_graphs)
+                                        cuda_graphs=plan.cuda_graphs, max_autotune=plan.max_autotune)
         if runtime is None:
             apply_autocast(model, precision=plan.precision, device_type=device.type, weights=bf16_weights)
         else:  # each pipeline stage's forward runs under autocast

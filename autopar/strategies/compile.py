@@ -12,6 +12,10 @@ inductor records each graph once and replays it: the host launches a graph, not 
 the graphs' memory pool and the next replay overwrites them, so a loop that keeps a step's output past the next
 step (a list of losses, a metric's logits) would read another step's values or raise; the compiled forward's
 tensors are copied out of the pool (`_outputs_copied`), as torch's own error message advises.
+
+With max-autotune (Plan.max_autotune: inductor only), inductor times candidate kernels for each GEMM and
+convolution as it compiles and keeps the fastest (its "max-autotune-no-cudagraphs" mode's options, AUTOTUNE_OPTIONS;
+with CUDA graphs too, its "max-autotune" mode): a longer compile, which only the tuner chooses to pay.
 """
 
 from __future__ import annotations
@@ -44,11 +48,20 @@ def cuda_graphs_refusal(device: torch.device, backend: str) -> str | None:
     return None
 
 
+def max_autotune_refusal(backend: str) -> str | None:
+    """Why a plan's max-autotune cannot run with this compile backend (one line saying what to change), or None."""
+    if backend != DEFAULT_COMPILE_BACKEND:
+        return (f"max_autotune=True is a mode of inductor, and the compile backend is {backend!r}: unset "
+                "AUTOPAR_COMPILE_BACKEND (or set it to 'inductor'), or set max_autotune=False.")
+    return None
+
+
 def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, per_block: bool,
-                  backend: str | None = None, cuda_graphs: bool = False) -> list[str]:
+                  backend: str | None = None, cuda_graphs: bool = False, max_autotune: bool = False) -> list[str]:
     """Compile the blocks (per_block) or the whole model; returns the names of what was compiled. `cuda_graphs`:
     inductor's "reduce-overhead" mode, the forward's outputs copied out of the graphs' pool (the module docstring);
-    the caller checks cuda_graphs_refusal first."""
+    `max_autotune`: inductor's max-autotune options (AUTOTUNE_OPTIONS); the caller checks cuda_graphs_refusal and
+    max_autotune_refusal first."""
     if isinstance(backend, str) and backend:  # refused before anything is compiled, naming the choices
         why = compile_backend_refusal(backend, source="compile_backend")
         if why is not None:
@@ -57,37 +70,44 @@ def apply_compile(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]], *, 
     if per_block and blocks:
         # The block's forward, not its call: module hooks (FSDP's, the pipeline's) stay outside the graph.
         for _, block in blocks:
-            _compile_forward(block, backend, cuda_graphs)
+            _compile_forward(block, backend, cuda_graphs, max_autotune)
         return [name for name, _ in blocks]
     # The whole model: its forward, so that what wraps the forward from outside (apply_autocast's autocast and
     # fp32 outputs, applied after this) stays outside the graph, as in the usual `with autocast: compiled(x)`.
-    _compile_forward(model, backend, cuda_graphs)
+    _compile_forward(model, backend, cuda_graphs, max_autotune)
     return ["<model>"]
 
 
 _FORWARDS = "_autopar_forwards"  # on a compiled module: (its eager forward, its compiled forward)
 _BACKEND = "_autopar_compile_backend"  # on a compiled module: the backend it was compiled with
 _GRAPHS = "_autopar_graphs_forward"  # on a compiled module, during a race: its forward compiled to replay CUDA graphs
+_AUTOTUNE = "_autopar_max_autotune"  # on a compiled module: compiled with AUTOTUNE_OPTIONS (its graphs' twin too)
 
 
 #: inductor's options for CUDA graphs: its "reduce-overhead" mode (`triton.cudagraphs`), with graphs of dynamic shapes
 #: left unrecorded: a loop whose shapes vary (batches padded to their longest) recompiles with symbolic sizes, and a
 #: graph recorded for each size would hold a memory pool each; those run compiled without graphs instead
 GRAPHS_OPTIONS = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+#: inductor's options for max-autotune: its "max-autotune-no-cudagraphs" mode's (torch._inductor.list_mode_options)
+AUTOTUNE_OPTIONS = {"max_autotune": True, "coordinate_descent_tuning": True}
 
 
-def _compiled(eager: Callable[..., Any], backend: Any, graphs: bool) -> Callable[..., Any]:
-    """`eager` under torch.compile; `graphs`: replaying CUDA graphs (GRAPHS_OPTIONS), its outputs copied."""
-    if graphs:
-        return _outputs_copied(torch.compile(eager, backend=backend, options=dict(GRAPHS_OPTIONS)))
-    return torch.compile(eager, backend=backend)
+def _compiled(eager: Callable[..., Any], backend: Any, graphs: bool, autotune: bool = False) -> Callable[..., Any]:
+    """`eager` under torch.compile; `graphs`: replaying CUDA graphs (GRAPHS_OPTIONS), its outputs copied;
+    `autotune`: with AUTOTUNE_OPTIONS."""
+    options = {**(GRAPHS_OPTIONS if graphs else {}), **(AUTOTUNE_OPTIONS if autotune else {})}
+    compiled = torch.compile(eager, backend=backend, options=options) if options else \
+        torch.compile(eager, backend=backend)
+    return _outputs_copied(compiled) if graphs else compiled
 
 
-def _compile_forward(module: nn.Module, backend: Any, graphs: bool = False) -> None:
+def _compile_forward(module: nn.Module, backend: Any, graphs: bool = False, autotune: bool = False) -> None:
     eager = module.forward
-    compiled = _compiled(eager, backend, graphs)
+    compiled = _compiled(eager, backend, graphs, autotune)
     object.__setattr__(module, _FORWARDS, (eager, compiled))
     object.__setattr__(module, _BACKEND, backend)
+    if autotune:
+        object.__setattr__(module, _AUTOTUNE, True)
     module.forward = compiled
 
 
@@ -130,7 +150,8 @@ def add_graphs_forwards(model: nn.Module) -> int:
     modules = compiled_modules(model)
     for module in modules:
         backend = vars(module).get(_BACKEND, DEFAULT_COMPILE_BACKEND)
-        graphs = _compiled(vars(module)[_FORWARDS][0], backend, graphs=backend == DEFAULT_COMPILE_BACKEND)
+        graphs = _compiled(vars(module)[_FORWARDS][0], backend, graphs=backend == DEFAULT_COMPILE_BACKEND,
+                           autotune=vars(module).get(_AUTOTUNE, False))
         object.__setattr__(module, _GRAPHS, graphs)
     return len(modules)
 
@@ -162,5 +183,5 @@ def forget_compiled(model: nn.Module) -> None:
     """Leave each compiled module on its eager forward for good (the compiled ones are dropped)."""
     use_compiled(model, False)
     for module in compiled_modules(model):
-        for name in (_FORWARDS, _BACKEND, _GRAPHS):
+        for name in (_FORWARDS, _BACKEND, _GRAPHS, _AUTOTUNE):
             vars(module).pop(name, None)

@@ -84,6 +84,7 @@ class StudyOptions:
     prune_factor: float = PRUNE_FACTOR
     max_space: int = MAX_SPACE
     eager: bool = True  # eager plans beside compiled ones in the space (autopar.search.search(eager=))
+    max_autotune: bool = False  # compiled plans' max-autotune twins in the space (autopar.search.search)
     argv: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
@@ -156,13 +157,15 @@ class StudyEngine:
         return {"model_fingerprint": self.probe.model_fingerprint or self.profile.fingerprint,
                 "topology_fingerprint": self.topology.fingerprint(), "world_size": int(self.probe.world_size),
                 "global_batch_size": int(self.probe.global_batch_size),
-                "loop": self.options.loop.value, "eager": bool(self.options.eager)}
+                "loop": self.options.loop.value, "eager": bool(self.options.eager),
+                "max_autotune": bool(self.options.max_autotune)}
 
     def _initialise(self) -> None:
         opts = self.options
         base = calibration_for(self.topology, profile=self.profile)
         entries, candidates = build_space(self.probe, calibration=base, loop=opts.loop,
-                                          eager=opts.eager, max_space=opts.max_space)
+                                          eager=opts.eager, max_space=opts.max_space,
+                                          max_autotune=opts.max_autotune)
         meta = {"format": STUDY_FORMAT, **self._job(), "device": self.topology.device.name,
                 "unit": unit_of(self.profile), "tokens_per_sample": self.profile.tokens_per_sample,
                 "candidates": candidates, "argv": list(opts.argv) if opts.argv is not None else None,
@@ -178,12 +181,13 @@ class StudyEngine:
             raise AutoparError(f"{self.study_path} was written by another autopar (study format {meta.get('format')}, "
                                f"this one writes {STUDY_FORMAT}): use a new --study file.")
         meta = _upgraded_meta(meta)
-        diffs = [f"{k} {meta.get(k, True if k == 'eager' else None)!r} there, {v!r} here"
-                 for k, v in self._job().items() if meta.get(k, True if k == "eager" else None) != v]
+        defaults = {"eager": True, "max_autotune": False}  # a study older than the option ran at its default
+        diffs = [f"{k} {meta.get(k, defaults.get(k))!r} there, {v!r} here"
+                 for k, v in self._job().items() if meta.get(k, defaults.get(k)) != v]
         if diffs:
             raise AutoparError(f"{self.study_path} is a study of another job ({'; '.join(diffs)}): resume it with the "
-                               "same model, hardware, batch, --loop and --compiled-only settings, or use a new "
-                               "--study file.")
+                               "same model, hardware, batch, --loop, --compiled-only and --max-autotune settings, or "
+                               "use a new --study file.")
 
     def _fail_stale(self) -> None:
         """Trials left RUNNING by a killed tuner (we hold the lock, so no live tuner runs them): FAIL, "stale",

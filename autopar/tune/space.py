@@ -35,13 +35,13 @@ def unit_of(profile: Any) -> str:
 
 
 def build_space(probe: Any, *, calibration: Any, loop: Loop, eager: bool,
-                max_space: int) -> tuple[list[dict[str, Any]], int]:
+                max_space: int, max_autotune: bool = False) -> tuple[list[dict[str, Any]], int]:
     """The space's entries (what `autopar.space` stores), best predicted first, and how many candidates
     the search ranked. Raises InfeasiblePlanError when no plan fits."""
     profile = probe.profile
     ranked = search(profile, probe.topology, world_size=probe.world_size, global_batch_size=probe.global_batch_size,
                     variants=dict(probe.variants or {}), calibration=calibration,
-                    loop=loop, eager=eager, measured=True)
+                    loop=loop, eager=eager, measured=True, max_autotune=max_autotune)
     feasible = [c for c in ranked if c.feasible][:max_space]
     if not feasible:
         why = "; ".join(f"{n} {r}" for n, r in dropped_reasons(ranked)[:3]) or "no plan was enumerated"

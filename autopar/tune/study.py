@@ -111,6 +111,7 @@ def tune(
     max_space: int = MAX_SPACE,
     eager: bool = True,
     allow_train_step: bool | None = None,
+    max_autotune: bool = False,
 ) -> TuneReport:
     """Tune the parallelism plan of the job `argv` (the user's launch command, e.g. `["torchrun",
     "--nproc-per-node", "8", "train.py"]`, whose script calls autopar.wrap) by measured trials, in the
@@ -125,7 +126,9 @@ def tune(
     cached plan is the one later runs of the script look up. `allow_train_step=` is its deprecated spelling
     (True: "train_step", False: "plain"). `eager`: measure eager plans beside compiled ones (the cost model
     ranks compiled plans first, but compilation can fail or lose on a given model); False keeps the search's
-    compiled plans only. The best plan is cached (autopar.plan_cache; in
+    compiled plans only. `max_autotune`: each compiled plan has a twin compiled with inductor's max-autotune
+    (Plan.max_autotune: GEMM and convolution kernels chosen by timing, minutes more compile a trial; give
+    `trial_timeout_s` room). The best plan is cached (autopar.plan_cache; in
     `cache_directory` when given) and written to `plan_out`. `progress(Progress)` is called at each event.
     `runner`/`prober` replace autopar.tune.launcher's run_trial/probe (tests)."""
     check_budget(trials, time_budget_s, steps, warmup, top_k_enqueue)
@@ -148,7 +151,7 @@ def tune(
         options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
                                top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
                                cache_directory=cache_directory, seed=seed, prune_factor=prune_factor,
-                               max_space=max_space, eager=eager, argv=argv)
+                               max_space=max_space, eager=eager, argv=argv, max_autotune=max_autotune)
         return StudyEngine(probe, measure, Path(study_path), options, started=started, lock_held=True).run()
 
 
@@ -175,6 +178,7 @@ def autotune(
     blocks: Any = None,
     eager: bool = True,
     allow_train_step: bool | None = None,
+    max_autotune: bool = False,
 ) -> TuneReport:
     """Tune the plan of one process (one GPU, or the CPU) in this process: for a notebook or a single-GPU
     script. The same study as `autopar tune` (the module docstring), with each trial run here: a fresh model
@@ -182,7 +186,7 @@ def autotune(
     on `sample` repeated to the plan's batch; out of memory is a failed trial, and memory is freed after
     each. `sample`: one batch (its batch size is the global batch unless `global_batch_size` is given).
     `study_path`: a SQLite file to keep (and resume) the study; default: in memory. `optimizer_fn(params)`:
-    the optimizer (default AdamW, lr 1e-4). `eager`: as in `tune`. `loop`: as in `tune`; by default "train_step"
+    the optimizer (default AdamW, lr 1e-4). `eager`, `max_autotune`: as in `tune`. `loop`: as in `tune`; by default "train_step"
     (each trial runs autopar.train_step), the deprecated `allow_train_step=False` is "plain". Returns the
     TuneReport; the best plan is cached for `wrap`."""
     loop = _legacy_loop(loop, allow_train_step) or Loop.TRAIN_STEP
@@ -209,7 +213,8 @@ def autotune(
 
         options = StudyOptions(trials=trials, time_budget_s=time_budget_s, loop=loop,
                                top_k_enqueue=top_k_enqueue, plan_out=plan_out, progress=progress,
-                               cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, eager=eager)
+                               cache_directory=cache_directory, seed=seed, prune_factor=prune_factor, eager=eager,
+                               max_autotune=max_autotune)
         return StudyEngine(probe, measure, path, options, started=started, lock_held=True).run()
 
 

@@ -157,3 +157,22 @@ def test_cuda_graphs_train_like_plain_bf16_and_outputs_survive_the_next_step(ref
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
     del model
     torch.cuda.empty_cache()
+
+
+def test_max_autotune_trains_like_plain_bf16_on_a_small_gpt2():
+    """Plan.max_autotune: inductor's kernels chosen by timing as it compiles (a GPT-2 of 4 layers, so the compile
+    stays short): the losses follow a plain bf16-autocast run of the same model within bf16 tolerance."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, n_positions=256, attn_implementation="sdpa",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, cfg.vocab_size, (8, 256), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    torch.manual_seed(0)
+    ref_losses, _ = _train(transformers.GPT2LMHeadModel(cfg).cuda(), batch, autocast=True)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    plan = autopar.Plan(micro_batch_size=8, precision="bf16", compile=True, max_autotune=True)
+    model = autopar.wrap(model, sample=batch, plan=plan)
+    assert autopar.plan_of(model).max_autotune or not autopar.plan_of(model).compile  # the race may keep eager
+    losses, _ = _train(model, batch, autocast=False)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
