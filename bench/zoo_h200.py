@@ -101,6 +101,7 @@ class Options:
     profile_steps: int = 0  # > 0: torch.profiler over this many more steps, GPU kernel time by kind (kernels_of)
     min_timed_s: float = 0.0  # more steps than `steps` where they last less than this (a steadier median)
     tune_trials: int = 6  # mode "tune": the study's trials
+    tune_max_autotune: bool = False  # mode "tune": the compiled plans' max-autotune twins in its space too
 
 
 # ---- what a record says about where it was made -------------------------------------------------------
@@ -442,7 +443,8 @@ class Measurement:
                 report = autopar.autotune(lambda: build_on_device(self.family, self.opts),
                                           real_sample(self.family, self.opts), self.family.loss_fn,
                                           trials=self.opts.tune_trials, steps=self.opts.steps,
-                                          warmup=self.opts.warmup, loop="plain", cache_directory=cache)
+                                          warmup=self.opts.warmup, loop="plain", cache_directory=cache,
+                                          max_autotune=self.opts.tune_max_autotune)
         except Exception as exc:  # recorded like a failed mode; the next mode still runs
             clean(self.opts.device)
             return {**self._record("tune"), "status": "error", "error": first_line(exc),
@@ -740,6 +742,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-hand-predictions", action="store_true", help="no meta trace for the hand plans' predictions")
     ap.add_argument("--compile-on-cpu", action="store_true", help="measure hand_compile on a CPU too")
     ap.add_argument("--tune-trials", type=int, default=6, help="mode tune: autopar.autotune's trials")
+    ap.add_argument("--tune-max-autotune", action="store_true",
+                    help="mode tune: the compiled plans' max-autotune twins (Plan.max_autotune) in the study too")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after timing, profile this many more steps: GPU kernel time by kind in the record")
     ap.add_argument("--report", nargs="+", default=None, help="print the must-show table of these files and exit")
@@ -762,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = Options(device=args.device, size=args.size, batch=args.batch, warmup=args.warmup, steps=args.steps,
                    lr=args.lr, hand_predictions=not args.no_hand_predictions, compile_on_cpu=args.compile_on_cpu,
                    out=out, command=command, profile_steps=args.profile_steps, min_timed_s=args.min_timed_s,
-                   tune_trials=args.tune_trials)
+                   tune_trials=args.tune_trials, tune_max_autotune=args.tune_max_autotune)
     bad = [m for m in args.modes.split(",") if m not in MODES]
     if bad:
         raise SystemExit(f"unknown mode {', '.join(bad)}; the modes are {', '.join(MODES)}")
