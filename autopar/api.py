@@ -378,7 +378,8 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
         untraced = None
         try:
             with phase(f"tracing a training step of {type(model).__name__} on fake tensors", say=say, key="tracing"):
-                profile = base_profile(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0,
+                # the profile's notes warned on rank 0 where no summary prints them (`say`: its "note" lines do)
+                profile = base_profile(model, sample, loss_fn=loss_fn, blocks=blocks, warn=world.rank == 0 and not say,
                                        bf16=has_bf16(topo), graphs=graphs)
             check_traced_for(profile, topo)
         except TraceError as exc:

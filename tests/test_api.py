@@ -494,6 +494,35 @@ def test_wrap_logs_the_profile_and_the_plan(caplog):
     assert quiet is not model
 
 
+
+def test_a_profile_note_is_said_once_in_the_summary_or_once_as_a_warning(caplog, monkeypatch):
+    """A model without repeated blocks: verbose, its note is in the summary wrap logs and no UserWarning repeats it;
+    quiet, the warning says it (nothing is logged). Each wrap plans afresh (wrap's cache off)."""
+    import warnings
+
+    monkeypatch.setenv("AUTOPAR_NO_WRAP_CACHE", "1")
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    logger = get_logger()
+    logger.addHandler(caplog.handler)
+    try:
+        with warnings.catch_warnings(record=True) as loud_warnings:
+            warnings.simplefilter("always")
+            autopar.wrap(mlp(), sample=torch.randn(4, 8), verbose=True)
+        said = [r.getMessage() for r in caplog.records if r.name == "autopar"]
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as quiet_warnings:
+            warnings.simplefilter("always")
+            autopar.wrap(mlp(), sample=torch.randn(4, 8), verbose=False)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert sum("note          no repeated blocks" in m for m in said) == 1
+    assert not [w for w in loud_warnings if "no repeated blocks" in str(w.message)]
+    assert len([w for w in quiet_warnings if "no repeated blocks" in str(w.message)]) == 1
+
 def test_logger_prefix_and_level():
     logger = get_logger()
     assert logger.name == "autopar" and logger.level == logging.INFO
