@@ -38,7 +38,7 @@ SCHEMA_VERSION = 1
 #: mesh axes, outermost first: pipeline stages, replicated data-parallel groups, sharded data-parallel
 #: ranks, tensor-parallel ranks (innermost, so that a TP group sits on neighbouring GPUs of one node).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-CHECKPOINTING = ("none", "selective", "alternate", "full")
+CHECKPOINTING = ("none", "selective", "alternate", "gemms", "full")  # by what they recompute (search's order)
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 ZERO_STAGES = (1, 2, 3)
@@ -298,7 +298,7 @@ class Plan:
         if self.checkpoint_every > 1 and self.checkpointing == "none":
             raise PlanError(
                 f"checkpoint_every={self.checkpoint_every} has no effect with checkpointing='none': "
-                "choose 'full', 'selective' or 'alternate', or set checkpoint_every=1."
+                "choose 'full', 'gemms', 'alternate' or 'selective', or set checkpoint_every=1."
             )
         if self.cpu_offload and self.pp > 1:
             raise PlanError("cpu_offload is not combined with pipeline parallelism; set pp=1 or cpu_offload=False.")

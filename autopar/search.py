@@ -22,7 +22,7 @@ Pruned as dominated, never predicted for time:
   process): the tuner's compiled plans have twins that replay their graphs; and, where the tuner is asked
   (`max_autotune=True`), twins compiled with inductor's max-autotune (Plan.max_autotune: minutes more compile).
 - more recomputation or resharding than needed: of the plans that differ only in checkpointing
-  (none < selective < alternate < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without
+  (none < selective < alternate < gemms < full) and in how often they gather (ZeRO stage 1 < stage 2 < FSDP without
   resharding after forward < with it: `_regathers`), one is dropped when another with no more of either also fits. Recomputation and re-gathering only add work, so the kept plan is
   never slower; it is listed as dropped, with the plan that dominates it.
 
@@ -402,7 +402,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     return out
 
 
-_CKPT_ORDER = {mode: i for i, mode in enumerate(CHECKPOINTING)}  # recomputation: none < selective < alternate < full
+_CKPT_ORDER = {mode: i for i, mode in enumerate(CHECKPOINTING)}  # recomputation: none < selective < ... < full
 
 
 def _host_drop(profile: ModelProfile, plan: Plan, topology: Topology, headroom: float, world_size: int) -> Drop | None:
@@ -458,7 +458,7 @@ def _recomputed_share(plan: Plan) -> float:
 
 def _no_more_work(q: Plan, plan: Plan) -> bool:
     """Whether q (same group as plan) recomputes and re-gathers no more than plan, and is a different plan:
-    checkpointing no heavier (none < selective < alternate < full) of no more of the blocks, re-gathering no
+    checkpointing no heavier (none < selective < alternate < gemms < full) of no more of the blocks, re-gathering no
     more."""
     return (_CKPT_ORDER[q.checkpointing] <= _CKPT_ORDER[plan.checkpointing]
             and _recomputed_share(q) <= _recomputed_share(plan)

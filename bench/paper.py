@@ -207,13 +207,13 @@ def llama31_8b_profile(seq_len: int) -> ModelProfile:
 
 
 def titan_lines(row: TitanRow) -> list[str]:
-    """A torchtitan row predicted under its own plan with autopar's selective, alternate and full checkpointing:
-    tokens/s/GPU and peak memory against the published. torchtitan's op-level SAC keeps every other aten.mm's output
-    (autopar's "alternate"), but its save list has no _scaled_mm, the GEMM of a Float8Linear: with Float8 every
-    linear's GEMM is recomputed (attention's output kept), so these runs lie between "alternate" and "full"."""
+    """A torchtitan row predicted under its own plan with autopar's selective, alternate, gemms and full
+    checkpointing: tokens/s/GPU and peak memory against the published. torchtitan's op-level SAC keeps every other
+    aten.mm's output (autopar's "alternate"), but its save list has no _scaled_mm, the GEMM of a Float8Linear: with
+    Float8 every linear's GEMM is recomputed and attention's output kept, autopar's "gemms"."""
     profile = llama31_8b_profile(row.seq_len)
     out = []
-    for ac in ("selective", "alternate", "full"):
+    for ac in ("selective", "alternate", "gemms", "full"):
         pred = predict_profile(profile, replace(row.plan, checkpointing=ac), row.topology)
         tokens = row.local_batch * row.seq_len / pred.step_s
         gib = pred.memory.peak_bytes / 2**30
@@ -333,8 +333,8 @@ def main() -> None:
         print(lines[-1], flush=True)
     lines += ["", "torchtitan, Llama 3.1 8B on H200 (tokens/s/GPU; FSDP over every GPU, compile, Float8 linears; its "
               "float8 all-gather as autopar's tensorwise FSDP plans gather, at 1 byte a float8 weight's element; its op-level SAC recomputes every other "
-              "aten.mm and, under Float8, every linear's _scaled_mm: between autopar's 'alternate' and 'full', so each "
-              "row under autopar's three modes):",
+              "aten.mm and, under Float8, every linear's _scaled_mm, attention's output kept: autopar's 'gemms'; each row "
+              "under autopar's four modes):",
               f"{'model':>4} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>9} {'publ':>7} {'pred':>8} {'err':>7}"]
     for row in TITAN_H200:
         for line in titan_lines(row):

@@ -62,6 +62,6 @@ def test_the_search_scenarios_are_one_plan_of_every_shape_the_search_enumerates(
     assert len(plans) > 50 and all(p.world_size == 4 and p.global_batch_size == 8 for p in plans)
     shapes = {(p.pp, p.dp_replicate, p.dp_shard, p.tp) for p in plans}
     assert {(1, 1, 4, 1), (1, 4, 1, 1), (1, 2, 1, 2), (1, 1, 2, 2), (2, 1, 2, 1), (2, 2, 1, 1), (4, 1, 1, 1), (2, 1, 1, 2)} <= shapes
-    assert {p.checkpointing for p in plans} == {"none", "selective", "alternate", "full"}
+    assert {p.checkpointing for p in plans} == {"none", "selective", "alternate", "gemms", "full"}
     assert {p.zero_stage for p in plans} == {1, 2, 3} and not any(p.compile for p in plans)
     assert all(not p.uses_fsdp for p in plans if p.pp_schedule == "zero_bubble")  # refused beside FSDP

@@ -37,11 +37,12 @@ def test_the_suite_measures_a_tiny_model_in_its_modes_and_writes_its_table(tmp_p
                and r["model"] == "mlp" and r["per_s_unit"] == "samples/s" for r in records)
     fp32, hand, wrap, oracle, tune = records
     assert fp32["plan"] == "1gpu mb4 fp32" and hand["plan"] == "1gpu mb4 bf16"
-    # the oracle: autopar's candidates for one CPU device (fp32; no checkpointing, selective, alternate, full),
-    # each measured; its record is the fastest's
+    # the oracle: autopar's candidates for one CPU device (fp32; no checkpointing, selective, alternate, gemms,
+    # full), each measured; its record is the fastest's
     grid = oracle["grid"]
     assert sorted(g["plan_short"] for g in grid) == sorted(["1gpu mb4 fp32", "1gpu mb4 ac:selective fp32",
-                                                           "1gpu mb4 ac:alternate fp32", "1gpu mb4 ac:full fp32"])
+                                                           "1gpu mb4 ac:alternate fp32", "1gpu mb4 ac:gemms fp32",
+                                                           "1gpu mb4 ac:full fp32"])
     assert all(g["status"] == "ok" for g in grid)
     assert oracle["step_s"] == min(g["step_s"] for g in grid)
     # tune: the study's trials (plans of the same space) in its grid, and the measured plan the best trial's

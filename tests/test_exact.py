@@ -41,6 +41,7 @@ PLANS = {
     "one GPU, full checkpointing": P(micro_batch_size=4, checkpointing="full"),
     "one GPU, selective checkpointing": P(micro_batch_size=4, checkpointing="selective"),
     "one GPU, alternate checkpointing": P(micro_batch_size=4, checkpointing="alternate"),
+    "one GPU, gemms checkpointing": P(micro_batch_size=4, checkpointing="gemms"),
     "one GPU, selective checkpointing of every other block": P(micro_batch_size=4, checkpointing="selective",
                                                                checkpoint_every=2),
     "one GPU, full checkpointing of every 3rd block": P(micro_batch_size=4, checkpointing="full", checkpoint_every=3),

@@ -365,6 +365,8 @@ class _Activations:
                 per_block.append(_hidden_tensor(prof, plan, tp))
             elif plan.checkpointing == "alternate":  # of those, every other GEMM's output, and the block's input
                 per_block.append(_alternate_saved(b) / tp + _hidden_tensor(prof, plan, tp))
+            elif plan.checkpointing == "gemms":  # of those, all but the dense GEMMs' outputs, and the block's input
+                per_block.append(_gemms_saved(b) / tp + _hidden_tensor(prof, plan, tp))
             else:  # selective: matmul and attention outputs (split by TP) and the block's input
                 per_block.append(b.selective_saved_bytes / tp + _hidden_tensor(prof, plan, tp))
         recompute = 0.0
@@ -383,6 +385,14 @@ def _alternate_saved(b: BlockProfile) -> float:
     """What "alternate" checkpointing keeps of a block (autopar.strategies.checkpointing): its trace's tally, or for
     a profile written before it had one, what selective keeps (at least as much: never under-predicted)."""
     return b.alternate_saved_bytes if b.alternate_tallied else b.selective_saved_bytes
+
+
+def _gemms_saved(b: BlockProfile) -> float:
+    """What "gemms" checkpointing keeps of a block (autopar.strategies.checkpointing): selective's tally less the
+    dense GEMMs' outputs; for a profile written before that tally, what "alternate" keeps (never under-predicted)."""
+    if b.gemm_saved_bytes is None:
+        return _alternate_saved(b)
+    return max(0.0, b.selective_saved_bytes - b.gemm_saved_bytes)
 
 
 def _compiled_ratio(b: BlockProfile, plan: Plan, cal: "Calibration") -> float:

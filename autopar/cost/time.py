@@ -329,12 +329,13 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     # Recompute: full checkpointing runs each checkpointed block's forward again (its compute and memory-bound
     # ops, at the same rates); selective checkpointing keeps the matmul and attention outputs and reruns the
     # memory-bound forward ops; "alternate" reruns those and every other GEMM, its share of the blocks' forward
-    # compute their share of its FLOPs (BlockProfile.alternate_recompute_flops); seconds. Its TP all-reduces
-    # are in tp_comm.
+    # compute their share of its FLOPs (BlockProfile.alternate_recompute_flops); "gemms" every dense GEMM, their
+    # share of it (BlockProfile.gemm_forward_flops: at the blocks' mean rate, which attention's slower kernels
+    # lower, so never under-predicted); seconds. Its TP all-reduces are in tp_comm.
     ckpt = sum(1 for k in range(len(blocks)) if k % plan.checkpoint_every == 0) / max(len(blocks), 1) \
         if plan.checkpointing != "none" else 0.0
-    recompute_compute = ckpt * block_forward[0] if plan.checkpointing == "full" else \
-        ckpt * block_forward[0] * _alternate_share(prof, blocks) if plan.checkpointing == "alternate" else 0.0
+    share = {"full": 1.0, "alternate": _alternate_share, "gemms": _gemms_share}.get(plan.checkpointing, 0.0)
+    recompute_compute = ckpt * block_forward[0] * (share(prof, blocks) if callable(share) else share)
     recompute_memory = ckpt * block_forward[1] if plan.checkpointing != "none" else 0.0
     recompute = recompute_compute + recompute_memory
 
@@ -418,6 +419,15 @@ def _alternate_share(prof: ModelProfile, blocks: list[int]) -> float:
     block of a profile written before the tally counts whole, as full checkpointing (never under-predicted)."""
     forward = sum(prof.blocks[i].forward_flops for i in blocks)
     again = sum(b.alternate_recompute_flops if b.alternate_tallied else b.forward_flops
+                for b in (prof.blocks[i] for i in blocks))
+    return min(1.0, again / forward) if forward > 0 else 0.0
+
+
+def _gemms_share(prof: ModelProfile, blocks: list[int]) -> float:
+    """The share of the blocks' forward FLOPs that "gemms" checkpointing computes again (every dense GEMM); a block
+    of a profile written before the tally counts whole, as full checkpointing (never under-predicted)."""
+    forward = sum(prof.blocks[i].forward_flops for i in blocks)
+    again = sum(b.gemm_forward_flops if b.gemm_forward_flops is not None else b.forward_flops
                 for b in (prof.blocks[i] for i in blocks))
     return min(1.0, again / forward) if forward > 0 else 0.0
 

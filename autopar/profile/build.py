@@ -342,6 +342,8 @@ def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledS
                      matmul_params=params.matmul_per_block[i], saved_hidden_bytes=t.saved_hidden_bytes[i],
                      selective_saved_bytes=t.selective_bytes[i],
                      alternate_saved_bytes=t.alternate_bytes[i], alternate_recompute_flops=t.alternate_recompute_flops[i],
+                     gemm_saved_bytes=t.gemm_bytes[i] if t.gemm_bytes else None,
+                     gemm_forward_flops=t.gemm_flops[i] if t.gemm_flops else None,
                      num_trainable_params=params.trainable_per_block[i],
                      compiled_saved_bytes=compiled.block_bytes[i] if compiled is not None else None,
                      compiled_unfused_bytes=compiled.unfused_attention_bytes[i] if compiled is not None else 0)

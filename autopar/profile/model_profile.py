@@ -37,6 +37,9 @@ class BlockProfile:
     # the rest of the matmul and attention outputs
     alternate_recompute_flops: float = 0.0  # forward FLOPs of the GEMMs "alternate" AC recomputes (the second,
     # fourth, ...)
+    gemm_saved_bytes: int | None = None  # of selective_saved_bytes, the dense GEMMs' outputs, which "gemms" AC
+    # recomputes (None: a profile written before the tally)
+    gemm_forward_flops: float | None = None  # the forward FLOPs of those GEMMs (None: the same)
     num_trainable_params: int | None = None  # of num_params, those that require grad (None: all of them)
     compiled_saved_bytes: int | None = None  # what a torch.compile'd step saves for backward instead of saved_bytes
     #                                          (autopar.profile.remat; None: not partitioned)

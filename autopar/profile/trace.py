@@ -46,6 +46,8 @@ class Trace:
     selective_bytes: tuple[int, ...]  # per block: matmul and attention outputs in the forward
     alternate_bytes: tuple[int, ...] = ()  # per block: of those, what "alternate" checkpointing keeps
     alternate_recompute_flops: tuple[float, ...] = ()  # per block: forward FLOPs of the GEMMs it recomputes
+    gemm_bytes: tuple[int, ...] = ()  # per block: of selective_bytes, the dense GEMMs' outputs ("gemms" recomputes)
+    gemm_flops: tuple[float, ...] = ()  # per block: those GEMMs' forward FLOPs
     matmul_calls: tuple[MatmulCall, ...] = ()
     norm_calls: tuple[NormCall, ...] = ()
     block_input: str | None = None
@@ -76,7 +78,8 @@ class Trace:
         zeros = (0,) * num_blocks
         return cls(forward_flops=0.0, flops=0.0, block_flops=(0.0,) * num_blocks, saved_bytes=zeros,
                    saved_outside_bytes=0, largest_bytes=0, largest_op="not traced", saved_hidden_bytes=zeros,
-                   selective_bytes=zeros, alternate_bytes=zeros, alternate_recompute_flops=(0.0,) * num_blocks)
+                   selective_bytes=zeros, alternate_bytes=zeros, alternate_recompute_flops=(0.0,) * num_blocks,
+                   gemm_bytes=zeros, gemm_flops=(0.0,) * num_blocks)
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,7 @@ class StepTrace:
             largest_bytes=w.largest_bytes, largest_op=w.largest_op,
             saved_hidden_bytes=tuple(self.saved_hidden_bytes), selective_bytes=tuple(w.selective_bytes),
             alternate_bytes=tuple(w.alternate_bytes), alternate_recompute_flops=tuple(w.alternate_recompute_flops),
+            gemm_bytes=tuple(w.gemm_bytes), gemm_flops=tuple(w.gemm_flops),
             num_ops=w.num_ops, traffic_bytes=w.traffic_bytes, weight_traffic_bytes=w.weight_traffic_bytes,
             matmul_calls=tuple(dataclasses.replace(c, consumer=w.consumers.get(i, "")) for i, c in enumerate(
                 self.matmul_calls)), norm_calls=tuple(self.norm_calls), op_groups=w.op_groups(),

@@ -285,6 +285,8 @@ class StepWatcher(TorchDispatchMode):
         self.selective_bytes = [0] * num_blocks
         self.alternate_bytes = [0] * num_blocks  # of selective_bytes, what "alternate" keeps: every other GEMM's
         self.alternate_recompute_flops = [0.0] * num_blocks  # the forward FLOPs of the GEMMs "alternate" recomputes
+        self.gemm_bytes = [0] * num_blocks  # of selective_bytes, the dense GEMMs' outputs ("gemms" recomputes them)
+        self.gemm_flops = [0.0] * num_blocks  # the forward FLOPs of those GEMMs
         self._gemms_seen = [0] * num_blocks  # GEMMs of each block's forward so far
         self._gemm = gemm_ops()
         self.num_blocks = num_blocks
@@ -443,7 +445,7 @@ class StepWatcher(TorchDispatchMode):
     def _count_matmul(self, func: Any, args: tuple, allocated: int, tensors_out: list[torch.Tensor]) -> None:
         """A matmul's or attention's output, in a block's forward: what selective checkpointing keeps; of the
         GEMMs, "alternate" keeps the first, third, ... (in the order the block runs them) and recomputes the
-        rest, whose FLOPs (2 x output elements x depth) are its recomputation's."""
+        rest, whose FLOPs (2 x output elements x depth) are its recomputation's; "gemms" recomputes them all."""
         block = self.running_block()
         if not (self.forward and block is not None):
             return
@@ -452,11 +454,16 @@ class StepWatcher(TorchDispatchMode):
             self.alternate_bytes[block] += allocated
             return
         self._gemms_seen[block] += 1
+        flops = 0.0
+        if tensors_out:
+            depth = args[_GEMMS[func.overloadpacket.__name__]].shape[-1]  # the first matrix's columns
+            flops = 2.0 * tensors_out[0].numel() * depth
+        self.gemm_bytes[block] += allocated
+        self.gemm_flops[block] += flops
         if self._gemms_seen[block] % 2:
             self.alternate_bytes[block] += allocated
-        elif tensors_out:
-            depth = args[_GEMMS[func.overloadpacket.__name__]].shape[-1]  # the first matrix's columns
-            self.alternate_recompute_flops[block] += 2.0 * tensors_out[0].numel() * depth
+        else:
+            self.alternate_recompute_flops[block] += flops
 
     def _weight_traffic(self, tensors_in: list[torch.Tensor], tensors_out: list[torch.Tensor],
                         from_weights: bool) -> bool:

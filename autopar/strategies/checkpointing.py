@@ -7,6 +7,10 @@
 - "alternate": as selective, but of the block's GEMMs (mm, addmm, bmm, baddbmm, _scaled_mm) it keeps every
   other output, the first, third, ..., and recomputes the rest: between selective and full in memory and in
   recomputation (torchtitan's op-level selective checkpointing, its default for Llama 3 8B).
+- "gemms": keeps only the outputs of attention kernels, convolutions, grouped GEMMs and collectives, and
+  recomputes every dense GEMM (mm, addmm, bmm, baddbmm, _scaled_mm) and the cheap rest: near full's memory (the
+  block's input and its attention outputs) without running attention again, whose share of the forward grows with
+  the sequence (what torchtitan's op-level policy does under Float8, whose _scaled_mm it does not save).
 - `every=n` checkpoints blocks 0, n, 2n, ...: memory between none and all.
 
 The block's `forward` is replaced on the instance by a checkpointed call of the original, so parameter
@@ -76,7 +80,19 @@ def _alternate_context() -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-_CONTEXTS = {"selective": _selective_context, "alternate": _alternate_context}
+def _gemms_context() -> Any:
+    """Selective checkpointing that recomputes every dense GEMM (and the cheap ops), keeping the other matmul-like
+    outputs (attention kernels, convolutions, grouped GEMMs) and the collectives."""
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _gemm_ops():
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return selective_policy(ctx, op)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+_CONTEXTS = {"selective": _selective_context, "alternate": _alternate_context, "gemms": _gemms_context}
 
 
 def _running_stat_norms(block: nn.Module) -> list[nn.Module]:
@@ -126,12 +142,13 @@ def _checkpointed_forward(forward: Callable[..., Any], context_fn: Callable[[], 
 
 
 def apply_checkpointing(blocks: Sequence[tuple[str, nn.Module]], *, mode: str, every: int = 1) -> list[str]:
-    """Checkpoint blocks 0, every, 2*every, ... in `mode` ("full", "selective" or "alternate"); returns their
-    names."""
+    """Checkpoint blocks 0, every, 2*every, ... in `mode` ("full", "gemms", "alternate" or "selective"); returns
+    their names."""
     if mode == "none":
         return []
-    if mode not in ("full", "selective", "alternate"):
-        raise ValueError(f"checkpointing mode must be 'none', 'full', 'selective' or 'alternate', got {mode!r}.")
+    if mode not in ("full", "gemms", "alternate", "selective"):
+        raise ValueError(f"checkpointing mode must be 'none', 'full', 'gemms', 'alternate' or 'selective', got "
+                         f"{mode!r}.")
     if every < 1:
         raise ValueError(f"checkpoint every n-th block needs n >= 1, got {every}.")
     context_fn = _CONTEXTS.get(mode)

@@ -1,6 +1,7 @@
-"""Tests of autopar.strategies.checkpointing: names, state_dict keys and types are kept; full, selective and
-alternate checkpointing give the same loss and gradients as none; the memory kept for backward is ordered
-none > selective > alternate > full, and every=2 lies between none and full; the forward really runs again."""
+"""Tests of autopar.strategies.checkpointing: names, state_dict keys and types are kept; full, selective,
+alternate and gemms checkpointing give the same loss and gradients as none; the memory kept for backward is ordered
+none > selective > alternate > gemms > full, and every=2 lies between none and full; the forward really runs
+again."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
-from autopar.strategies.checkpointing import _alternate_context, apply_checkpointing, selective_policy
+from autopar.strategies.checkpointing import _alternate_context, _gemms_context, apply_checkpointing, selective_policy
 
 CFG = GPTConfig(vocab_size=128, seq_len=64, num_layers=4, hidden_dim=64, num_heads=4)
-MODES = [("full", 1), ("selective", 1), ("alternate", 1), ("full", 2), ("selective", 2), ("alternate", 2)]
+MODES = [("full", 1), ("selective", 1), ("alternate", 1), ("gemms", 1), ("full", 2), ("selective", 2),
+         ("alternate", 2), ("gemms", 2)]
 
 
 def _model(mode: str = "none", every: int = 1) -> GPT:
@@ -69,7 +71,7 @@ def test_none_changes_nothing_and_bad_arguments_are_refused():
     model = GPT(CFG)
     assert apply_checkpointing(_blocks(model), mode="none") == []
     assert all("forward" not in vars(b) for b in model.blocks)
-    with pytest.raises(ValueError, match="'none', 'full', 'selective' or 'alternate'"):
+    with pytest.raises(ValueError, match="'none', 'full', 'gemms', 'alternate' or 'selective'"):
         apply_checkpointing(_blocks(model), mode="partial")
     with pytest.raises(ValueError, match="n >= 1"):
         apply_checkpointing(_blocks(model), mode="full", every=0)
@@ -114,7 +116,8 @@ class _ForwardCounter:
 
 
 @pytest.mark.parametrize("mode, every, block, expected", [
-    ("none", 1, 0, 1), ("full", 1, 0, 2), ("selective", 1, 0, 2), ("alternate", 1, 0, 2), ("full", 2, 0, 2),
+    ("none", 1, 0, 1), ("full", 1, 0, 2), ("selective", 1, 0, 2), ("alternate", 1, 0, 2), ("gemms", 1, 0, 2),
+    ("full", 2, 0, 2),
     ("full", 2, 1, 1),
 ])
 def test_checkpointed_blocks_run_their_forward_again_in_backward(mode, every, block, expected):
@@ -168,6 +171,34 @@ def test_alternate_keeps_every_other_gemm_and_decides_alike_when_it_recomputes()
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert keep == [save, recompute, recompute, save, save, recompute]
     assert again_keep == keep
+
+
+def test_gemms_recomputes_every_dense_gemm_and_keeps_attention():
+    """The policy "gemms" hands torch's selective checkpointing: every dense GEMM recomputed (in the forward and in
+    the recomputation alike), attention and convolutions kept, the cheap rest recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    seen = []
+
+    def spy(policy_fn):
+        seen.append(policy_fn)
+        return None, None
+
+    import autopar.strategies.checkpointing as ckpt
+    real = ckpt.create_selective_checkpoint_contexts
+    ckpt.create_selective_checkpoint_contexts = spy
+    try:
+        _gemms_context()
+    finally:
+        ckpt.create_selective_checkpoint_contexts = real
+    (policy,) = seen
+    forward, again = type("Ctx", (), {"is_recompute": False})(), type("Ctx", (), {"is_recompute": True})()
+    ops = [aten.mm.default, aten.gelu.default, aten.addmm.default, aten.bmm.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default, aten.convolution.default, aten.mm.default]
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    expected = [recompute, recompute, recompute, recompute, save, save, recompute]
+    assert [policy(forward, op) for op in ops] == expected and [policy(again, op) for op in ops] == expected
 
 
 # ---- memory --------------------------------------------------------------------------------------------
@@ -226,9 +257,9 @@ def live_bytes():
             for mode, every in [("none", 1)] + MODES}
 
 
-def test_memory_kept_for_backward_is_ordered_none_selective_alternate_full(live_bytes):
+def test_memory_kept_for_backward_is_ordered_none_selective_alternate_gemms_full(live_bytes):
     none, selective, full = live_bytes["none", 1], live_bytes["selective", 1], live_bytes["full", 1]
-    assert none > selective > live_bytes["alternate", 1] > full
+    assert none > selective > live_bytes["alternate", 1] > live_bytes["gemms", 1] > full
     # full checkpointing keeps little more than each block's input: well under half of none here
     assert full < 0.5 * none
     # selective keeps the matmul outputs: a real saving, but less than full
@@ -295,7 +326,7 @@ def _assert_same(result, baseline):
         torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("mode", ["full", "selective", "alternate"])
+@pytest.mark.parametrize("mode", ["full", "selective", "alternate", "gemms"])
 def test_llama_layers_checkpointed_without_cache_give_the_same_gradients(llama_baseline, mode):
     _assert_same(_llama_loss_and_grads(mode, use_cache=False), llama_baseline)
 
@@ -370,7 +401,7 @@ def _assert_same_state(model: nn.Module, reference: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-@pytest.mark.parametrize("mode", ["full", "selective", "alternate"])
+@pytest.mark.parametrize("mode", ["full", "selective", "alternate", "gemms"])
 def test_recomputation_leaves_batchnorm_running_statistics_as_the_unwrapped_model(mode, momentum):
     """The recomputed forward in backward runs BatchNorm in training mode again; it must not update the
     running statistics a second time: after 3 steps buffers and parameters equal the unwrapped model's."""
