@@ -49,16 +49,21 @@ class _Gemms(TorchDispatchMode):
         return out
 
 
-def test_the_trace_tallies_every_other_gemm_of_a_block_as_its_real_forward_runs_them():
+def first_block_gemms() -> list[tuple[int, float]]:
+    """The GEMMs of the first block's forward run for real on the sample, in order (_Gemms.seen)."""
     model, x = _model(), _sample()
-    block = model.blocks[0]
     hidden = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))  # what the first block reads
     with _Gemms() as gemms:
-        block(hidden)
-    kept = sum(n for i, (n, _) in enumerate(gemms.seen) if i % 2 == 0)
-    recomputed_bytes = sum(n for i, (n, _) in enumerate(gemms.seen) if i % 2 == 1)
-    recomputed_flops = sum(f for i, (_, f) in enumerate(gemms.seen) if i % 2 == 1)
-    assert len(gemms.seen) >= 4 and kept > 0
+        model.blocks[0](hidden)
+    return gemms.seen
+
+
+def test_the_trace_tallies_every_other_gemm_of_a_block_as_its_real_forward_runs_them():
+    seen = first_block_gemms()
+    kept = sum(n for i, (n, _) in enumerate(seen) if i % 2 == 0)
+    recomputed_bytes = sum(n for i, (n, _) in enumerate(seen) if i % 2 == 1)
+    recomputed_flops = sum(f for i, (_, f) in enumerate(seen) if i % 2 == 1)
+    assert len(seen) >= 4 and kept > 0
     b = _profile().blocks[0]
     assert b.selective_saved_bytes - b.alternate_saved_bytes == recomputed_bytes
     assert b.alternate_recompute_flops == pytest.approx(recomputed_flops, rel=1e-9)

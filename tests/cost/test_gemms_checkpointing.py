@@ -9,24 +9,19 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 import autopar
 from autopar.cost import Calibration, predict_profile
 from autopar.profile import ModelProfile
-from tests.cost.test_alternate_checkpointing import _Gemms, _model, _profile, _sample
+from tests.cost.test_alternate_checkpointing import _profile, first_block_gemms
 
 
 def test_the_trace_tallies_every_gemm_of_a_block_as_its_real_forward_runs_them():
-    model, x = _model(), _sample()
-    block = model.blocks[0]
-    hidden = model.tok_emb(x) + model.pos_emb(torch.arange(x.shape[1]))  # what the first block reads
-    with _Gemms() as gemms:
-        block(hidden)
-    assert len(gemms.seen) >= 4
+    seen = first_block_gemms()
+    assert len(seen) >= 4
     b = _profile().blocks[0]
-    assert b.gemm_saved_bytes == sum(n for n, _ in gemms.seen)
-    assert b.gemm_forward_flops == pytest.approx(sum(f for _, f in gemms.seen), rel=1e-9)
+    assert b.gemm_saved_bytes == sum(n for n, _ in seen)
+    assert b.gemm_forward_flops == pytest.approx(sum(f for _, f in seen), rel=1e-9)
     assert b.alternate_recompute_flops < b.gemm_forward_flops < b.forward_flops  # attention is not a GEMM
     assert 0 < b.selective_saved_bytes - b.gemm_saved_bytes < b.alternate_saved_bytes  # attention's outputs kept
 

@@ -143,62 +143,48 @@ def test_selective_policy_keeps_matmuls_and_recomputes_the_rest():
         assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_alternate_keeps_every_other_gemm_and_decides_alike_when_it_recomputes():
+def _policy_of(make_context, monkeypatch):
+    """The policy function a context maker hands torch's create_selective_checkpoint_contexts."""
+    import autopar.strategies.checkpointing as ckpt
+
+    seen = []
+    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", lambda fn: seen.append(fn) or (None, None))
+    make_context()
+    (policy,) = seen
+    return policy
+
+
+_FORWARD, _AGAIN = type("Ctx", (), {"is_recompute": False})(), type("Ctx", (), {"is_recompute": True})()
+
+
+def test_alternate_keeps_every_other_gemm_and_decides_alike_when_it_recomputes(monkeypatch):
     """The policy "alternate" hands torch's selective checkpointing: GEMMs kept and recomputed in turn (first,
     third, ... kept), the recomputation's own count giving each GEMM its forward's decision; attention kept, the
     cheap rest recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    seen = []
-
-    def spy(policy_fn):
-        seen.append(policy_fn)
-        return None, None
-
-    import autopar.strategies.checkpointing as ckpt
-    real = ckpt.create_selective_checkpoint_contexts
-    ckpt.create_selective_checkpoint_contexts = spy
-    try:
-        _alternate_context()
-    finally:
-        ckpt.create_selective_checkpoint_contexts = real
-    (policy,) = seen
-    forward, again = type("Ctx", (), {"is_recompute": False})(), type("Ctx", (), {"is_recompute": True})()
+    policy = _policy_of(_alternate_context, monkeypatch)
     ops = [aten.mm.default, aten.gelu.default, aten.addmm.default, aten.bmm.default,
            aten._scaled_dot_product_flash_attention_for_cpu.default, aten.mm.default]
-    keep, again_keep = [policy(forward, op) for op in ops], [policy(again, op) for op in ops]
+    keep, again_keep = [policy(_FORWARD, op) for op in ops], [policy(_AGAIN, op) for op in ops]
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     assert keep == [save, recompute, recompute, save, save, recompute]
     assert again_keep == keep
 
 
-def test_gemms_recomputes_every_dense_gemm_and_keeps_attention():
+def test_gemms_recomputes_every_dense_gemm_and_keeps_attention(monkeypatch):
     """The policy "gemms" hands torch's selective checkpointing: every dense GEMM recomputed (in the forward and in
     the recomputation alike), attention and convolutions kept, the cheap rest recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     aten = torch.ops.aten
-    seen = []
-
-    def spy(policy_fn):
-        seen.append(policy_fn)
-        return None, None
-
-    import autopar.strategies.checkpointing as ckpt
-    real = ckpt.create_selective_checkpoint_contexts
-    ckpt.create_selective_checkpoint_contexts = spy
-    try:
-        _gemms_context()
-    finally:
-        ckpt.create_selective_checkpoint_contexts = real
-    (policy,) = seen
-    forward, again = type("Ctx", (), {"is_recompute": False})(), type("Ctx", (), {"is_recompute": True})()
+    policy = _policy_of(_gemms_context, monkeypatch)
     ops = [aten.mm.default, aten.gelu.default, aten.addmm.default, aten.bmm.default,
            aten._scaled_dot_product_flash_attention_for_cpu.default, aten.convolution.default, aten.mm.default]
     save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     expected = [recompute, recompute, recompute, recompute, save, save, recompute]
-    assert [policy(forward, op) for op in ops] == expected and [policy(again, op) for op in ops] == expected
+    assert [policy(_FORWARD, op) for op in ops] == expected and [policy(_AGAIN, op) for op in ops] == expected
 
 
 # ---- memory --------------------------------------------------------------------------------------------

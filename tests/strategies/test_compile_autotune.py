@@ -14,12 +14,11 @@ import autopar
 from autopar.cli import _tune_parser
 from autopar.cost import Calibration, predict_profile
 from autopar.errors import AutoparError, PlanError
-from autopar.models.gpt import GPT, GPTConfig, lm_loss
 from autopar.planning import short_name
-from autopar.profile import profile_model
 from autopar.search import enumerate_plans, search
 from autopar.strategies import compile as compile_mod
 from autopar.strategies.compile import AUTOTUNE_OPTIONS, max_autotune_refusal
+from tests.strategies.test_compile_graphs import _gpt_profiles
 
 
 def test_max_autotune_is_a_compile_mode_that_keeps_other_plans_keys():
@@ -101,15 +100,6 @@ def test_a_raced_graphs_twin_keeps_the_max_autotune_options(monkeypatch):
     assert seen == [AUTOTUNE_OPTIONS, {**compile_mod.GRAPHS_OPTIONS, **AUTOTUNE_OPTIONS}]
     compile_mod.forget_compiled(model)
     assert not compile_mod.compiled_modules(model)
-
-
-def _gpt_profiles():
-    cfg = GPTConfig(vocab_size=256, seq_len=64, num_layers=4, hidden_dim=64, num_heads=4)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    sample = torch.randint(0, 256, (8, 64))
-    return (profile_model(model, sample, loss_fn=lm_loss),
-            {"bf16": profile_model(model, sample, loss_fn=lm_loss, precision="bf16")})
 
 
 def test_only_the_tuner_asked_for_it_has_max_autotune_twins_priced_as_their_plans():
