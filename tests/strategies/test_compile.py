@@ -119,7 +119,7 @@ def test_default_backend_reads_the_environment(monkeypatch):
     assert seen == [{"backend": "eager"}]
 
 
-@pytest.mark.parametrize("mode", ["selective", "alternate"])
+@pytest.mark.parametrize("mode", ["selective", "alternate", "gemms"])
 @pytest.mark.parametrize("per_block", [True, False], ids=["per-block", "whole-model"])
 def test_checkpointed_then_compiled_matches_eager(eager, mode, per_block):
     """Selective checkpointing's policies under dynamo and AOTAutograd (as apply.py orders them: checkpointing, then
