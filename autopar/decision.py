@@ -23,7 +23,13 @@ from .plan_cache import plans_folder
 from .planning import resolve_topology
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
+from .profile.build import NOT_TRACED_NOTE
 from .topology import Topology
+
+
+#: The note of the profile a cached wrap plans from: its structure now, the rest from wrap's cache.
+CACHED_NOTE = ("not traced now: the step's FLOPs are those traced when wrap's cache stored this plan, and the "
+               "plan's prediction and measurements are that wrap's")
 
 
 @dataclass(frozen=True)
@@ -112,7 +118,9 @@ def from_wrap_cache(model: nn.Module, sample: Any, key: Any, *, topology: Topolo
     plan_text = Plan.from_yaml(text).prediction or {}
     traced = {name: plan_text.get(f"traced_{name}") for name in ("flops", "forward_flops")}
     if all(isinstance(v, (int, float)) and v >= 0 for v in traced.values()):  # the step's FLOPs, as traced then
-        profile = dataclasses.replace(profile, **{k: float(v) for k, v in traced.items()})
+        # (the summary's notes say so, in place of the untraced profile's "FLOPs unknown")
+        notes = tuple(n for n in profile.notes if n != NOT_TRACED_NOTE) + (CACHED_NOTE,)
+        profile = dataclasses.replace(profile, notes=notes, **{k: float(v) for k, v in traced.items()})
     weights = plan_text.get("traced_bf16_weights")
     if isinstance(weights, str) and weights:  # the weights the autocast forward gives in bf16, as traced then
         profile = dataclasses.replace(profile, bf16_weights=tuple(weights.split(",")))

@@ -100,6 +100,18 @@ def test_the_second_wrap_of_a_model_takes_the_first_ones_plan_without_tracing_or
     assert traced.flops > 0 and autopar.applied(model).profile.flops == pytest.approx(traced.flops)
 
 
+def test_a_cached_wraps_summary_says_where_its_flops_come_from_and_claims_no_activation_bytes():
+    """The profile a cached wrap plans from is untraced: its summary gives the FLOPs traced when the plan was stored,
+    says so, and shows no activation bytes (it does not say "FLOPs unknown (zero here)" beside the FLOPs it shows)."""
+    from autopar.decision import CACHED_NOTE
+    from autopar.profile.build import NOT_TRACED_NOTE
+
+    _wrap()
+    profile = autopar.applied(_wrap()).profile
+    text = profile.describe()
+    assert CACHED_NOTE in profile.notes and NOT_TRACED_NOTE not in profile.notes and profile.flops > 0
+    assert "activation bytes not traced" in text and "MiB saved for backward" not in text
+
 def test_a_model_wrapped_from_the_cache_trains_as_the_first_one():
     def losses(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

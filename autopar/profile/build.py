@@ -26,6 +26,9 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Gu
 MAX_REAL_WEIGHT_BYTES = 4 * 2**30  # the most weight bytes a trace reads the values of (_weights_readable); bytes
 
 
+#: The note of a profile made without a trace (`trace=False`).
+NOT_TRACED_NOTE = "not traced (trace=False): FLOPs and activation bytes are unknown (zero here)."
+
 def profile_model(
     model: nn.Module,
     sample: Any,
@@ -96,7 +99,7 @@ def profile_model(
         counted = in_blocks = None
         valued = False
         t = Trace.untraced(len(units))
-        notes.append("not traced (trace=False): FLOPs and activation bytes are unknown (zero here).")
+        notes.append(NOT_TRACED_NOTE)
     first = first_tensor(sample)
     tokens = int(first.shape[1]) if first is not None and first.dim() == 2 and not first.is_floating_point() else None
     block_classes = {type(m).__name__ for _, m in units}

@@ -360,12 +360,13 @@ class ModelProfile:
         if shape:
             lines.append("  shape         " + ", ".join(shape))
         tokens = f", {self.tokens_per_sample} tokens each" if self.tokens_per_sample else ""
+        memory = (f"{self.saved_bytes / 2**20:.1f} MiB saved for backward ({self.profile_precision}), "
+                  f"largest tensor {self.largest_transient_bytes / 2**20:.1f} MiB ({self.largest_transient_op}"
+                  f"{', in ' + self.largest_transient_where if self.largest_transient_where else ''})") \
+            if self.traced else "activation bytes not traced"
         lines += [
             f"  sample        {self.sample_batch_size} samples{tokens}",
-            f"  per step      {n(self.flops)}FLOP (forward {n(self.forward_flops)}FLOP), "
-            f"{self.saved_bytes / 2**20:.1f} MiB saved for backward ({self.profile_precision}), "
-            f"largest tensor {self.largest_transient_bytes / 2**20:.1f} MiB ({self.largest_transient_op}"
-            f"{', in ' + self.largest_transient_where if self.largest_transient_where else ''})",
+            f"  per step      {n(self.flops)}FLOP (forward {n(self.forward_flops)}FLOP), {memory}",
         ]
         for note in self.notes:
             lines.append(f"  note          {note}")
