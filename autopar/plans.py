@@ -38,6 +38,8 @@ SCHEMA_VERSION = 1
 #: mesh axes, outermost first: pipeline stages, replicated data-parallel groups, sharded data-parallel
 #: ranks, tensor-parallel ranks (innermost, so that a TP group sits on neighbouring GPUs of one node).
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+#: options added after plans were first written: left out of a plan's key and file when off (older ones keep theirs)
+_LEFT_OUT_WHEN_OFF = ("float8", "cuda_graphs", "max_autotune")
 CHECKPOINTING = ("none", "selective", "alternate", "gemms", "full")  # by what they recompute (search's order)
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -425,13 +427,11 @@ class Plan:
         out = {name: getattr(self, name) for name in _STRATEGY_FIELDS}
         if self.zero_stage != 3:
             out["zero_stage"] = self.zero_stage
-        if self.float8:  # left out when off, as zero_stage at its default: older plans keep their keys
-            out["float8"] = True
-        if self.float8_recipe != "tensorwise":  # the same, at its default
-            out["float8_recipe"] = self.float8_recipe
-        for name in ("cuda_graphs", "max_autotune"):  # the same, when off
+        for name in _LEFT_OUT_WHEN_OFF:  # as zero_stage at its default: older plans keep their keys
             if getattr(self, name):
                 out[name] = True
+        if self.float8_recipe != "tensorwise":  # the same, at its default
+            out["float8_recipe"] = self.float8_recipe
         return out
 
     def key(self) -> str:
@@ -449,7 +449,7 @@ class Plan:
                 continue
             if f.name == "zero_stage" and value == 3:  # left out at its default: files an older autopar reads
                 continue
-            if (f.name in ("float8", "cuda_graphs", "max_autotune") and not value) or (f.name == "float8_recipe" and value == "tensorwise"):
+            if (f.name in _LEFT_OUT_WHEN_OFF and not value) or (f.name == "float8_recipe" and value == "tensorwise"):
                 continue  # the same: left out at their defaults
             out[f.name] = value
         return out

@@ -256,11 +256,12 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
-def a100_lines() -> list[str]:
+def a100_lines(h100_errors: list[float]) -> list[str]:
     """llm-foundry's A100 80GB rows under the same model (no search), and the configurations both of its tables
     ran (model, sequence, GPUs, micro-batch, accumulation, checkpointing): the published H100 / A100 speed-up
     against the predicted one. Where the A100 rows are near and the speed-ups apart, the H100 rows' error is that
-    software on that GPU in 2023, not the model's terms."""
+    software on that GPU in 2023, not the model's terms. `h100_errors`: the H100 rows' errors, in
+    FOUNDRY_H100_BF16's order (main's)."""
     lines = ["llm-foundry A100 80GB BF16, 1600 Gb/s RoCE a node (tokens/s/GPU; the same software on a GPU it had "
              "matured on; a check, not a must-show row):",
              f"{'model':>5} {'seq':>6} {'GPUs':>4} {'mb x acc':>7} {'AC':>2} {'publ':>7} {'pred':>8} {'err':>7} "
@@ -276,11 +277,11 @@ def a100_lines() -> list[str]:
                  f"{min(errors):+.1%} .. {max(errors):+.1%}, median |err| {_median([abs(e) for e in errors]):.1%}")
     lines += ["", "the configurations both tables ran: H100 / A100 tokens/s/GPU, published and predicted:"]
     a100 = {_config(r): r for r in FOUNDRY_A100_80GB}
-    for h100 in FOUNDRY_H100_BF16:
+    for h100, h100_err in zip(FOUNDRY_H100_BF16, h100_errors):
         other = a100.get(_config(h100))
         if other is None:
             continue
-        pred_h100 = h100.tokens_per_s_per_gpu * (1 + foundry_line(h100, with_search=False)[1])
+        pred_h100 = h100.tokens_per_s_per_gpu * (1 + h100_err)
         lines.append(f"  {h100.model:>5} seq {h100.seq_len:>5} {h100.num_gpus:>3} GPUs mb {h100.micro_batch_size}x"
                      f"{h100.grad_accum}: published {h100.tokens_per_s_per_gpu / other.tokens_per_s_per_gpu:.2f}x, "
                      f"predicted {pred_h100 / predicted[_config(other)]:.2f}x (datasheet bf16 peak 3.17x)")
@@ -322,8 +323,8 @@ def main() -> None:
         print(line, flush=True)
     within = sum(abs(e) <= 0.15 for e in errors)
     lines += [f"llm-foundry: {within} of {len(errors)} within 15%; errors {min(errors):+.1%} .. {max(errors):+.1%}, "
-              f"median |err| {sorted(abs(e) for e in errors)[len(errors) // 2]:.1%}", "",
-              *a100_lines(), "",
+              f"median |err| {_median([abs(e) for e in errors]):.1%}", "",
+              *a100_lines(errors), "",
               "Megatron-LM Table 1 (TFLOP/s per GPU; bench/megatron_table1.py's best plan per row):"]
     for row in MEGATRON_ROWS:
         params, _, _, _, tp, pp, gpus, _, published = row

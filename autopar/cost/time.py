@@ -25,7 +25,7 @@ from typing import Mapping
 
 from ..layout import float8_weight_params, float8_weight_shapes, pairs_from_calls, split_stages, stage_ids
 from ..plans import Plan
-from ..profile import ModelProfile
+from ..profile import BlockProfile, ModelProfile
 from ..profile.model_profile import OpGroup
 from ..topology import Topology
 from .calibration import Calibration, matmul_arch
@@ -334,8 +334,7 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     # lower, so never under-predicted); seconds. Its TP all-reduces are in tp_comm.
     ckpt = sum(1 for k in range(len(blocks)) if k % plan.checkpoint_every == 0) / max(len(blocks), 1) \
         if plan.checkpointing != "none" else 0.0
-    share = {"full": 1.0, "alternate": _alternate_share, "gemms": _gemms_share}.get(plan.checkpointing, 0.0)
-    recompute_compute = ckpt * block_forward[0] * (share(prof, blocks) if callable(share) else share)
+    recompute_compute = ckpt * block_forward[0] * _recompute_share(prof, blocks, plan.checkpointing)
     recompute_memory = ckpt * block_forward[1] if plan.checkpointing != "none" else 0.0
     recompute = recompute_compute + recompute_memory
 
@@ -414,22 +413,24 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     return prediction, terms
 
 
-def _alternate_share(prof: ModelProfile, blocks: list[int]) -> float:
-    """The share of the blocks' forward FLOPs that "alternate" checkpointing computes again (every other GEMM); a
-    block of a profile written before the tally counts whole, as full checkpointing (never under-predicted)."""
+def _recompute_share(prof: ModelProfile, blocks: list[int], mode: str) -> float:
+    """The share of the blocks' forward compute that checkpointing `mode` runs again: "full" all of it; "alternate"
+    every other GEMM, "gemms" every dense GEMM, their share of the blocks' forward FLOPs (the trace's tallies,
+    BlockProfile.alternate_recompute_flops and gemm_forward_flops); none for "none" and "selective" (whose rerun is
+    the memory-bound ops'). A block of a profile written before a tally counts whole, as full checkpointing
+    (never under-predicted)."""
+    if mode == "full":
+        return 1.0
+    if mode == "alternate":
+        def again(b: BlockProfile) -> float:
+            return b.alternate_recompute_flops if b.alternate_tallied else b.forward_flops
+    elif mode == "gemms":
+        def again(b: BlockProfile) -> float:
+            return b.gemm_forward_flops if b.gemm_forward_flops is not None else b.forward_flops
+    else:
+        return 0.0
     forward = sum(prof.blocks[i].forward_flops for i in blocks)
-    again = sum(b.alternate_recompute_flops if b.alternate_tallied else b.forward_flops
-                for b in (prof.blocks[i] for i in blocks))
-    return min(1.0, again / forward) if forward > 0 else 0.0
-
-
-def _gemms_share(prof: ModelProfile, blocks: list[int]) -> float:
-    """The share of the blocks' forward FLOPs that "gemms" checkpointing computes again (every dense GEMM); a block
-    of a profile written before the tally counts whole, as full checkpointing (never under-predicted)."""
-    forward = sum(prof.blocks[i].forward_flops for i in blocks)
-    again = sum(b.gemm_forward_flops if b.gemm_forward_flops is not None else b.forward_flops
-                for b in (prof.blocks[i] for i in blocks))
-    return min(1.0, again / forward) if forward > 0 else 0.0
+    return min(1.0, sum(again(prof.blocks[i]) for i in blocks) / forward) if forward > 0 else 0.0
 
 
 def model_flops_per_step(profile: ModelProfile, plan: Plan) -> float:

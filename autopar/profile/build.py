@@ -29,6 +29,7 @@ MAX_REAL_WEIGHT_BYTES = 4 * 2**30  # the most weight bytes a trace reads the val
 #: The note of a profile made without a trace (`trace=False`).
 NOT_TRACED_NOTE = "not traced (trace=False): FLOPs and activation bytes are unknown (zero here)."
 
+
 def profile_model(
     model: nn.Module,
     sample: Any,
