@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import signal
 import sys
 import time
@@ -36,7 +37,7 @@ from .search import Candidate, DropKind, data_parallel_degrees
 from .topology import Topology
 from .tune.progress_line import ProgressLine as _ProgressLine
 from .tune.report import charts_hint, load_report, write_plots
-from .tune.study import tune
+from .tune.study import PRUNE_FACTOR, tune
 
 
 def _topology(argv: list[str]) -> int:
@@ -444,6 +445,9 @@ def _tune_parser() -> argparse.ArgumentParser:
                         "timing: minutes more compile a trial; give --trial-timeout room)")
     p.add_argument("--top-k", type=int, default=5, metavar="K",
                    help="run the K best predicted plans first, in predicted order (default 5)")
+    p.add_argument("--prune-factor", type=float, default=PRUNE_FACTOR, metavar="F",
+                   help=f"skip a plan predicted (corrected by the trials measured so far) to take more than F times "
+                        f"the best measured step (default {PRUNE_FACTOR}); 0: skip none, measure up to --trials")
     return p
 
 
@@ -461,6 +465,8 @@ def _tune(argv: list[str]) -> int:
         low = 1 if name == "steps" else 0
         if getattr(args, name) < low:
             raise AutoparError(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}.")
+    if args.prune_factor != 0 and not args.prune_factor >= 1:  # below 1 it would skip the best plan's own twin
+        raise AutoparError(f"--prune-factor must be 0 (skip none) or at least 1, got {args.prune_factor}.")
     for name in ("time_budget", "trial_timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -473,7 +479,8 @@ def _tune(argv: list[str]) -> int:
         report = tune(command, study_path=args.study, trials=args.trials or None, time_budget_s=args.time_budget,
                       steps=args.steps, warmup=args.warmup, trial_timeout_s=args.trial_timeout,
                       loop=_loop_option(args), top_k_enqueue=args.top_k, plan_out=args.plan_out,
-                      progress=bar, eager=not args.compiled_only, max_autotune=args.max_autotune)
+                      progress=bar, eager=not args.compiled_only, max_autotune=args.max_autotune,
+                      prune_factor=args.prune_factor or math.inf)
     except ResultNotSavedError as exc:  # measured, not saved: the table first, then main's one line (exit 2)
         bar.close()
         print(exc.report.table())

@@ -404,3 +404,29 @@ def test_plan_verify_says_what_it_does_for_any_step_past_the_threshold(capsys, m
     checking = [line for line in seen if line.startswith("checking the 1 best plan(s) with the exact memory check")]
     assert checking[0].endswith(" s so far)") and "done in" in checking[-1]
     assert "exact memory check (allocated peak" in out and "[autopar]" not in out
+
+
+def test_tune_passes_its_prune_factor_and_0_measures_every_plan_asked(capsys, monkeypatch):
+    """--prune-factor F goes to the study (0: none pruned, so --trials plans are measured); below 1 is refused in
+    one line (it would skip plans as fast as the best)."""
+    import math
+
+    import autopar.cli as cli
+
+    seen = []
+
+    class Report:
+        best = None
+
+        def table(self):
+            return "table"
+
+    monkeypatch.setattr(cli, "tune", lambda command, **kw: seen.append(kw["prune_factor"]) or Report())
+    for argv, expected in ((["tune", "--", "python", "t.py"], cli.PRUNE_FACTOR),
+                           (["tune", "--prune-factor", "0", "--", "python", "t.py"], math.inf),
+                           (["tune", "--prune-factor", "3", "--", "python", "t.py"], 3.0)):
+        assert _run(capsys, *argv)[0] == 1  # no best plan from the stand-in study
+        assert seen.pop() == expected
+    code, out, err = _run(capsys, "tune", "--prune-factor", "0.5", "--", "python", "t.py")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--prune-factor must be 0" in err
+    assert seen == []
