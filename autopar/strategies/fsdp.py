@@ -17,6 +17,17 @@ it becomes an FSDP unit of its own before the blocks are wrapped, so it is shard
 use and kept gathered to the end of the forward, and its gradient reduced from every use (`shared_modules`).
 A Parameter object registered on several distinct modules in different units (`block.w = shared_weight` in each
 block) has no module to make a unit of: it is replicated as the 0-d ones are.
+
+FSDP2 gathers a unit's parameters as one flat tensor of one dtype, so fully_shard refuses a unit whose parameters
+are of several ("FSDP expects uniform original parameter dtype"), such as a Fourier neural operator's block, whose
+complex spectral weights sit beside real convolutions. Within such a unit, the outermost modules whose parameters
+are all of one dtype other than the unit's main one (most bytes) become units of their own, sharded first; a
+parameter of another dtype held directly by a module that also holds the main one is replicated, as the 0-d ones
+are (`dtype_units`). Only float32 (and fp16) units are cast to bf16 for compute, as autocast casts only those: a
+complex or float64 weight keeps its dtype under every plan (autopar.strategies.precision.fsdp_policy). A complex
+parameter whose first dimension the shard count does not divide is replicated too: FSDP2 pads it for the shards, and
+with torch 2.13 on gloo such a weight (5 complex elements over 2 ranks) trained wrong, 5.6e-2 relative after 3 steps
+(tests/strategies/test_fsdp_dtypes.py), while one the shards divide trained as one process.
 """
 
 from __future__ import annotations
@@ -72,6 +83,49 @@ def shared_modules(model: nn.Module, units: Sequence[nn.Module]) -> tuple[list[t
             [(names[i], objects[i]) for i in sorted(params, key=order.get)])
 
 
+def dtype_units(model: nn.Module, units: Sequence[nn.Module], *, skip: Sequence[nn.Parameter] = ()
+                ) -> tuple[dict[int, list[tuple[str, nn.Module]]], list[tuple[str, nn.Parameter]]]:
+    """For the units of `model` (`units`, then the root) whose parameters are of several dtypes: {id(unit): the
+    modules under it to shard first, as (name, module), outermost first}, and the parameters to replicate instead
+    (see the module docstring). `skip`: parameters already kept out of every unit."""
+    names = {id(m): n for n, m in model.named_modules()}
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    skipped = {id(p) for p in skip}
+    nested = {id(u) for u in units}
+
+    def managed(module: nn.Module) -> list[nn.Parameter]:
+        """The parameters `module`'s unit would gather: not those of units nested in it, nor skipped ones."""
+        out, todo, seen = [], [module], set()
+        while todo:
+            m = todo.pop()
+            out += [p for p in m._parameters.values()
+                    if p is not None and id(p) not in skipped and id(p) not in seen and not seen.add(id(p))]
+            todo += [c for c in m._modules.values() if c is not None and id(c) not in nested]
+        return out
+
+    extra: dict[int, list[tuple[str, nn.Module]]] = {}
+    replicated: list[tuple[str, nn.Parameter]] = []
+    for unit in list(units) + [model]:
+        params = managed(unit)
+        if len({p.dtype for p in params}) < 2:
+            continue
+        size: dict[torch.dtype, int] = {}
+        for p in params:
+            size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
+        main = max(size, key=size.get)
+        todo = [c for c in unit._modules.values() if c is not None and id(c) not in nested]
+        while todo:
+            module = todo.pop(0)
+            kinds = {p.dtype for p in managed(module)}
+            if len(kinds) == 1 and main not in kinds:  # all of one other dtype: a unit of its own
+                extra.setdefault(id(unit), []).append((names.get(id(module), type(module).__name__), module))
+                nested.add(id(module))
+            elif len(kinds) > 1:
+                todo += [c for c in module._modules.values() if c is not None and id(c) not in nested]
+        replicated += [(param_names[id(p)], p) for p in managed(unit) if p.dtype != main]
+    return extra, replicated
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -96,6 +150,13 @@ def apply_fsdp(
     own_units, shared_params = shared_modules(model, [b for _, b in blocks] + list(outer_units or ()))
     scalars = unshardable_params(model)
     scalars += [(n, p) for n, p in shared_params if all(p is not q for _, q in scalars)]
+    block_units = [b for _, b in blocks]
+    units = [m for _, m in own_units] + block_units + list(outer_units or ())
+    by_dtype, mixed = dtype_units(model, units, skip=[p for _, p in scalars])
+    complex_ = [(n, p) for n, p in model.named_parameters() if p.is_complex() and p.dim()]
+    if complex_:  # those the dp_shard dimension (the last of an HSDP mesh) does not divide
+        mixed += [(n, p) for n, p in complex_ if p.shape[0] % mesh.size(mesh.ndim - 1)]
+    scalars += [(n, p) for n, p in mixed if all(p is not q for _, q in scalars)]
     extra: dict = {}
     if scalars:
         if "ignored_params" not in inspect.signature(fully_shard).parameters:
@@ -105,24 +166,36 @@ def apply_fsdp(
                 "them out: upgrade torch, or make them 1-D tensors of one element."
             )
         extra["ignored_params"] = {p for _, p in scalars}
+    ignored = {id(p) for _, p in scalars}
+
+    def shard(module: nn.Module, *, reshard: bool, root: bool) -> None:
+        # its modules of another dtype first (dtype_units), then the unit itself, each cast as autocast would
+        for _, sub in by_dtype.get(id(module), ()):
+            shard(sub, reshard=reshard, root=False)
+        dtype = next((p.dtype for p in module.parameters() if id(p) not in ignored and not _is_sharded(p)), None)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard,
+                    mp_policy=fsdp_policy(precision, root=root, dtype=dtype), offload_policy=offload, **extra)
+
     for _, module in own_units:
         # Used by several blocks: gathered at its first use and kept so until the forward ends.
-        fully_shard(module, mesh=mesh, reshard_after_forward=False,
-                    mp_policy=fsdp_policy(precision, root=False), offload_policy=offload, **extra)
-    for index, (_, block) in enumerate(blocks):
+        shard(module, reshard=False, root=False)
+    for index, block in enumerate(block_units):
         # The last block's parameters are needed again at once when backward starts: keep them gathered.
-        reshard = reshard_after_forward and index < len(blocks) - 1
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard,
-                    mp_policy=fsdp_policy(precision, root=False), offload_policy=offload, **extra)
+        shard(block, reshard=reshard_after_forward and index < len(blocks) - 1, root=False)
     if outer_units is not None:
         for module in outer_units:
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=fsdp_policy(precision, root=True), offload_policy=offload, **extra)
+            shard(module, reshard=reshard_after_forward, root=True)
     else:
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=fsdp_policy(precision, root=True), offload_policy=offload, **extra)
+        shard(model, reshard=reshard_after_forward, root=True)
     if scalars:
         _ReplicatedParams(model, [n for n, _ in scalars], mesh, root_unit=outer_units is None)
+
+
+def _is_sharded(p: nn.Parameter) -> bool:
+    """Already a DTensor: sharded by a unit nested in the one being made."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -26,11 +26,17 @@ def compute_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
-def fsdp_policy(precision: str, *, root: bool) -> Any:
-    """The FSDP2 MixedPrecisionPolicy for a unit; the root's outputs are cast back to fp32."""
+# the parameter dtypes a bf16 plan computes in bf16: those autocast casts (not float64, not complex)
+CAST_DTYPES = (torch.float32, torch.float16)
+
+
+def fsdp_policy(precision: str, *, root: bool, dtype: torch.dtype | None = None) -> Any:
+    """The FSDP2 MixedPrecisionPolicy for a unit whose parameters are of `dtype` (None: unknown, float32); the root's
+    outputs are cast back to fp32. A unit of float64 or complex weights is left as it is, as autocast leaves them
+    (a bf16 cast would drop a complex weight's imaginary part)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision == "fp32":
+    if precision == "fp32" or (dtype is not None and dtype not in CAST_DTYPES):
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(
         param_dtype=compute_dtype(precision),

@@ -1,0 +1,196 @@
+"""Worker of tests/strategies/test_fsdp_dtypes.py (torchrun, gloo, 2 ranks; the reference in one plain process).
+
+argv: OUT.pt. Every scenario under its data-parallel plan on the ranks; rank 0 writes the loss of every step, every
+parameter and gradient in full after the last step (train_step scenarios: the gradients of one more backward), and
+each parameter's kind (DTensor: sharded; Parameter: replicated) and dtype. `run_reference(name)`: the same model
+trained unwrapped in one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+
+STEPS = 3
+ROWS = 8  # the global batch: 4 per rank on 2 ranks
+DIM, CLASSES, BLOCKS, MODES = 16, 8, 3, 6
+
+
+class Spectral(nn.Module):
+    """A Fourier layer: the first MODES frequencies of the features scaled by complex weights, all but the first
+    shifted by complex `shift` (MODES - 1 elements: 2 shards do not divide it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(MODES, dtype=torch.cfloat) * 0.5)
+        self.shift = nn.Parameter(torch.randn(MODES - 1, dtype=torch.cfloat) * 0.1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        freq = torch.fft.rfft(h.float(), dim=-1)
+        kept = freq[..., :MODES] * self.weight + torch.cat([self.shift.new_zeros(1), self.shift])
+        return torch.fft.irfft(torch.cat([kept, torch.zeros_like(freq[..., MODES:])], dim=-1), n=h.shape[-1])
+
+
+class FourierBlock(nn.Module):
+    """A Fourier neural operator's block: complex spectral weights beside a real Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectral = Spectral()
+        self.mix = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.spectral(h).to(h.dtype) + self.mix(h))
+
+
+class Float64Scale(nn.Module):
+    """A block holding a float64 Parameter directly beside its float32 Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, DIM, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h) * self.scale.to(h.dtype))
+
+
+class Float64Linear(nn.Module):
+    """A block with a float64 Linear (a module of its own) beside a float32 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+        self.precise = nn.Linear(DIM, DIM, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.lin(h) + self.precise(h.double()).to(h.dtype))
+
+
+class Net(nn.Module):
+    def __init__(self, block: type[nn.Module]) -> None:
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build(block: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return Net(block)
+
+
+def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, DIM, generator=g), torch.randint(0, CLASSES, (ROWS,), generator=g)
+
+
+def loss_fn(out: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(out.float(), batch[1])
+
+
+# name: (block, plan fields, train with autopar.train_step); every plan has 2 data-parallel ranks.
+SCENARIOS = {
+    "complex_sharded": (FourierBlock, dict(dp_shard=2, micro_batch_size=4), False),
+    "complex_replicated": (FourierBlock, dict(dp_replicate=2, micro_batch_size=4), False),
+    "float64_param_accum": (Float64Scale, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
+    "float64_module_bf16": (Float64Linear, dict(dp_shard=2, micro_batch_size=4, precision="bf16"), False),
+}
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+
+def run_ranks(name: str) -> dict:
+    block, fields, with_step = SCENARIOS[name]
+    plan = autopar.Plan(**fields)
+    local = plan.local_batch_size
+    x, y = batch_of(0)
+    model = autopar.wrap(build(block), sample=(x[:local], y[:local]), plan=plan, loss_fn=loss_fn, verbose=False)
+    rank, size = autopar.data_shard(model)
+    gathered: dict[str, torch.dtype] = {}  # the dtype each Linear computes with, as the forward sees its weight
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_pre_hook(lambda mod, args, n=n: gathered.__setitem__(n, mod.weight.dtype))
+    opt = _optimizer(model)
+    step = autopar.train_step(model, opt, loss_fn) if with_step else None
+    losses = []
+    for i in range(STEPS):
+        x, y = batch_of(i)
+        mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
+        if step is not None:
+            loss = step(mine).detach()
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(mine[0]), mine)
+            loss.backward()
+            opt.step()
+            loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append(loss.item() / size)
+    x, y = batch_of(STEPS)  # the gradients of one more backward
+    opt.zero_grad(set_to_none=True)
+    mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
+    loss_fn(model(mine[0]), mine).backward()
+    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()},
+            "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+            "kinds": {n: type(p).__name__ for n, p in model.named_parameters()},
+            "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered}
+
+
+def run_reference(name: str, *, autocast: bool = False) -> dict:
+    block, _, _ = SCENARIOS[name]
+    model = build(block)
+    opt = _optimizer(model)
+    losses = []
+    for i in range(STEPS + 1):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(model(batch_of(i)[0]), batch_of(i))
+        loss.backward()
+        if i < STEPS:
+            opt.step()
+            losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
+
+
+def main() -> None:
+    out = sys.argv[1]
+    names = [n for n in (os.environ.get("SCENARIOS") or ",".join(SCENARIOS)).split(",") if n]
+    dist.init_process_group("gloo")
+    results = {}
+    for n in names:
+        try:
+            results[n] = run_ranks(n)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            import traceback
+
+            results[n] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
