@@ -221,7 +221,8 @@ def wrap(
                               global_batch_size=global_batch_size, world=world, loop=chosen_loop) \
             if chosen_here and world.rank == 0 else None
         cached = _from_wrap_cache(model, sample, cache_key, topology=topology, blocks=blocks,
-                                  global_batch_size=global_batch_size, world=world, started=started) \
+                                  global_batch_size=global_batch_size, world=world, started=started,
+                                  warn=world.rank == 0 and not say) \
             if chosen_here and type(hook) is WrapHook else None
         if cached is not None:
             topo, profile, global_batch, decision = cached

@@ -83,11 +83,12 @@ def wrap_key_of(model: nn.Module, sample: Any, *, topology: Topology | str | Non
 
 
 def from_wrap_cache(model: nn.Module, sample: Any, key: Any, *, topology: Topology | str | None, blocks: Any,
-                     global_batch_size: int | None, world: _dist.World,
-                     started: float) -> tuple[Topology, ModelProfile, int, Decision | None] | None:
+                     global_batch_size: int | None, world: _dist.World, started: float,
+                     warn: bool = False) -> tuple[Topology, ModelProfile, int, Decision | None] | None:
     """On every rank: (topology, the model's structure, global batch, rank 0's decision) when rank 0's wrap cache
     holds a plan for this model and job (`key`, rank 0's `wrap_key_of`), else None (every rank then plans as usual).
-    A refused cache file raises on every rank (CacheError on rank 0, with the remedy)."""
+    A refused cache file raises on every rank (CacheError on rank 0, with the remedy). `warn`: the structure's
+    notes (no repeated blocks) as UserWarnings, as the wrap that stored the plan warned them."""
     if not wrap_cache.enabled():
         return None
     text = None
@@ -114,7 +115,7 @@ def from_wrap_cache(model: nn.Module, sample: Any, key: Any, *, topology: Topolo
     topo = resolve_topology(topology)
     global_batch = global_batch_of(sample, global_batch_size, world.size)
     check_same_batch(sample)
-    profile = profile_model(model, sample, blocks=blocks, warn=False, trace=False)
+    profile = profile_model(model, sample, blocks=blocks, warn=warn, trace=False)
     plan_text = Plan.from_yaml(text).prediction or {}
     traced = {name: plan_text.get(f"traced_{name}") for name in ("flops", "forward_flops")}
     if all(isinstance(v, (int, float)) and v >= 0 for v in traced.values()):  # the step's FLOPs, as traced then

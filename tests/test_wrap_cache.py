@@ -112,6 +112,23 @@ def test_a_cached_wraps_summary_says_where_its_flops_come_from_and_claims_no_act
     assert CACHED_NOTE in profile.notes and NOT_TRACED_NOTE not in profile.notes and profile.flops > 0
     assert "activation bytes not traced" in text and "MiB saved for backward" not in text
 
+def test_a_cached_quiet_wrap_warns_the_structures_note_as_the_first_one_did():
+    """A model without repeated blocks, wrapped quietly twice: the second wrap, from the cache, warns the same note
+    (it traces nothing, but the note is the structure's)."""
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    said = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = _wrap(mlp())
+        said.append([str(w.message) for w in caught if "no repeated blocks" in str(w.message)])
+    assert autopar.plan_of(model).prediction["cached_at"]  # the second came from the cache
+    assert len(said[0]) == 1 and said[1] == said[0]
+
+
 def test_a_model_wrapped_from_the_cache_trains_as_the_first_one():
     def losses(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
