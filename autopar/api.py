@@ -28,7 +28,7 @@ from .decision import store_wrap_choice as _store_wrap_choice
 from .decision import wrap_key_of as _wrap_key
 from .plan_cache import cached_plan_for
 from .planning import (base_profile, bf16_variants, calibration_for, check_traced_for, has_bf16, profile_variants,
-                       resolve_topology, with_graphs_prediction)
+                       resolve_topology, short_name, with_graphs_prediction)
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .race import measured_prediction, race_compile, races_graphs
@@ -351,6 +351,11 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
     with phase(f"measuring the step on {state.device} ({what})", say=say):
         race = race_compile(model, sample, device=state.device, loss_fn=loss_fn, rows=state.plan.micro_batch_size,
                             graphs=races_graphs(state.plan, state.device))
+    if not race.ran:  # the plan runs no step here: refused now, with why, not left to the loop's first step
+        raise PlanError(f"wrap's plan ({short_name(state.plan)}) ran no training step on {state.device}: {race.why}. "
+                        "Pass a plan that runs: wrap(model, sample=..., plan=autopar.Plan(...)), with "
+                        "precision='fp32' where an op has no bf16 kernel on this device, a smaller micro_batch_size "
+                        "or checkpointing where it ran out of memory.")
     prediction = measured_prediction(state.plan, race)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction,
                               cuda_graphs=(state.plan.cuda_graphs or race.kept_graphs) and race.kept_compiled,

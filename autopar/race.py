@@ -94,6 +94,11 @@ class CompileRace:
             return self.graphs_peak_bytes
         return self.compiled_peak_bytes if self.kept_compiled else self.eager_peak_bytes
 
+    @property
+    def ran(self) -> bool:
+        """Whether any mode ran a step (eager, compiled or CUDA graphs)."""
+        return any(t is not None for t in (self.eager_step_s, self.compiled_step_s, self.graphs_step_s))
+
     def describe(self) -> str:
         def ms(x: float | None) -> str:
             return "did not run" if x is None else f"{x * 1e3:.1f} ms"
@@ -292,12 +297,15 @@ def _choice(has_compiled: bool, eager_s: float | None, compiled_s: float | None,
     """Whether to keep the compiled forward, and why (one line): compile unless eager is EAGER_MARGIN faster or
     the compiled step did not run."""
     if not has_compiled:
-        return False, "the plan does not compile: its eager step measured"
+        return False, ("the plan does not compile: its eager step measured" if eager_s is not None else
+                       f"its step did not run ({errors.get(False, 'on another rank')})")
     if compiled_s is None and eager_s is not None:
         return False, f"the compiled step did not run ({errors.get(True, 'on another rank')}): kept eager"
     if eager_s is None or compiled_s is None:
         return True, (f"eager did not run ({errors.get(False, 'on another rank')}): kept compile"
-                      if compiled_s is not None else "neither mode ran here: kept the plan's compile")
+                      if compiled_s is not None else
+                      f"neither mode ran here (eager: {errors.get(False, 'on another rank')}; compiled: "
+                      f"{errors.get(True, 'on another rank')})")
     if eager_s < compiled_s * (1 - EAGER_MARGIN):
         return False, f"eager is {compiled_s / eager_s:.2f}x faster: kept eager"
     return True, f"compile is {eager_s / compiled_s:.2f}x faster: kept compile"

@@ -196,6 +196,45 @@ def test_wrap_races_the_compile_it_chose_and_its_plan_says_what_it_kept(monkeypa
     assert all(p.grad is not None for p in model.parameters())
 
 
+class RealStepRaises(nn.Module):
+    """Runs on fake tensors (the trace), raises on real ones: a stand-in for an op with no kernel for the plan's
+    dtype on the device (CUDA's FFT in bf16: "Unsupported dtype BFloat16")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)], nn.Linear(64, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if not is_fake(x):
+            raise RuntimeError("no kernel for this step here")
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("compiles", [False, True])
+def test_wrap_refuses_a_plan_whose_step_runs_in_no_mode_naming_each_error(monkeypatch, compiles):
+    """wrap's measurement ran no step of its plan (eager and compiled both raised): refused in one line that names
+    both errors and what to change, not kept for the loop's first step to fail on."""
+    _register()
+    monkeypatch.setenv("AUTOPAR_NO_WRAP_CACHE", "1")
+    if compiles:
+        monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
+    kwargs = dict(topology="1xH200") if compiles else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chosen = autopar.plan(RealStepRaises(), sample=torch.randn(32, 64), **kwargs)
+        if chosen.compile != compiles:
+            pytest.skip(f"the cost model's plan here has compile={chosen.compile}")
+        with pytest.raises(autopar.PlanError) as info:
+            autopar.wrap(RealStepRaises(), sample=torch.randn(32, 64), measure=True, verbose=False, **kwargs)
+    text = str(info.value)
+    assert "\n" not in text and "ran no training step on cpu" in text and "no kernel for this step here" in text
+    if compiles:
+        assert "eager: RuntimeError" in text and "compiled: " in text
+    assert "precision='fp32'" in text and "micro_batch_size" in text
+
+
 def test_wrap_does_not_race_a_given_plan_nor_on_a_cpu_by_default(monkeypatch):
     _register()
     monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
