@@ -3,7 +3,7 @@
 suites; `python -m bench SUITE --help` prints the suite's own help.
 
 Before a suite runs, one line goes to stderr: `# bench stamp {...}`, the JSON of bench._common.stamp() (date,
-device, torch, transformers, the command, the commit), so that a run's log says what made it. Results are kept
+device, torch, transformers, the command, the commit, the code's digest), so that a run's log says what made it. Results are kept
 in bench/results/ (bench/README.md lists the current ones).
 
     python -m bench --list

@@ -5,6 +5,7 @@ repository root (bench/README.md)."""
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib.metadata
 import os
 import shlex
@@ -36,6 +37,20 @@ def git_commit(root: str | Path = ROOT) -> str:
     return head if done.returncode == 0 and head else "unknown"
 
 
+def source_digest(root: str | Path = ROOT) -> str:
+    """The first 16 hex digits of a SHA-256 over the Python files of autopar/ and bench/ at `root` (their paths and
+    bytes, sorted): what code ran, where the checkout's commit cannot say (a device's copy of a working tree whose
+    git metadata was older than its files); "unknown" where neither folder is there."""
+    root = Path(root)
+    files = sorted(f for folder in ("autopar", "bench") for f in (root / folder).rglob("*.py"))
+    if not files:
+        return "unknown"
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def device_name() -> str:
     """The device a benchmark would run on here: CUDA device 0's name, or "cpu (N cores)"."""
     if torch.cuda.is_available():
@@ -46,7 +61,8 @@ def device_name() -> str:
 def stamp(command: str | None = None, root: str | Path = ROOT) -> dict:
     """What makes a result traceable: date, device, torch, transformers (None where it is not installed), the
     command (default: this process's `python ...` line) and the commit (`git rev-parse HEAD` at `root`, "unknown"
-    outside a checkout). `python -m bench` prints it at the start of every run."""
+    outside a checkout), and `source`, the digest of the code itself (source_digest). `python -m bench` prints it
+    at the start of every run."""
     try:
         transformers = importlib.metadata.version("transformers")  # no import: it is slow and optional
     except importlib.metadata.PackageNotFoundError:
@@ -54,7 +70,7 @@ def stamp(command: str | None = None, root: str | Path = ROOT) -> dict:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": device_name(),
             "torch": torch.__version__, "transformers": transformers,
             "command": command if command is not None else shlex.join(["python", *sys.argv]),
-            "commit": git_commit(root)}
+            "commit": git_commit(root), "source": source_digest(root)}
 
 
 def results_path(out: str | None, name: str) -> Path:

@@ -88,10 +88,20 @@ def test_stamp_has_date_device_torch_transformers_command_and_commit(tmp_path):
     before = head()
     got = stamp(command="python -m bench zoo --size tiny")
     after = head()  # others may commit meanwhile
-    assert set(got) == {"date", "device", "torch", "transformers", "command", "commit"}
+    assert set(got) == {"date", "device", "torch", "transformers", "command", "commit", "source"}
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", got["date"])
     assert got["device"].startswith("cpu (")  # the tests see no GPU (tests/conftest.py)
     assert got["torch"] == torch.__version__
     assert got["command"] == "python -m bench zoo --size tiny"
     assert got["commit"] in (before, after) and re.fullmatch(r"[0-9a-f]{40}", got["commit"])
     assert stamp(root=tmp_path)["commit"] == "unknown"  # outside a checkout
+    # the code's digest: the same for the same files, another for any change, where the commit cannot tell
+    assert re.fullmatch(r"[0-9a-f]{16}", got["source"]) and stamp(root=tmp_path)["source"] == "unknown"
+    copy = tmp_path / "copy"
+    for folder in ("autopar", "bench"):
+        for f in (ROOT / folder).rglob("*.py"):
+            (copy / f.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            (copy / f.relative_to(ROOT)).write_bytes(f.read_bytes())
+    assert stamp(root=copy)["source"] == got["source"]
+    (copy / "bench" / "_common.py").write_text((copy / "bench" / "_common.py").read_text() + "\n")
+    assert stamp(root=copy)["source"] != got["source"]
