@@ -159,14 +159,27 @@ def base_profile(model: nn.Module, sample: Any, *, loss_fn: Callable | None, blo
     """The profile the planner reads: on hardware with bf16 the autocast (bf16) trace, since the search offers only
     bf16 plans there and an fp32 trace would be read for nothing but the model's structure (the predictions of
     every bf16 plan are the same from either: tests/test_trace_memo.py); elsewhere, or where the bf16 step cannot
-    be traced, the fp32 trace (with its own fallbacks, autopar.profile)."""
+    be traced, the fp32 trace (with its own fallbacks, autopar.profile), with a note that says so (the bf16 plans
+    are then predicted from it, and may not run: wrap's measurement on a GPU refuses a plan whose step runs in no
+    mode)."""
+    failed: TraceError | None = None
     if bf16:
         try:
             return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, precision="bf16",
                                  graphs=graphs)
-        except TraceError:
-            pass
-    return profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, graphs=graphs)
+        except TraceError as exc:
+            failed = exc
+    profile = profile_model(model, sample, loss_fn=loss_fn, blocks=blocks, warn=warn, graphs=graphs)
+    if failed is not None:
+        cause = failed.__cause__ or failed  # the step's own error, where the TraceError chains it
+        text = str(cause).strip()
+        reason = f"{type(cause).__name__}: {text.splitlines()[0][:200]}" if text else type(cause).__name__
+        note = (f"its bf16 step could not be traced ({reason}): its bf16 plans are predicted from the fp32 trace, "
+                "and may not run (wrap measures the chosen plan's step on a GPU and refuses one that runs no step)")
+        profile = dataclasses.replace(profile, notes=(*profile.notes, note))
+        if warn:
+            warnings.warn("autopar: " + note, stacklevel=2)
+    return profile
 
 
 #: The bf16 traces the cost model reads: under autocast, and with bf16 weights (FSDP's mixed precision).

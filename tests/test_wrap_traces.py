@@ -117,3 +117,30 @@ def test_several_processes_trace_the_bf16_weights_step_up_front(monkeypatch):
 def _decide_kwargs(*, world_size: int) -> dict:
     return dict(plan=None, force=False, loss_fn=None, blocks=None, world_size=world_size,
                 global_batch_size=8 * world_size, loop=autopar.Loop.PLAIN)
+
+
+class _NoBf16Step(nn.Module):
+    """A step that raises in bf16 (an op with no bf16 kernel) and runs in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layers(x)
+        if h.dtype == torch.bfloat16:
+            raise RuntimeError("Unsupported dtype BFloat16")
+        return h
+
+
+def test_a_bf16_step_that_cannot_be_traced_is_said_not_kept_silent(monkeypatch):
+    """Planning for a GPU, a model whose bf16 step raises is planned from its fp32 trace, and its notes (a warning
+    when quiet) say so and that its bf16 plans may not run."""
+    monkeypatch.setattr(planning, "_TRACES", type(planning._TRACES)())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        profile, _ = planning.profile_variants(_NoBf16Step(), torch.randn(8, 32), autopar.Topology.from_spec("1xH200"))
+    note = next(n for n in profile.notes if n.startswith("its bf16 step could not be traced"))
+    assert "Unsupported dtype BFloat16" in note and "may not run" in note
+    assert profile.profile_precision == "fp32"
+    assert [str(w.message) for w in caught if "bf16 step could not be traced" in str(w.message)] == ["autopar: " + note]
