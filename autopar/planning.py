@@ -32,6 +32,7 @@ from .exact import exact_memory
 from .plan_cache import sample_signature
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
+from .profile.cuda_autocast import NoCudaBf16KernelError
 from .search import Candidate, Drop, DropKind, rank_key, search
 from .strategies.tensor_parallel import tensor_parallel_refusal
 from .topology import Topology, resolve_topology
@@ -174,9 +175,14 @@ def base_profile(model: nn.Module, sample: Any, *, loss_fn: Callable | None, blo
         cause = failed.__cause__ or failed  # the step's own error, where the TraceError chains it
         text = str(cause).strip()
         reason = f"{type(cause).__name__}: {text.splitlines()[0][:200]}" if text else type(cause).__name__
-        note = (f"its bf16 step could not be traced ({reason}): its bf16 plans are predicted from the fp32 trace, "
-                "and may not run (wrap measures the chosen plan's step on a GPU and refuses one that runs no step)")
-        profile = dataclasses.replace(profile, notes=(*profile.notes, note))
+        if isinstance(cause, NoCudaBf16KernelError):  # it cannot run in bf16 on a GPU: fp32 plans only
+            note = f"its bf16 step cannot run on a GPU ({text}): autopar plans it in fp32"
+            profile = dataclasses.replace(profile, notes=(*profile.notes, note), bf16_refusal=text)
+        else:
+            note = (f"its bf16 step could not be traced ({reason}): its bf16 plans are predicted from the fp32 "
+                    "trace, and may not run (wrap measures the chosen plan's step on a GPU and refuses one that "
+                    "runs no step)")
+            profile = dataclasses.replace(profile, notes=(*profile.notes, note))
         if warn:
             warnings.warn("autopar: " + note, stacklevel=2)
     return profile

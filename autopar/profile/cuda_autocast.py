@@ -20,6 +20,18 @@ _CUDA_FP32_OPS = frozenset((
     "triplet_margin_loss"))
 
 
+class NoCudaBf16KernelError(RuntimeError):
+    """The step calls an op with a bf16 input that CUDA has no bf16 kernel for: its bf16 step cannot run on a GPU."""
+
+
+def _no_cuda_bf16_kernel(name: str) -> bool:
+    """Ops CUDA runs in no bf16 kernel and CUDA autocast leaves alone (so a bf16 input reaches them and raises
+    "Unsupported dtype BFloat16" / "cuFFT doesn't support tensor of type: BFloat16"): the FFTs (cuFFT takes float32,
+    float64, and float16 of power-of-2 sizes; pytorch/pytorch#117844) and the STFTs built on them. CPU autocast casts
+    their inputs to float32, which would hide it from a trace run on a CPU."""
+    return name.startswith("fft_") or name in ("stft", "istft")
+
+
 def _to_float32(t: Any) -> Any:
     """A bf16/fp16 tensor as float32; anything else as it is."""
     if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16):
@@ -34,13 +46,19 @@ class CudaAutocastPolicy(TorchFunctionMode):
     moves the bytes a GPU run does (GPT-2's tanh GELU runs in float32 on a GPU: x ** 3 promotes the chain).
     Measured on an H200 (bench/profile_kernels.py): GPT-2-355M's elementwise kernels are mostly float32."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, *, cast: bool = True) -> None:
         super().__init__()
         self.device_type = device_type
+        self.cast = cast  # False on a CUDA device (its own autocast casts): the check of bf16 kernels alone
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") in _CUDA_FP32_OPS and "out" not in kwargs \
+        name = getattr(func, "__name__", "")
+        if _no_cuda_bf16_kernel(name) and any(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                                              for t in torch.utils._pytree.tree_leaves((tuple(args), kwargs))):
+            raise NoCudaBf16KernelError(f"torch.{name.replace('fft_', 'fft.')} gets a bf16 input, and CUDA has no bf16 "
+                                        "kernel for it (cuFFT: float32, float64, float16)")
+        if self.cast and name in _CUDA_FP32_OPS and "out" not in kwargs \
                 and torch.is_autocast_enabled(self.device_type):  # autocast leaves out= calls alone
             args, kwargs = torch.utils._pytree.tree_map(_to_float32, (tuple(args), kwargs))
         return func(*args, **kwargs)

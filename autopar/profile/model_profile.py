@@ -203,6 +203,8 @@ class ModelProfile:
     traced_with_weight_values: bool = False  # whether the step was traced with the weights' values beside the fake
     # tensors (it reads values they compute): a trace of it in another precision goes there at once
     largest_transient_where: str = ""  # where the step made its largest tensor ("the forward of block model.layers.0")
+    bf16_refusal: str | None = None  # why the step cannot run in bf16 on a GPU (an op a bf16 input reaches has no CUDA
+    # bf16 kernel: autopar.profile.cuda_autocast.NoCudaBf16KernelError), found by its bf16 trace: plans are fp32 then
     bf16_weights: tuple[str, ...] = ()  # trainable weights a matmul read in fp32 under bf16 autocast (autocast did not
     # reach it: a custom op's, an MoE's grouped GEMM), which autopar's autocast gives the forward in bf16 and this
     # bf16 trace did (autopar.strategies.precision); empty for other precisions

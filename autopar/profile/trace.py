@@ -146,7 +146,8 @@ class StepTrace:
         self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
         # A bf16 profile is for GPU plans: where the trace runs on another device, CUDA autocast's float32 ops
         # are cast as a GPU run casts them.
-        self.cuda_policy = CudaAutocastPolicy(device.type) if precision == "bf16" and device.type != "cuda" \
+        # (On a CUDA device only its check of ops CUDA has no bf16 kernel for, which a bf16 input reaches: typed.)
+        self.cuda_policy = CudaAutocastPolicy(device.type, cast=device.type != "cuda") if precision == "bf16" \
             else contextlib.nullcontext()
         self.sdpa = flash_like_sdpa() if device.type == "cpu" else contextlib.nullcontext()
         self.watcher = StepWatcher({storage_key(t) for t in self.state.values()},

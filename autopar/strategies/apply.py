@@ -86,6 +86,9 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
         raise PlanError(
             f"precision={plan.precision!r} is not supported by {topology.device.name}: use precision='fp32'."
         )
+    elif plan.precision == "bf16" and profile.bf16_refusal is not None:
+        raise PlanError(f"precision='bf16' cannot run {profile.model_class} on a GPU: {profile.bf16_refusal}. Use "
+                        "precision='fp32', or cast that op's input to float32 in the model.")
 
 
 def apply_plan(
