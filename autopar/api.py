@@ -128,6 +128,9 @@ def _choose(profile: ModelProfile, topology: Topology, *, world_size: int, globa
             f"use a global batch divisible by {world_size} (e.g. {max(world_size, global_batch_size - global_batch_size % world_size)}), "
             "or pass a plan with fewer data-parallel ranks.")
     best = ranked[0]
+    if not best.feasible and all(c.drop is not None and c.drop.kind is DropKind.UNRUNNABLE for c in ranked):
+        raise InfeasiblePlanError(f"no plan can train {profile.model_class} on {world_size} process"
+                                  f"{'es' if world_size > 1 else ''}: {best.reason}.")
     if not best.feasible:
         sized = [c for c in ranked if c.prediction is not None]
         smallest = min(sized, key=lambda c: c.prediction.memory_bytes) if sized else None

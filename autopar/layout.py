@@ -179,6 +179,19 @@ def sequence_parallel_refusal(profile: ModelProfile) -> str | None:
     return None
 
 
+def sparse_gradient_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why `plan` cannot train this model (one line), or None: an embedding built with sparse=True has a sparse
+    gradient, which FSDP2 can neither shard nor reduce (its backward failed in `fsdp::chunk_cat`, NotImplementedError
+    for SparseCPU), and every plan that manages the parameters with FSDP (Plan.uses_fsdp) runs it."""
+    if plan.uses_fsdp and profile.sparse_grad_modules:
+        names = profile.sparse_grad_modules
+        return (f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} of {profile.model_class} "
+                "has sparse=True: its gradient is a sparse tensor, which FSDP2 (every plan that shards, replicates "
+                "over processes or offloads) cannot shard or reduce; build it with sparse=False (a dense gradient: "
+                "any optimizer, not SparseAdam), or train in one process without offload")
+    return None
+
+
 @dataclass(frozen=True)
 class TPPair:
     """Column-parallel layers reading one input, and the row-parallel layer that maps back to hidden."""

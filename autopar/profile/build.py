@@ -129,6 +129,8 @@ def profile_model(
         profile_precision=precision,
         traced=trace,
         root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
+        sparse_grad_modules=tuple(n for n, m in model.named_modules()
+                                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse),
         num_ops=t.num_ops,
         traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes, op_groups=t.op_groups,
         value_reads=t.value_reads,

@@ -87,7 +87,7 @@ class LiveMemory:
 
     def _serials(self, tensors: Iterable[torch.Tensor]) -> set[int]:
         """The serials of these tensors' storages, where alive and recorded."""
-        cdatas = (t.untyped_storage()._cdata for t in tensors)
+        cdatas = (t.untyped_storage()._cdata for t in tensors if t.layout == torch.strided)  # (not a sparse one)
         return {self._serial_of[c] for c in cdatas if c in self._serial_of}
 
     def peak_contents(self) -> list[tuple[tuple[str, tuple[int, ...], str], int, int]]:

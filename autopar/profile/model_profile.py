@@ -203,6 +203,8 @@ class ModelProfile:
     traced_with_weight_values: bool = False  # whether the step was traced with the weights' values beside the fake
     # tensors (it reads values they compute): a trace of it in another precision goes there at once
     largest_transient_where: str = ""  # where the step made its largest tensor ("the forward of block model.layers.0")
+    sparse_grad_modules: tuple[str, ...] = ()  # embeddings built with sparse=True (a sparse gradient, which FSDP2
+    # cannot shard or reduce: plans that manage parameters with FSDP are refused for them)
     bf16_refusal: str | None = None  # why the step cannot run in bf16 on a GPU (an op a bf16 input reaches has no CUDA
     # bf16 kernel: autopar.profile.cuda_autocast.NoCudaBf16KernelError), found by its bf16 trace: plans are fp32 then
     bf16_weights: tuple[str, ...] = ()  # trainable weights a matmul read in fp32 under bf16 autocast (autocast did not
@@ -333,7 +335,8 @@ class ModelProfile:
         values["op_groups"] = tuple(_op_group(g) for g in values.get("op_groups", ()))
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
         values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))
-        for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names", "bf16_weights"):
+        for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names", "bf16_weights",
+                     "sparse_grad_modules"):
             if name in values:
                 values[name] = tuple(values[name])
         if values.get("block_input_shape") is not None:

@@ -312,14 +312,15 @@ class StepWatcher(TorchDispatchMode):
         self.consumers: dict[int, str] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors_in = tensors_of((args, kwargs))
+        # (strided tensors: a sparse one, an embedding's sparse gradient, has no storage of its own to follow)
+        tensors_in = [t for t in tensors_of((args, kwargs)) if t.layout == torch.strided]
         scope = self._scope(tensors_in)
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
         if out is None:
             out = self.flops.run(func, args, kwargs or {}, scope)
         else:
             self.flops.count(func, args, kwargs or {}, out, scope)
-        tensors_out = tensors_of(out)
+        tensors_out = [t for t in tensors_of(out) if t.layout == torch.strided]
         inputs = [storage_key(t) for t in tensors_in]
         if self.watch_consumers and self.forward and func.namespace != "prim" and \
                 func.overloadpacket.__name__ not in ("detach", "alias"):  # (the trace's own calls)
