@@ -53,16 +53,26 @@ def find_blocks(model: nn.Module, blocks: BlocksSpec = None) -> tuple[str | None
     return _without_bare_containers(*found)
 
 
+_NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)  # torch's containers without one
+
+
+def _runs_forward(module: nn.Module) -> bool:
+    """Whether the module has a forward to call (_NO_FORWARD's have none)."""
+    return not isinstance(module, _NO_FORWARD)
+
+
 def _without_bare_containers(path: str | None, units: Units, repeated: bool) -> tuple[str | None, Units, bool]:
-    """A unit that is a ModuleList or ModuleDict (a stage that is only a list of its blocks: PoolFormer's, PVT's)
-    runs no forward of its own, so it can be no block (FSDP2 refuses one as a unit, and the trace sees no call of
-    it): its children stand in for it, recursively; the blocks then lie in several containers (path None)."""
+    """A unit that runs no forward of its own (a ModuleList or ModuleDict: a stage that is only a list of its
+    blocks, PoolFormer's, PVT's; a ParameterList or ParameterDict, whose parameters the model reads directly) can be
+    no block: FSDP2 gathers a unit's parameters when it is called, and the trace attributes a block's work to its
+    call. Its children stand in for it, recursively (the blocks then lie in several containers: path None); its own
+    parameters stay with the unit around it (the model's, for a top-level one)."""
     def expand(name: str, module: nn.Module) -> Units:
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        if _runs_forward(module):
             return [(name, module)]
         return [u for n, c in module.named_children() if _numel(c) > 0 for u in expand(_join(name, n), c)]
 
-    if not any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for _, m in units):
+    if all(_runs_forward(m) for _, m in units):
         return path, units, repeated
     return None, [u for name, module in units for u in expand(name, module)], repeated
 

@@ -27,7 +27,7 @@ are (`dtype_units`). Only float32 (and fp16) units are cast to bf16 for compute,
 complex or float64 weight keeps its dtype under every plan (autopar.strategies.precision.fsdp_policy). A complex
 parameter whose first dimension the shard count does not divide is replicated too: FSDP2 pads it for the shards, and
 with torch 2.13 on gloo such a weight (5 complex elements over 2 ranks) trained wrong, 5.6e-2 relative after 3 steps
-(tests/strategies/test_fsdp_dtypes.py), while one the shards divide trained as one process.
+(tests/strategies/test_fsdp_params.py), while one the shards divide trained as one process.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Worker of tests/strategies/test_fsdp_dtypes.py (torchrun, gloo, 2 ranks; the reference in one plain process).
+"""Worker of tests/strategies/test_fsdp_params.py (torchrun, gloo, 2 ranks; the reference in one plain process).
 
 argv: OUT.pt. Every scenario under its data-parallel plan on the ranks; rank 0 writes the loss of every step, every
 parameter and gradient in full after the last step (train_step scenarios: the gradients of one more backward), and
@@ -88,9 +88,26 @@ class Net(nn.Module):
         return self.head(h)
 
 
+class ListedParams(nn.Module):
+    """No blocks: the model reads its weights from a ParameterList and a ParameterDict, which run no forward of
+    their own (FSDP2 gathers a unit's parameters when the unit is called: such a container can be no unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(DIM, DIM) / DIM ** 0.5) for _ in range(BLOCKS))
+        self.scales = nn.ParameterDict({f"s{i}": nn.Parameter(torch.ones(DIM)) for i in range(BLOCKS)})
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        for i, w in enumerate(self.weights):
+            x = x + torch.tanh(x @ w) * self.scales[f"s{i}"]
+        return self.head(x)
+
+
 def build(block: type[nn.Module]) -> nn.Module:
+    """The model of a scenario: Net over `block`, or `block` itself where it is a whole model (ListedParams)."""
     torch.manual_seed(0)
-    return Net(block)
+    return block() if block is ListedParams else Net(block)
 
 
 def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +125,7 @@ SCENARIOS = {
     "complex_replicated": (FourierBlock, dict(dp_replicate=2, micro_batch_size=4), False),
     "float64_param_accum": (Float64Scale, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
     "float64_module_bf16": (Float64Linear, dict(dp_shard=2, micro_batch_size=4, precision="bf16"), False),
+    "listed_params_sharded": (ListedParams, dict(dp_shard=2, micro_batch_size=4), False),
 }
 
 

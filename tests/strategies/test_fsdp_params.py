@@ -1,8 +1,10 @@
-"""Data parallelism (FSDP2) of a model whose blocks hold parameters of several dtypes: complex spectral weights
-beside real Linears (a Fourier neural operator's block), a float64 Parameter beside a float32 Linear, a float64
-Linear beside a float32 one. fully_shard refuses a unit of mixed dtypes; autopar makes the modules of the other
-dtype units of their own, and replicates a parameter of the other dtype held beside the main one, so 2 gloo
-ranks train as one process on the global batch (fp32, 1e-5), and a bf16 plan casts only the float32 weights."""
+"""Data parallelism (FSDP2) of models whose parameters are held in unusual ways. Blocks with parameters of several
+dtypes: complex spectral weights beside real Linears (a Fourier neural operator's block), a float64 Parameter beside
+a float32 Linear, a float64 Linear beside a float32 one. fully_shard refuses a unit of mixed dtypes; autopar makes
+the modules of the other dtype units of their own, and replicates a parameter of the other dtype held beside the
+main one, so 2 gloo ranks train as one process on the global batch (fp32, 1e-5), and a bf16 plan casts only the
+float32 weights. A model that reads its weights from a ParameterList and a ParameterDict (which run no forward, so
+FSDP2 never gathered them as units: "mixed torch.Tensor and DTensor"): they stay with the model's own unit."""
 
 from __future__ import annotations
 
@@ -12,10 +14,10 @@ import torch
 from autopar.strategies.fsdp import dtype_units
 from autopar.strategies.precision import fsdp_policy
 from tests.distributed._launch import torchrun
-from tests.strategies import _fsdp_dtypes_worker as worker
+from tests.strategies import _fsdp_params_worker as worker
 
 RTOL = 1e-5
-WORKER = "tests/strategies/_fsdp_dtypes_worker.py"
+WORKER = "tests/strategies/_fsdp_params_worker.py"
 FP32 = [n for n, (_, fields, _) in worker.SCENARIOS.items() if fields.get("precision", "fp32") == "fp32"]
 
 
@@ -25,7 +27,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_dtypes")
+    tmp = tmp_path_factory.mktemp("fsdp_params")
     torchrun(WORKER, 2, [str(tmp / "ranks.pt")], cache_dir=tmp / "cache", timeout_s=600)
     return torch.load(tmp / "ranks.pt", weights_only=False)
 
@@ -81,3 +83,10 @@ def test_a_bf16_plan_computes_float32_weights_in_bf16_and_float64_ones_as_they_a
     assert got["kinds"]["blocks.0.precise.weight"] == "DTensor" and got["dtypes"]["blocks.0.precise.weight"] == torch.float64
     want = worker.run_reference("float64_module_bf16", autocast=True)  # the same casts, in one process
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]), rtol=2e-2, atol=0)
+
+
+def test_parameter_containers_are_no_units_and_their_weights_stay_with_the_model():
+    from autopar.profile.blocks import find_blocks
+
+    _, units, repeated = find_blocks(worker.build(worker.ListedParams))
+    assert [n for n, _ in units] == ["head"] and not repeated
