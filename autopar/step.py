@@ -108,7 +108,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied: Sequen
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        total += g.detach().double().pow(2).sum() * share.get(id(p), 1.0) / _replication(p.grad, mesh)
+        g = g.detach().abs() if g.is_complex() else g.detach()  # a complex element's square is |z|^2 (as torch's)
+        total += g.double().pow(2).sum() * share.get(id(p), 1.0) / _replication(p.grad, mesh)
     if mesh is not None and dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt().float()

@@ -126,7 +126,10 @@ SCENARIOS = {
     "float64_param_accum": (Float64Scale, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
     "float64_module_bf16": (Float64Linear, dict(dp_shard=2, micro_batch_size=4, precision="bf16"), False),
     "listed_params_sharded": (ListedParams, dict(dp_shard=2, micro_batch_size=4), False),
+    # train_step clipping the gradient norm (CLIP): the complex weights' |z|^2 counted, sharded and replicated ones
+    "complex_sharded_clipped": (FourierBlock, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
 }
+CLIP = 0.05  # below the model's gradient norm: every step is clipped
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -151,7 +154,8 @@ def run_ranks(name: str) -> dict:
         if isinstance(m, nn.Linear):
             m.register_forward_pre_hook(lambda mod, args, n=n: gathered.__setitem__(n, mod.weight.dtype))
     opt = _optimizer(model)
-    step = autopar.train_step(model, opt, loss_fn) if with_step else None
+    step = autopar.train_step(model, opt, loss_fn, max_grad_norm=CLIP if name.endswith("_clipped") else None) \
+        if with_step else None
     losses = []
     for i in range(STEPS):
         x, y = batch_of(i)
@@ -187,6 +191,8 @@ def run_reference(name: str, *, autocast: bool = False) -> dict:
             loss = loss_fn(model(batch_of(i)[0]), batch_of(i))
         loss.backward()
         if i < STEPS:
+            if name.endswith("_clipped"):
+                assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP  # (it clips)
             opt.step()
             losses.append(loss.item())
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
