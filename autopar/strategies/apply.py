@@ -42,7 +42,7 @@ from ..topology import Topology
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, cuda_graphs_refusal, default_backend, max_autotune_refusal
 from .float8 import apply_float8, float8_all_gather_refusal, float8_refusal
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, give_no_sync
 from .materialize import materialize
 from .mesh import data_shard, dp_mesh
 from .pipeline import _PassThrough, apply_pipeline_split, build_schedule, check_pipeline, install_stage_gates
@@ -198,6 +198,8 @@ def apply_plan(
                      "forward in bf16, as autocast gives a Linear's; their parameters stay fp32")
     with later:
         _finish(model, plan, blocks, runtime, mesh, device, init_fn, compile_backend, use_fsdp, compiled, cast)
+    if runtime is None:  # (a pipeline's step is autopar.train_step's)
+        give_no_sync(model)
     return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
                    data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
                    notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)

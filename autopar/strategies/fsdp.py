@@ -32,8 +32,9 @@ with torch 2.13 on gloo such a weight (5 complex elements over 2 ranks) trained 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -189,6 +190,29 @@ def apply_fsdp(
         shard(model, reshard=reshard_after_forward, root=True)
     if scalars:
         _ReplicatedParams(model, [n for n, _ in scalars], mesh, root_unit=outer_units is None)
+
+
+def give_no_sync(model: nn.Module) -> None:
+    """Give the wrapped model DDP's `no_sync()` where it has none, so that a loop written for DDP runs unchanged:
+    a context in which backward accumulates gradients without reducing them (FSDP2's
+    `set_requires_gradient_sync(False)`, switched back on at its exit, so the next backward reduces the sum); on a
+    model FSDP2 does not manage (one process), nothing to hold back."""
+    if hasattr(model, "no_sync"):
+        return
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        switch = getattr(model, "set_requires_gradient_sync", None)
+        if switch is None:
+            yield
+            return
+        switch(False)
+        try:
+            yield
+        finally:
+            switch(True)
+
+    model.no_sync = no_sync
 
 
 def _is_sharded(p: nn.Parameter) -> bool:

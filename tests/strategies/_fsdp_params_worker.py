@@ -128,6 +128,9 @@ SCENARIOS = {
     "listed_params_sharded": (ListedParams, dict(dp_shard=2, micro_batch_size=4), False),
     # train_step clipping the gradient norm (CLIP): the complex weights' |z|^2 counted, sharded and replicated ones
     "complex_sharded_clipped": (FourierBlock, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
+    # a loop written for DDP: two halves of the batch a step, the first backward under model.no_sync()
+    "ddp_loop_no_sync_sharded": (Float64Linear, dict(dp_shard=2, micro_batch_size=4), False),
+    "ddp_loop_no_sync_replicated": (Float64Linear, dict(dp_replicate=2, micro_batch_size=4), False),
 }
 CLIP = 0.05  # below the model's gradient norm: every step is clipped
 
@@ -153,6 +156,10 @@ def run_ranks(name: str) -> dict:
     for n, m in model.named_modules():
         if isinstance(m, nn.Linear):
             m.register_forward_pre_hook(lambda mod, args, n=n: gathered.__setitem__(n, mod.weight.dtype))
+    sync_calls: list[bool] = []  # what model.no_sync() switches (FSDP2's gradient synchronisation)
+    if name.startswith("ddp_loop_no_sync"):
+        switch = model.set_requires_gradient_sync
+        model.set_requires_gradient_sync = lambda on, **kw: sync_calls.append(on) or switch(on, **kw)
     opt = _optimizer(model)
     step = autopar.train_step(model, opt, loss_fn, max_grad_norm=CLIP if name.endswith("_clipped") else None) \
         if with_step else None
@@ -162,6 +169,16 @@ def run_ranks(name: str) -> dict:
         mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
         if step is not None:
             loss = step(mine).detach()
+        elif name.startswith("ddp_loop_no_sync"):  # DDP's accumulation idiom: no reduction until the last backward
+            opt.zero_grad(set_to_none=True)
+            half = local // 2
+            with model.no_sync():
+                first = loss_fn(model(mine[0][:half]), (None, mine[1][:half])) / 2
+                first.backward()
+            second = loss_fn(model(mine[0][half:]), (None, mine[1][half:])) / 2
+            second.backward()
+            opt.step()
+            loss = (first + second).detach()
         else:
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(model(mine[0]), mine)
@@ -177,7 +194,7 @@ def run_ranks(name: str) -> dict:
     return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()},
             "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
             "kinds": {n: type(p).__name__ for n, p in model.named_parameters()},
-            "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered}
+            "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered, "sync_calls": sync_calls}
 
 
 def run_reference(name: str, *, autocast: bool = False) -> dict:

@@ -90,3 +90,23 @@ def test_parameter_containers_are_no_units_and_their_weights_stay_with_the_model
 
     _, units, repeated = find_blocks(worker.build(worker.ListedParams))
     assert [n for n, _ in units] == ["head"] and not repeated
+
+
+def test_a_model_in_one_process_has_a_no_sync_that_holds_nothing_back(monkeypatch):
+    """A loop written for DDP calls model.no_sync(): on one process (no FSDP) it is a context that does nothing."""
+    import autopar
+
+    monkeypatch.setenv("AUTOPAR_NO_WRAP_CACHE", "1")
+    model = autopar.wrap(worker.build(worker.Float64Linear), sample=worker.batch_of(0), loss_fn=worker.loss_fn,
+                         verbose=False)
+    x, y = worker.batch_of(0)
+    with model.no_sync():
+        worker.loss_fn(model(x), (x, y)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["ddp_loop_no_sync_sharded", "ddp_loop_no_sync_replicated"])
+def test_no_sync_holds_fsdps_reduction_back_until_its_exit(runs, name):
+    """The DDP loop trains as one process (test_two_ranks_train_as_one_process), and its no_sync() switched FSDP2's
+    gradient synchronisation off for the first half and on again, every step."""
+    assert runs[name]["sync_calls"] == [False, True] * worker.STEPS
