@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Iterator, Sequence
+import warnings
+import weakref
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -230,6 +232,49 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
+class _BesideShards:
+    """The replicated parameters (of more than one element) in this process, and the one optimizer step pre-hook that
+    keeps torch's multi-tensor kernels from a group that mixes them with FSDP's DTensors of their dtype: foreach and
+    fused kernels refuse the mix ("got mixed torch.Tensor and DTensor"; a 0-d tensor DTensor takes as a scalar), and
+    AdamW defaults to foreach on a GPU. Such a group steps tensor by tensor, said once per optimizer."""
+
+    def __init__(self) -> None:
+        self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._handle = None
+        self._told: weakref.WeakSet = weakref.WeakSet()
+
+    def add(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            if p.dim() > 0:
+                self._params[id(p)] = p
+        if len(self._params) and self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handle = register_optimizer_step_pre_hook(self._check)
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for group in optimizer.param_groups:
+            if group.get("foreach") is False and not group.get("fused"):  # tensor by tensor already
+                continue
+            plain = {p.dtype for p in group["params"] if self._params.get(id(p)) is p}
+            sharded = {p.dtype for p in group["params"] if isinstance(p, DTensor)}
+            if plain & sharded:
+                group["foreach"] = False
+                if group.get("fused"):
+                    group["fused"] = False
+                if optimizer not in self._told:
+                    self._told.add(optimizer)
+                    warnings.warn(f"autopar: {type(optimizer).__name__} steps parameters autopar keeps replicated "
+                                  "beside FSDP's sharded ones of the same dtype in one group, which torch's foreach "
+                                  "and fused kernels refuse: that group steps tensor by tensor (slower); give those "
+                                  "parameters a group of their own to keep them.", stacklevel=2)
+
+
+BESIDE_SHARDS = _BesideShards()
+
+
 class _ReplicatedParams:
     """Parameters kept out of FSDP2, replicated over the data-parallel `mesh` (every dimension of it), as DDP
     keeps its parameters: the same on every rank, their gradients averaged over the mesh's ranks.
@@ -265,6 +310,7 @@ class _ReplicatedParams:
 
     def _attach(self, model: nn.Module) -> None:
         self.params = [model.get_parameter(name) for name in self.names]
+        BESIDE_SHARDS.add(self.params)
         self.broadcast()
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._average)

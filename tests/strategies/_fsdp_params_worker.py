@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -131,6 +132,8 @@ SCENARIOS = {
     # a loop written for DDP: two halves of the batch a step, the first backward under model.no_sync()
     "ddp_loop_no_sync_sharded": (Float64Linear, dict(dp_shard=2, micro_batch_size=4), False),
     "ddp_loop_no_sync_replicated": (Float64Linear, dict(dp_replicate=2, micro_batch_size=4), False),
+    # AdamW(foreach=True), as a GPU defaults to: the replicated complex weights beside the sharded ones
+    "complex_sharded_foreach": (FourierBlock, dict(dp_shard=2, micro_batch_size=4), False),
 }
 CLIP = 0.05  # below the model's gradient norm: every step is clipped
 
@@ -141,8 +144,8 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+def _optimizer(model: nn.Module, foreach: bool = False) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
 
 
 def run_ranks(name: str) -> dict:
@@ -160,10 +163,13 @@ def run_ranks(name: str) -> dict:
     if name.startswith("ddp_loop_no_sync"):
         switch = model.set_requires_gradient_sync
         model.set_requires_gradient_sync = lambda on, **kw: sync_calls.append(on) or switch(on, **kw)
-    opt = _optimizer(model)
+    opt = _optimizer(model, foreach=name.endswith("_foreach"))
     step = autopar.train_step(model, opt, loss_fn, max_grad_norm=CLIP if name.endswith("_clipped") else None) \
         if with_step else None
     losses = []
+    caught = warnings.catch_warnings(record=True)
+    said = caught.__enter__()
+    warnings.simplefilter("always")
     for i in range(STEPS):
         x, y = batch_of(i)
         mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
@@ -187,6 +193,7 @@ def run_ranks(name: str) -> dict:
             loss = loss.detach()
         dist.all_reduce(loss)
         losses.append(loss.item() / size)
+    caught.__exit__(None, None, None)
     x, y = batch_of(STEPS)  # the gradients of one more backward
     opt.zero_grad(set_to_none=True)
     mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
@@ -194,7 +201,8 @@ def run_ranks(name: str) -> dict:
     return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()},
             "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
             "kinds": {n: type(p).__name__ for n, p in model.named_parameters()},
-            "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered, "sync_calls": sync_calls}
+            "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered, "sync_calls": sync_calls,
+            "said": [str(w.message) for w in said if str(w.message).startswith("autopar:")]}
 
 
 def run_reference(name: str, *, autocast: bool = False) -> dict:

@@ -110,3 +110,11 @@ def test_no_sync_holds_fsdps_reduction_back_until_its_exit(runs, name):
     """The DDP loop trains as one process (test_two_ranks_train_as_one_process), and its no_sync() switched FSDP2's
     gradient synchronisation off for the first half and on again, every step."""
     assert runs[name]["sync_calls"] == [False, True] * worker.STEPS
+
+
+def test_a_foreach_optimizer_steps_the_replicated_weights_beside_the_sharded_ones_saying_so(runs):
+    """torch's foreach kernels refuse a group mixing the replicated complex weight with the sharded ones ("got mixed
+    torch.Tensor and DTensor"): that group steps tensor by tensor, said once (the parity test checks the result)."""
+    said = [m for m in runs["complex_sharded_foreach"]["said"] if "tensor by tensor" in m]
+    assert len(said) == 1 and "AdamW" in said[0]
+    assert not any("tensor by tensor" in m for m in runs["complex_sharded"]["said"])  # foreach=False: nothing to say
