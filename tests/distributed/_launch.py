@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -46,3 +45,22 @@ def run_scenarios(scenarios: list[dict], world_size: int, tmp_path: Path) -> dic
     spec.write_text(json.dumps(scenarios))
     torchrun("tests/distributed/_worker.py", world_size, [str(spec), str(out)], cache_dir=tmp_path / "autopar-cache")
     return torch.load(out, weights_only=False)  # our own test output; plain types only
+
+
+def worker_main(run_ranks, names: list[str], out: str) -> None:
+    """A worker's main (under torchrun, gloo): `run_ranks(name)` for each scenario on every rank, an error recorded
+    in its place (the test fails on it, with its traceback); rank 0 saves the results to `out`."""
+    import traceback
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results = {}
+    for name in names:
+        try:
+            results[name] = run_ranks(name)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()

@@ -225,20 +225,10 @@ def run_reference(name: str, *, autocast: bool = False) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    names = [n for n in (os.environ.get("SCENARIOS") or ",".join(SCENARIOS)).split(",") if n]
-    dist.init_process_group("gloo")
-    results = {}
-    for n in names:
-        try:
-            results[n] = run_ranks(n)
-        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
-            import traceback
+    from tests.distributed._launch import worker_main
 
-            results[n] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        torch.save(results, out)
-    dist.destroy_process_group()
+    names = [n for n in (os.environ.get("SCENARIOS") or ",".join(SCENARIOS)).split(",") if n]
+    worker_main(run_ranks, names, sys.argv[1])
 
 
 if __name__ == "__main__":
