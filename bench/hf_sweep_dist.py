@@ -17,7 +17,7 @@ refused the plan with a typed error: its one line recorded, not a failure of the
 the wrapped step raised otherwise); `model_failed` / `build_failed` (not autopar's: the plain model did not
 build or train); `timeout` / `crashed`.
 
-    python -m bench hf-sweep-dist --from bench/results/hf_sweep_2026-12-06c.jsonl --plans fsdp,tp --out FILE
+    python -m bench hf-sweep-dist --from bench/results/hf_sweep_2026-12-07.jsonl --plans fsdp,tp --out FILE
     python -m bench hf-sweep-dist --report FILE
 """
 
