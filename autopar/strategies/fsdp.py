@@ -242,6 +242,7 @@ class _BesideShards:
         self._params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._handle = None
         self._told: weakref.WeakSet = weakref.WeakSet()
+        self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its groups when checked
 
     def add(self, params: Sequence[torch.Tensor]) -> None:
         for p in params:
@@ -255,6 +256,9 @@ class _BesideShards:
     def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         from torch.distributed.tensor import DTensor
 
+        if self._checked.get(optimizer) == len(optimizer.param_groups):  # each step after the first: nothing new
+            return
+        self._checked[optimizer] = len(optimizer.param_groups)
         for group in optimizer.param_groups:
             if group.get("foreach") is False and not group.get("fused"):  # tensor by tensor already
                 continue
