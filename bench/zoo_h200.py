@@ -733,7 +733,9 @@ def parser() -> argparse.ArgumentParser:
                     help="more timed steps where --steps last less than this (s): a 20 ms step timed 10 times is 0.2 s "
                          "of a host whose speed drifts")
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--time-budget-s", type=float, default=480.0, help="no family starts after this (s)")
+    ap.add_argument("--time-budget-s", type=float, default=480.0,
+                    help="the call's seconds: no family starts after them, and one running then is cut (give it at "
+                         "least --family-timeout-s)")
     ap.add_argument("--family-timeout-s", type=float, default=300.0, help="a family's process is killed after this")
     ap.add_argument("--min-family-s", type=float, default=90.0, help="no family starts with less time left than this")
     ap.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/zoo_h200.jsonl)")

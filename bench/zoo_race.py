@@ -190,7 +190,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="after the rounds, profile this many steps of each mode (kernels, GPU busy time, host ops)")
     ap.add_argument("--family-timeout-s", type=float, default=300.0)
-    ap.add_argument("--time-budget-s", type=float, default=480.0, help="no family starts after this (s)")
+    ap.add_argument("--time-budget-s", type=float, default=480.0,
+                    help="the call's seconds: no family starts after them, and one running then is cut (give it at "
+                         "least --family-timeout-s)")
     ap.add_argument("--out", default=None, help="the JSON-lines file (default: $OUT/zoo_race.jsonl)")
     ap.add_argument("--report", nargs="+", default=None, help="print the ratio table of these files and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
