@@ -71,6 +71,12 @@ def profile_model(
         raise ProfileError("the sample is an empty batch (batch size 0): give one batch of at least one sample, as "
                            "the training loop feeds it.")
     check_sample_fits(model, sample)  # a sample that cannot be bound to forward: its own error, before any trace
+    scripted = next((n for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None:  # the trace's hooks raised "register_forward_pre_hook is not supported on ScriptModules"
+        raise ProfileError(f"{scripted or type(model).__name__} is a TorchScript module (torch.jit.script or trace): "
+                           "autopar traces a training step through hooks on the model's modules, and FSDP2 shards "
+                           "through the same hooks, which TorchScript modules do not take; pass the eager module "
+                           "(TorchScript it after training; torch.compile is autopar's compiler).")
     blocks_path, units, repeated = find_blocks(model, blocks)
     notes: list[str] = []
     if not repeated:

@@ -338,3 +338,30 @@ def test_loss_fn_gets_the_output_and_the_sample_and_must_return_a_scalar():
         profile_model(model, x, loss_fn=lambda out, sample: out.sum(-1))
     assert all(q.grad is None for q in model.parameters())
 
+
+
+def test_a_torchscript_module_is_refused_in_one_line_naming_it():
+    """The trace's hooks (and FSDP2's) do not take TorchScript modules ("register_forward_pre_hook is not supported
+    on ScriptModules", raised from deep in the trace): profile_model, so wrap and autopar.plan, refuse it first."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.tanh(self.lin(x))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(torch.jit.script(Block()) for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    for model, named in ((Net(), "blocks.0"), (torch.jit.script(Block()), "RecursiveScriptModule")):
+        with pytest.raises(ProfileError) as info:
+            profile_model(model, torch.randn(4, 8), warn=False)
+        assert "\n" not in str(info.value) and str(info.value).startswith(f"{named} is a TorchScript module")
