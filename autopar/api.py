@@ -356,9 +356,10 @@ def _race(model: nn.Module, sample: Any, state: Any, *, loss_fn: Callable | None
                             graphs=races_graphs(state.plan, state.device))
     if not race.ran:  # the plan runs no step here: refused now, with why, not left to the loop's first step
         raise PlanError(f"wrap's plan ({short_name(state.plan)}) ran no training step on {state.device}: {race.why}. "
-                        "Pass a plan that runs: wrap(model, sample=..., plan=autopar.Plan(...)), with "
-                        "precision='fp32' where an op has no bf16 kernel on this device, a smaller micro_batch_size "
-                        "or checkpointing where it ran out of memory.")
+                        "Build the model again (this one has the plan applied) and pass a plan that runs: "
+                        "wrap(model, sample=..., plan=autopar.Plan(...)), with precision='fp32' where an op has no "
+                        "bf16 kernel on this device, a smaller micro_batch_size or checkpointing where it ran out of "
+                        "memory.")
     prediction = measured_prediction(state.plan, race)
     plan = state.plan.replace(compile=race.kept_compiled, prediction=prediction,
                               cuda_graphs=(state.plan.cuda_graphs or race.kept_graphs) and race.kept_compiled,

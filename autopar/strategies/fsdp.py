@@ -151,25 +151,27 @@ def apply_fsdp(
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     blocks = list({id(block): (name, block) for name, block in blocks}.values())  # a block listed twice: one unit
     own_units, shared_params = shared_modules(model, [b for _, b in blocks] + list(outer_units or ()))
-    scalars = unshardable_params(model)
-    scalars += [(n, p) for n, p in shared_params if all(p is not q for _, q in scalars)]
+    # the parameters kept out of every unit and replicated, each once: 0-d, shared by units, then of another dtype
+    replicated = {id(p): (n, p) for n, p in [*unshardable_params(model), *shared_params]}
     block_units = [b for _, b in blocks]
     units = [m for _, m in own_units] + block_units + list(outer_units or ())
-    by_dtype, mixed = dtype_units(model, units, skip=[p for _, p in scalars])
-    complex_ = [(n, p) for n, p in model.named_parameters() if p.is_complex() and p.dim()]
-    if complex_:  # those the dp_shard dimension (the last of an HSDP mesh) does not divide
-        mixed += [(n, p) for n, p in complex_ if p.shape[0] % mesh.size(mesh.ndim - 1)]
-    scalars += [(n, p) for n, p in mixed if all(p is not q for _, q in scalars)]
+    by_dtype, mixed = dtype_units(model, units, skip=[p for _, p in replicated.values()])
+    shards = mesh.size(mesh.ndim - 1) if mesh is not None else 1  # the dp_shard dimension (an HSDP mesh's last)
+    mixed += [(n, p) for n, p in model.named_parameters() if p.is_complex() and p.dim() and p.shape[0] % shards]
+    for n, p in mixed:
+        replicated.setdefault(id(p), (n, p))
+    scalars = list(replicated.values())
     extra: dict = {}
     if scalars:
         if "ignored_params" not in inspect.signature(fully_shard).parameters:
             raise PlanError(
-                f"{type(model).__name__} has 0-d parameters ({', '.join(n for n, _ in scalars[:3])}), which FSDP2 "
-                f"cannot shard, and this torch ({torch.__version__}) has no fully_shard(ignored_params=) to leave "
-                "them out: upgrade torch, or make them 1-D tensors of one element."
+                f"{type(model).__name__} has parameters FSDP2 cannot shard ({', '.join(n for n, _ in scalars[:3])}: "
+                f"0-d, shared by several units or of another dtype), and this torch ({torch.__version__}) has no "
+                "fully_shard(ignored_params=) to leave them out: upgrade torch (or make 0-d ones 1-D tensors of one "
+                "element)."
             )
         extra["ignored_params"] = {p for _, p in scalars}
-    ignored = {id(p) for _, p in scalars}
+    ignored = set(replicated)
 
     def shard(module: nn.Module, *, reshard: bool, root: bool) -> None:
         # its modules of another dtype first (dtype_units), then the unit itself, each cast as autocast would

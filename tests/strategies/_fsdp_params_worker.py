@@ -167,33 +167,31 @@ def run_ranks(name: str) -> dict:
     step = autopar.train_step(model, opt, loss_fn, max_grad_norm=CLIP if name.endswith("_clipped") else None) \
         if with_step else None
     losses = []
-    caught = warnings.catch_warnings(record=True)
-    said = caught.__enter__()
-    warnings.simplefilter("always")
-    for i in range(STEPS):
-        x, y = batch_of(i)
-        mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
-        if step is not None:
-            loss = step(mine).detach()
-        elif name.startswith("ddp_loop_no_sync"):  # DDP's accumulation idiom: no reduction until the last backward
-            opt.zero_grad(set_to_none=True)
-            half = local // 2
-            with model.no_sync():
-                first = loss_fn(model(mine[0][:half]), (None, mine[1][:half])) / 2
-                first.backward()
-            second = loss_fn(model(mine[0][half:]), (None, mine[1][half:])) / 2
-            second.backward()
-            opt.step()
-            loss = (first + second).detach()
-        else:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(mine[0]), mine)
-            loss.backward()
-            opt.step()
-            loss = loss.detach()
-        dist.all_reduce(loss)
-        losses.append(loss.item() / size)
-    caught.__exit__(None, None, None)
+    with warnings.catch_warnings(record=True) as said:  # what autopar says while training
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            x, y = batch_of(i)
+            mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
+            if step is not None:
+                loss = step(mine).detach()
+            elif name.startswith("ddp_loop_no_sync"):  # DDP's accumulation: no reduction until the last backward
+                opt.zero_grad(set_to_none=True)
+                half = local // 2
+                with model.no_sync():
+                    first = loss_fn(model(mine[0][:half]), (None, mine[1][:half])) / 2
+                    first.backward()
+                second = loss_fn(model(mine[0][half:]), (None, mine[1][half:])) / 2
+                second.backward()
+                opt.step()
+                loss = (first + second).detach()
+            else:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model(mine[0]), mine)
+                loss.backward()
+                opt.step()
+                loss = loss.detach()
+            dist.all_reduce(loss)
+            losses.append(loss.item() / size)
     x, y = batch_of(STEPS)  # the gradients of one more backward
     opt.zero_grad(set_to_none=True)
     mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
