@@ -192,6 +192,19 @@ def sparse_gradient_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     return None
 
 
+def differentiating_forward_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why `plan` cannot train this model (one line), or None: its forward takes a gradient (a gradient penalty's
+    torch.autograd.grad(..., create_graph=True)); under FSDP2 that inner backward runs the units' post-backward hooks,
+    which free the gathered weights the outer backward reads ("setStorage: ... storage of size 0"), and with the
+    weights kept gathered the gradients came out wrong (gloo, torch 2.13), so every plan that manages the parameters
+    with FSDP (Plan.uses_fsdp) or splits the model into pipeline stages is refused."""
+    if (plan.uses_fsdp or plan.pp > 1) and profile.differentiating_forward:
+        return (f"{profile.model_class} takes a gradient in {profile.differentiating_forward} (torch.autograd.grad "
+                "inside forward, as a gradient penalty does), which FSDP2 and pipeline stages cannot run: train it "
+                "in one process without offload, or compute that gradient outside the wrapped module")
+    return None
+
+
 @dataclass(frozen=True)
 class TPPair:
     """Column-parallel layers reading one input, and the row-parallel layer that maps back to hidden."""

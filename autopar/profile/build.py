@@ -130,6 +130,7 @@ def profile_model(
         largest_transient_bytes=t.largest_bytes,
         largest_transient_op=t.largest_op,
         largest_transient_where=t.largest_where,
+        differentiating_forward=t.differentiated_where,
         sample_batch_size=batch,
         tokens_per_sample=tokens,
         profile_precision=precision,

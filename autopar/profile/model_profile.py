@@ -205,6 +205,9 @@ class ModelProfile:
     largest_transient_where: str = ""  # where the step made its largest tensor ("the forward of block model.layers.0")
     sparse_grad_modules: tuple[str, ...] = ()  # embeddings built with sparse=True (a sparse gradient, which FSDP2
     # cannot shard or reduce: plans that manage parameters with FSDP are refused for them)
+    differentiating_forward: str = ""  # where the forward takes a gradient (torch.autograd.grad with create_graph, as
+    # a gradient penalty does: "the forward of block NAME"), found by the trace; FSDP2 frees a unit's gathered weights
+    # at that inner backward, which the outer one then reads: plans that manage parameters with FSDP are refused
     bf16_refusal: str | None = None  # why the step cannot run in bf16 on a GPU (an op a bf16 input reaches has no CUDA
     # bf16 kernel: autopar.profile.cuda_autocast.NoCudaBf16KernelError), found by its bf16 trace: plans are fp32 then
     bf16_weights: tuple[str, ...] = ()  # trainable weights a matmul read in fp32 under bf16 autocast (autocast did not

@@ -67,6 +67,8 @@ class Trace:
     # of this step (autopar.profile.allocator.replay_steps); None: not replayed
     allocator_replay_on_cuda: bool = False  # whether that step dispatched as CUDA does (a fake CUDA device)
     largest_where: str = ""  # where the largest tensor was made: "the forward of block NAME", "the loss's backward"
+    differentiated_where: str = ""  # where the forward took a gradient (torch.autograd.grad in it): "the forward of
+    # block NAME"; empty: it took none
     # under autocast: the trainable weights a forward matmul read in float32 (autocast did not reach it), and those
     # this trace gave the step in bf16 (`StepTrace(bf16_weights=...)`), as autopar's autocast gives them
     fp32_matmul_weights: tuple[str, ...] = ()
@@ -275,6 +277,7 @@ class StepTrace:
             allocator_reserve_bytes=self._allocator_replay(gradients).reserve_bytes,
             allocator_replay_on_cuda=self.on_cuda,
             largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "",
+            differentiated_where="" if w.differentiated_in is None else self._where(w.differentiated_in, False),
             fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights,
             matmul_weights=tuple(sorted(w.matmul_weights)))
 

@@ -279,6 +279,7 @@ class StepWatcher(TorchDispatchMode):
         self.compile_masks = compile_masks if compile_masks is not None else CompileMasks()
         self.largest_bytes, self.largest_op = 0, "none"
         self.largest_scope, self.largest_backward = AFTER, False  # where the largest output was made
+        self.differentiated_in: int | None = None  # the scope whose forward ran a backward (torch.autograd.grad)
         self.num_ops = 0
         self.traffic_bytes = 0
         self.weight_traffic_bytes = 0
@@ -315,6 +316,8 @@ class StepWatcher(TorchDispatchMode):
         # (strided tensors: a sparse one, an embedding's sparse gradient, has no storage of its own to follow)
         tensors_in = [t for t in tensors_of((args, kwargs)) if t.layout == torch.strided]
         scope = self._scope(tensors_in)
+        if self.forward and self.differentiated_in is None and torch._C._current_graph_task_id() != -1:
+            self.differentiated_in = scope  # autograd's engine runs this op inside the forward
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
         if out is None:
             out = self.flops.run(func, args, kwargs or {}, scope)
