@@ -25,6 +25,7 @@ import torch.nn as nn
 from .errors import LossError, PlanError
 from .plans import Plan
 from ._util.batch import call_model, check_peer_batches, first_tensor, map_tensors, model_loss, sample_batch_size
+from ._util.label_items import label_items
 from .strategies.tensor_parallel import loss_parallel_scope
 from .strategies.pipeline import sync_tied_grads
 from .strategies.state import applied
@@ -160,6 +161,7 @@ def train_step(
     n = plan.grad_accum
     unchecked = [runtime is not None]  # the pipeline's peers' batches, checked at the first step
     unguarded = [runtime is not None and loss_fn is None]  # the model's own loss, checked on every stage at the first
+    counting: list[Any] = [_UNDECIDED]  # LabelItems: the model's loss is weighed by its items (decided at the first step)
 
     def _finish() -> None:
         if max_grad_norm is not None:
@@ -189,18 +191,96 @@ def train_step(
                 _raise_together(held, state.mesh, state.device, optimizer)
                 unguarded[0] = False
         else:
-            total = torch.zeros((), device=state.device)
-            for i, mb in enumerate(micro):
-                _before_micro_batch(model, plan, last=i == n - 1)
-                with loss_parallel_scope(vocab_parallel):
-                    loss = _local(loss_of)(call_model(model, mb), mb)
-                    (loss / n).backward()
-                total += loss.detach() / n
-            loss = total
+            if counting[0] is _UNDECIDED:  # the first step: can the model's own loss be weighed by its items?
+                counting[0] = label_items(model, micro[0]) if loss_fn is None else None
+                checking = counting[0] is not None
+            else:
+                checking = False
+            loss = _item_mean_step(model, plan, micro, counting, checking, _local(loss_of), state, vocab_parallel) \
+                if counting[0] is not None else None
+            if loss is None:
+                total = torch.zeros((), device=state.device)
+                for i, mb in enumerate(micro):
+                    _before_micro_batch(model, plan, last=i == n - 1)
+                    with loss_parallel_scope(vocab_parallel):
+                        loss = _local(loss_of)(call_model(model, mb), mb)
+                        (loss / n).backward()
+                    total += loss.detach() / n
+                loss = total
         _finish()
         return loss
 
     return step
+
+
+_UNDECIDED = object()
+
+
+def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: list[Any], checking: bool,
+                    loss_of: Callable[[Any, Any], torch.Tensor], state: Any, vocab_parallel: bool) -> torch.Tensor | None:
+    """The micro-batches' forward and backward with the model's own loss as the mean over the whole step's items
+    (autopar._util.label_items): every micro-batch is given num_items_in_batch = the valid labels of all of them
+    on all data-parallel ranks, so its loss is its items' sum over that count, and the gradient, once FSDP averages
+    it over the data-parallel ranks (hence x their number), is the whole global batch's item mean's. Returns this
+    rank's batch's mean loss; None where the first step finds that the model does not divide by the count it is
+    given (the step then runs as for any loss, and so do the later ones): `checking`, at the first micro-batch, runs
+    one forward more without gradients, from the same random state, given twice the count."""
+    how, dp = counting[0], state.data_shard.size
+    local = torch.stack([how.count(mb) for mb in micro]).sum().to(state.device, torch.float32)
+    items = local.clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(items)
+        items = items / (dist.get_world_size() // dp)  # tensor- and pipeline-parallel peers read the same batch
+    items = items.clamp_min(1.0)
+    total = torch.zeros((), device=state.device)
+    for i, mb in enumerate(micro):
+        _before_micro_batch(model, plan, last=i == len(micro) - 1)
+        with loss_parallel_scope(vocab_parallel):
+            rng = _rng_state(state.device) if checking and i == 0 else None
+            loss = loss_of(call_model(model, {**mb, "num_items_in_batch": items}), mb)
+            if rng is not None and not _divides_by_items(model, mb, items, loss, rng, loss_of, state.device):
+                counting[0] = None
+                (loss / len(micro)).backward()  # it ignored the count: this micro-batch's own mean
+                total += loss.detach() / len(micro)
+                for j, rest in enumerate(micro[1:], start=1):
+                    _before_micro_batch(model, plan, last=j == len(micro) - 1)
+                    loss = loss_of(call_model(model, rest), rest)
+                    (loss / len(micro)).backward()
+                    total += loss.detach() / len(micro)
+                return total
+            (loss * dp).backward()
+        total += loss.detach()
+    return total * items / local.clamp_min(1.0)
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _divides_by_items(model: nn.Module, batch: Any, items: torch.Tensor, loss: torch.Tensor,
+                      rng: tuple[torch.Tensor, torch.Tensor | None], loss_of: Callable[[Any, Any], torch.Tensor],
+                      device: torch.device) -> bool:
+    """Whether the model divided `loss` by the `items` it was given: the same forward again, without gradients, from
+    the random state it started from (`rng`: its dropout draws the same), given twice the count, returns half the
+    loss. Every rank agrees (the minimum of their answers). The random state and the buffers (BatchNorm's running
+    statistics) are left as the first forward left them."""
+    after = _rng_state(device)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1], device)
+    with torch.no_grad():
+        halved = loss_of(call_model(model, {**batch, "num_items_in_batch": items * 2}), batch)
+        for b, saved in buffers:
+            b.copy_(saved)
+    torch.set_rng_state(after[0])
+    if after[1] is not None:
+        torch.cuda.set_rng_state(after[1], device)
+    whole, half = loss.detach().double(), halved.detach().double()
+    ok = (torch.isfinite(whole) & (whole.abs() > 1e-12) & ((2 * half - whole).abs() <= 1e-3 * whole.abs())).double()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 def _before_micro_batch(model: nn.Module, plan: Plan, *, last: bool) -> None:

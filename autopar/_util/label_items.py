@@ -1,0 +1,68 @@
+"""The items a Hugging Face model's own loss averages over (its labels other than -100), so that `autopar.train_step`
+makes a step's loss the mean over the whole batch's items and not the mean of its micro-batches' means.
+
+A causal LM given `labels` returns the mean cross-entropy over its valid (not -100) shifted labels. When the
+micro-batches of a step, or the data-parallel ranks, hold different numbers of valid labels (padding, prompt tokens
+masked out in fine-tuning), the mean of their means weighs each item by 1 / (its micro-batch's count): the gradient
+is not the whole batch's, and changes with grad_accum and the number of ranks (the "gradient accumulation" bug
+transformers' Trainer fixed in 2024). transformers' models take `num_items_in_batch=N` and then return the sum of
+their item losses over N; its Trainer counts N as below (labels[..., 1:] for a causal LM's shifting loss, unshifted
+for an encoder-decoder's or any other loss) and sums it over the ranks. autopar does the same, for a model that takes
+loss keyword arguments, after checking once that the model divides by the N it is given.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+IGNORE_INDEX = -100  # the label torch's cross_entropy and transformers' losses skip
+
+
+@dataclass(frozen=True)
+class LabelItems:
+    """How to count the items of a batch that a model's own loss averages over."""
+
+    shifted: bool  # a causal LM's loss: labels[..., 1:] (position 0 is never a target)
+
+    def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The batch's valid labels (a 0-d tensor on the labels' device)."""
+        labels = batch.get("shift_labels")
+        if not isinstance(labels, torch.Tensor):
+            labels = batch["labels"][..., 1:] if self.shifted else batch["labels"]
+        return labels.ne(IGNORE_INDEX).sum()
+
+
+def label_items(model: nn.Module, batch: Any) -> LabelItems | None:
+    """How to count what `model`'s own loss averages over in `batch`, or None where autopar cannot know: the batch
+    is not a dict with a `labels` tensor, the model is not a transformers model (no `loss_type`), or its forward
+    takes no loss keyword arguments (transformers' `accepts_loss_kwargs`, else a **kwargs in its forward)."""
+    if not isinstance(batch, Mapping) or not isinstance(batch.get("labels"), torch.Tensor):
+        return None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's base
+    if not hasattr(inner, "loss_type") or not hasattr(inner, "config"):
+        return None
+    accepts = getattr(inner, "accepts_loss_kwargs", None)
+    if accepts is None:
+        try:
+            params = inspect.signature(inner.forward).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+    if not accepts:
+        return None
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:
+        return None
+    try:
+        loss_type = inner.loss_type
+    except Exception:  # a model whose loss_type property cannot tell
+        return None
+    shifted = LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and \
+        not getattr(inner.config, "is_encoder_decoder", False)
+    return LabelItems(shifted=shifted)
