@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .errors import PlanError
-from ._util.batch import map_tensors, sample_batch_size
+from ._util.batch import sample_batch_size, sample_rows
 from .strategies.state import data_shard
 from .strategies.state import plan_of
 
@@ -50,11 +50,11 @@ def dataloader(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: in
 
 
 def local_batch(model: nn.Module, global_batch: Any) -> Any:
-    """This rank's slice of a global batch (dim 0 of every tensor), by the plan's data-parallel index."""
+    """This rank's slice of a global batch (dim 0 of every tensor, and lists of one item per sample), by the plan's
+    data-parallel index."""
     shard = data_shard(model)
     size = sample_batch_size(global_batch)
     if size % shard.size:
         raise PlanError(f"a global batch of {size} samples does not split over {shard.size} data-parallel ranks.")
     n = size // shard.size
-    lo, hi = shard.rank * n, (shard.rank + 1) * n
-    return map_tensors(lambda x: x[lo:hi] if x.dim() > 0 and x.shape[0] == size else x, global_batch)
+    return sample_rows(global_batch, shard.rank * n, (shard.rank + 1) * n, size)

@@ -16,7 +16,7 @@ micro-batches; `train_step(model, optimizer, loss_fn)` returns `step(batch) -> l
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,8 @@ import torch.nn as nn
 
 from .errors import LossError, PlanError
 from .plans import Plan
-from ._util.batch import call_model, check_peer_batches, first_tensor, map_tensors, model_loss, sample_batch_size
+from ._util.batch import (call_model, check_peer_batches, first_tensor, map_tensors, model_loss, sample_batch_size,
+                          sample_rows)
 from ._util.label_items import label_items
 from .strategies.tensor_parallel import loss_parallel_scope
 from .strategies.pipeline import sync_tied_grads
@@ -32,7 +33,8 @@ from .strategies.state import applied
 
 
 def split_batch(batch: Any, num: int) -> list[Any]:
-    """`num` equal micro-batches of `batch` along dim 0 (tensors, or tuples / lists / dicts of them)."""
+    """`num` equal micro-batches of `batch` along dim 0 (tensors, or tuples / lists / dicts of them; lists of one item
+    per sample, such as a detection model's targets, cut as lists: `sample_rows`)."""
     size = sample_batch_size(batch)
     if size % num:
         raise PlanError(
@@ -40,19 +42,7 @@ def split_batch(batch: Any, num: int) -> list[Any]:
             f"a multiple of {num} samples per step (the plan's local batch), or use a plan with another grad_accum."
         )
     n = size // num
-
-    def part(x: Any, i: int) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x[i * n:(i + 1) * n] if x.dim() > 0 and x.shape[0] == size else x
-        if isinstance(x, Mapping):
-            return type(x)({k: part(v, i) for k, v in x.items()}) if not hasattr(x, "_fields") else x
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(part(v, i) for v in x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(part(v, i) for v in x)
-        return x
-
-    return [part(batch, i) for i in range(num)]
+    return [sample_rows(batch, i * n, (i + 1) * n, size) for i in range(num)]
 
 
 def _loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> Callable[[Any, Any], torch.Tensor]:

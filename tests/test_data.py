@@ -110,6 +110,13 @@ def test_local_batch_takes_the_ranks_rows(model, monkeypatch):
     assert torch.equal(autopar.local_batch(model, x), x[6:8])
 
 
+def test_local_batch_takes_the_ranks_targets_of_a_detection_batch(model, monkeypatch):
+    _as_rank(monkeypatch, 1)
+    targets = [{"boxes": torch.rand(n, 4)} for n in (8, 1, 2, 3, 8, 1, 2, 3)]  # 8 boxes: as many as images
+    out = autopar.local_batch(model, {"pixel_values": torch.randn(8, 3, 4, 4), "labels": targets})
+    assert out["pixel_values"].shape[0] == 2 and out["labels"] == targets[2:4]
+
+
 def test_local_batch_slices_a_batch_encoding(model, monkeypatch):
     transformers = pytest.importorskip("transformers")
     _as_rank(monkeypatch, 1)

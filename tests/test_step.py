@@ -77,6 +77,33 @@ def test_split_a_hugging_face_dict_and_leave_what_is_not_batched():
         assert part["position_ids"] is positions and part["scale"] is scale and part["return_dict"] is True
 
 
+def test_split_a_detection_batch_by_its_lists_of_one_target_per_image():
+    """Hugging Face's DETR / YOLOS take `labels` as a list of one dict per image, of as many boxes as the image has
+    (a count that may equal the batch's): the list is cut, each image's dict kept whole. Split as tensors before, the
+    first micro-batch got every image's targets (the matcher's IndexError) and a target of 4 boxes lost half."""
+    images = torch.randn(4, 3, 8, 8)
+    targets = [{"class_labels": torch.arange(n), "boxes": torch.rand(n, 4)} for n in (2, 4, 1, 3)]
+    parts = split_batch({"pixel_values": images, "labels": targets}, 2)
+    for i, part in enumerate(parts):
+        assert torch.equal(part["pixel_values"], images[2 * i:2 * i + 2])
+        assert [t["boxes"] for t in part["labels"]] == [t["boxes"] for t in targets[2 * i:2 * i + 2]]
+    assert parts[0]["labels"][1]["boxes"].shape == (4, 4)
+
+
+def test_a_list_of_images_is_the_batch_and_a_top_level_list_is_the_arguments():
+    """torchvision's detection models take (a list of images of their own sizes, a list of target dicts): the
+    batch is the lists' length, not the first image's channels."""
+    from autopar._util.batch import sample_batch_size
+
+    images = [torch.randn(3, 8 + k, 8) for k in range(4)]
+    targets = [{"labels": torch.arange(k + 1)} for k in range(4)]
+    assert sample_batch_size((images, targets)) == 4 and sample_batch_size([images, targets]) == 4
+    first, second = split_batch((images, targets), 2)
+    assert first[0] == images[:2] and second[1] == targets[2:]
+    x, y = torch.randn(6, 2), torch.arange(6)
+    assert sample_batch_size([x, y]) == 6  # the arguments themselves, not a list of two samples
+
+
 def test_split_keeps_a_hugging_face_batch_encoding():
     transformers = pytest.importorskip("transformers")
     enc = transformers.BatchEncoding({"input_ids": torch.arange(16).reshape(4, 4), "attention_mask": torch.ones(4, 4)})

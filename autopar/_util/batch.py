@@ -13,14 +13,70 @@ from ..errors import LossError, PeerBatchError, ProfileError, SampleError
 
 
 def sample_batch_size(sample: Any) -> int:
-    """The batch size of a sample: dim 0 of its first tensor (`input_ids` first for a dict)."""
-    first = first_tensor(sample)
-    if first is None or first.dim() == 0:
+    """The batch size of a sample: dim 0 of its first tensor (`input_ids` first for a dict), or the length of a list
+    of one item per sample met before any tensor (a detection model's images and targets, `per_sample_list`)."""
+    found = _first_batched(sample, top=True)
+    if isinstance(found, int):
+        return found
+    if found is None or found.dim() == 0:
         raise ProfileError(
             "sample must hold a batched tensor (a tensor, a tuple/list of tensors, or a dict of them with the "
             f"batch in dim 0); got {type(sample).__name__}."
         )
-    return int(first.shape[0])
+    return int(found.shape[0])
+
+
+def per_sample_list(x: Any, *, top: bool) -> bool:
+    """Whether `x` is a list of one item per sample: a list (not a tuple) of tensors or dicts that is not the sample
+    itself (a top-level list is the model's positional arguments), as collators give a detection model's per-image
+    targets (Hugging Face's DETR, YOLOS: `labels=[{"class_labels": ..., "boxes": ...}, ...]`) or torchvision's
+    images of different sizes."""
+    return isinstance(x, list) and not top and len(x) > 0 and \
+        all(isinstance(v, (torch.Tensor, Mapping)) for v in x)
+
+
+def _first_batched(sample: Any, *, top: bool) -> torch.Tensor | int | None:
+    if isinstance(sample, torch.Tensor):
+        return sample
+    if per_sample_list(sample, top=top):
+        return len(sample)
+    if isinstance(sample, Mapping):
+        if isinstance(sample.get("input_ids"), torch.Tensor):
+            return sample["input_ids"]
+        values = list(sample.values())
+    elif isinstance(sample, (tuple, list)):
+        values = list(sample)
+    else:
+        return None
+    for v in values:
+        found = _first_batched(v, top=False)
+        if found is not None:
+            return found
+    return None
+
+
+def sample_rows(batch: Any, lo: int, hi: int, size: int) -> Any:
+    """Samples lo:hi of `batch`, which holds `size`: tensors cut along dim 0 where it holds the samples, lists of one
+    item per sample (`per_sample_list`) of that length cut as lists (their items are whole samples'), and the rest
+    as it is (a tensor shared by all samples, a flag); containers rebuilt as their own types."""
+    def cut(x: Any, top: bool) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x[lo:hi] if x.dim() > 0 and x.shape[0] == size else x
+        if per_sample_list(x, top=top) and len(x) == size:
+            return x[lo:hi]
+        if isinstance(x, Mapping):
+            items = {k: cut(v, False) for k, v in x.items()}
+            try:
+                return type(x)(items)
+            except Exception:  # a mapping type that cannot be rebuilt from a dict
+                return items
+        if isinstance(x, tuple) and hasattr(x, "_fields"):
+            return type(x)(*(cut(v, False) for v in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(v, False) for v in x)
+        return x
+
+    return cut(batch, True)
 
 
 def first_tensor(sample: Any) -> torch.Tensor | None:
@@ -88,7 +144,7 @@ def first_rows(sample: Any, rows: int | None) -> tuple[Any, int | None]:
         return sample, None
     if rows is None or rows >= size:
         return sample, size
-    return map_tensors(lambda t: t[:rows] if t.dim() > 0 and t.shape[0] == size else t, sample), rows
+    return sample_rows(sample, 0, rows, size), rows
 
 
 def split_sample(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
