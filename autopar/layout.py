@@ -192,6 +192,17 @@ def sparse_gradient_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     return None
 
 
+def float64_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why a bf16 `plan` cannot train this model as it says (one line), or None: its weights are float64, and neither
+    autocast (which leaves float64 ops in float64) nor autopar's FSDP mixed precision (which casts float32 units only)
+    computes them in bf16: the step would run in float64 while the plan, its prediction and its memory say bf16."""
+    if plan.precision == "bf16" and profile.param_dtype == "float64":
+        return (f"{profile.model_class}'s weights are float64, which bf16 autocast leaves in float64: use "
+                "precision='fp32' (the weights' own dtype, float64 kept), or cast the model to float32 before wrap "
+                "for a bf16 plan")
+    return None
+
+
 def differentiating_forward_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     """Why `plan` cannot train this model (one line), or None: its forward takes a gradient (a gradient penalty's
     torch.autograd.grad(..., create_graph=True)); under FSDP2 that inner backward runs the units' post-backward hooks,

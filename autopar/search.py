@@ -243,8 +243,10 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # and ViT ran no faster than eager on an H200 and compiled GPT-2 1.5B slower
     # (bench/results/zoo_h200_2026-12-01.jsonl), so the prediction decides between the two.
     # (fp32 also where the model's bf16 step cannot run on a GPU: ModelProfile.bf16_refusal)
+    # (and where the weights are float64, as scientific models train them: autocast does not cast float64 ops, so a
+    # bf16 plan would run in float64 while predicted in bf16: layout.float64_refusal)
     precisions = ["bf16"] if topology.is_gpu and topology.device.supports("bf16") and profile.bf16_refusal is None \
-        else ["fp32"]
+        and profile.param_dtype != "float64" else ["fp32"]
     compiles = ([False, True] if eager else [True]) if topology.is_gpu and compile_available else [False]
     # float8 linears (Plan.float8) beside bf16 where asked (`float8`: the tuner, which measures its candidates,
     # on a GPU with float8 tensor cores and torchao installed): the cost model prices them, but no float8 step

@@ -62,6 +62,20 @@ def _bytes(precision: str) -> int:
     return 2 if precision == "bf16" else 4
 
 
+def weight_element_bytes(profile: ModelProfile) -> float:
+    """The model's weights' bytes an element in the dtype they were built in (4: float32; 8: float64, as scientific
+    models train; 2: weights the user cast to bf16; a mix: their mean): the weights, their gradients and Adam's
+    moments (torch keeps them in the weight's dtype) are held so."""
+    return profile.param_bytes / profile.num_params if profile.num_params else 4.0
+
+
+def compute_bytes(profile: ModelProfile, plan: Plan) -> float:
+    """Bytes an element of the weights as the step computes with them: a bf16 plan casts float32 weights to bf16
+    (autocast, FSDP's mixed precision); autocast leaves float64 alone, and bf16 weights are bf16 already."""
+    elem = weight_element_bytes(profile)
+    return 2.0 if plan.precision == "bf16" and elem <= 4 else elem
+
+
 def stage_blocks(profile: ModelProfile, plan: Plan, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
     """The block indices a pipeline rank holds (rank 0: the first stage, which holds the most micro-batches
     in flight), and whether it holds the embeddings / the head."""
@@ -186,7 +200,7 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     #   replayed, H200 zoo runs.
     blocks, first, last = stage_blocks(profile, plan, pp_rank)
     rp = _RankParams.of(profile, plan, blocks, first, last)
-    shard, compute = plan.dp_shard, _bytes(plan.precision)
+    shard, compute, elem = plan.dp_shard, compute_bytes(profile, plan), weight_element_bytes(profile)
 
     # Model states (ZeRO: 4 bytes weight + 4 gradient + K optimizer per parameter), sharded over dp_shard;
     # parameters that do not require grad (LoRA's base weights, a frozen backbone) have no gradient and no
@@ -194,16 +208,16 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
     # alive): gradients exist then only if earlier micro-batches left them (accumulation, pipelines);
     # otherwise a share of them (the head's, the first blocks') is counted (calibration.gradient_peak_fraction).
     on_gpu = 0.0 if plan.cpu_offload else 1.0
-    parameters = 4 * rp.params / shard * on_gpu  # fp32 master weights; bytes; ZeRO-3
+    parameters = elem * rp.params / shard * on_gpu  # fp32 master weights (the model's dtype); bytes; ZeRO-3
     buffers = float(profile.buffer_bytes)  # BatchNorm running statistics and the like: replicated, not sharded
     # Under GPipe every forward runs before the first backward: no gradient exists at its peak.
     grads_live = 1.0 if plan.grad_accum > 1 and plan.pp_schedule != "gpipe" else cal.gradient_peak_fraction
     # fp32 gradients; bytes; ZeRO-3, and ZeRO-2 (Plan.zero_stage 2); under stage 1 they accumulate whole (FSDP2
     # keeps the unsharded gradients in its reduce dtype until the last micro-batch's reduce-scatter)
-    all_gradients = 4 * rp.trainable / (shard if plan.zero_stage > 1 else 1) * on_gpu
+    all_gradients = elem * rp.trainable / (shard if plan.zero_stage > 1 else 1) * on_gpu
     gradients = all_gradients * grads_live
-    optimizer = optimizer_state_bytes_per_param * rp.trainable / shard * on_gpu  # Adam m and v in fp32; bytes
-    gathered = _gathered_bytes(plan, rp, blocks, compute)
+    optimizer = optimizer_state_bytes_per_param * elem / 4 * rp.trainable / shard * on_gpu  # Adam m, v; bytes
+    gathered = _gathered_bytes(plan, rp, blocks, compute, elem)
 
     act = _Activations.of(profile, plan, cal, variants, blocks, (first, last), pp_rank)
     transient, largest = _transient_bytes(act.prof, plan, cal, last)
@@ -231,7 +245,7 @@ def _rank_memory(profile: ModelProfile, plan: Plan, cal: "Calibration", variants
         activations = max(moment_a, moment_b) - (transient if moment_a >= moment_b else 0.0)
         transient = transient if moment_a >= moment_b else 0.0
     else:  # the end of backward / the optimizer step: gradients all alive, little gathered or saved
-        unit = 0.0 if not plan.uses_fsdp else (compute + 4) * rp.largest_unit  # the last unit's gathered weights
+        unit = 0.0 if not plan.uses_fsdp else (compute + elem) * rp.largest_unit  # the last unit's gathered weights
         gradients, gathered, activations, transient = all_gradients, unit, moment_d, 0.0
 
     allocated = parameters + buffers + gradients + optimizer + gathered + activations + transient
@@ -306,33 +320,35 @@ def predict_host_memory(profile: ModelProfile, plan: Plan, *, ranks_per_node: in
     if plan.cpu_offload:
         blocks, first, last = stage_blocks(profile, plan)
         rp = _RankParams.of(profile, plan, blocks, first, last)
-        weights = 4 * rp.params  # fp32 master weights, as the offload holds them; bytes; ZeRO-3
-        gradients = 4 * rp.trainable  # fp32 gradients, offloaded after their reduce-scatter; bytes; ZeRO-3
-        optimizer = optimizer_state_bytes_per_param * rp.trainable  # Adam's m and v in fp32; bytes; ZeRO
+        elem = weight_element_bytes(profile)  # 4: float32
+        weights = elem * rp.params  # fp32 master weights, as the offload holds them; bytes; ZeRO-3
+        gradients = elem * rp.trainable  # fp32 gradients, offloaded after their reduce-scatter; bytes; ZeRO-3
+        optimizer = optimizer_state_bytes_per_param * elem / 4 * rp.trainable  # Adam's m and v; bytes; ZeRO
         offloaded = (weights + gradients + optimizer) / plan.dp_shard
     return HostMemoryPrediction(ranks_per_node=ranks_per_node, offloaded_bytes_per_rank=offloaded,
                                 process_bytes_per_rank=float(HOST_PROCESS_BYTES))
 
 
-def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: int) -> float:
+def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: float, elem: float = 4.0) -> float:
     """Weights gathered (or cast) for compute. FSDP all-gathers a unit's weights in the compute dtype for its
     forward and again for its backward; at the peak (backward of a unit) the unit, the prefetched next one and
     the root's (embeddings, head) are gathered, with the unit's unsharded gradient (compute dtype) and its fp32
     reduce-scatter buffer; without resharding after forward every block stays gathered. Without FSDP, bf16
     autocast keeps a bf16 copy of every weight used in forward until its backward (saved for it), frozen
     weights' too (their casts are saved by the GEMMs that need them for the input gradients), but not the
-    grouped GEMMs' expert weights, which autocast leaves in fp32 (their GEMMs run in fp32)."""
+    grouped GEMMs' expert weights, which autocast leaves in fp32 (their GEMMs run in fp32). `elem`: the weights' own
+    bytes an element (4: float32; the reduce-scatter runs in it; autocast copies only float32 weights)."""
     if plan.uses_fsdp:
         units = (len(blocks) if not plan.reshard_after_forward else 2) * rp.largest_unit
         # under float8 all-gather (Plan.float8_all_gather) the float8 layers' weights arrive in float8, 1 byte an
         # element, and their GEMMs read them so: no compute-dtype copy (torchao's WeightWithDynamicFloat8CastTensor)
         share = rp.float8_share if plan.float8_all_gather else 0.0
         gathered = (compute * (1 - share) + share) * units + compute * rp.outside \
-            + (compute + 4) * rp.largest_unit
+            + (compute + elem) * rp.largest_unit
         if plan.cpu_offload:  # sharded states live in host memory; gathered copies come over PCIe
-            gathered += 4 * rp.largest_unit
+            gathered += elem * rp.largest_unit
         return gathered
-    return 2 * max(rp.params - rp.grouped, 0.0) if plan.precision == "bf16" else 0.0
+    return 2 * max(rp.params - rp.grouped, 0.0) if plan.precision == "bf16" and elem == 4 else 0.0
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from ..profile import BlockProfile, ModelProfile
 from ..profile.model_profile import OpGroup
 from ..topology import Topology
 from .calibration import Calibration, matmul_arch
-from .memory import activation_profile, outside_trainable_params, plan_profile, stage_blocks, trainable_share
+from .memory import (activation_profile, compute_bytes, outside_trainable_params, plan_profile, stage_blocks,
+                     trainable_share, weight_element_bytes)
 from .ops import OpsTime, Rates, TPSplit, group_time
 
 @dataclass(frozen=True)
@@ -341,7 +342,8 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     # Tensor parallelism: per block and micro-batch, ring all-reduces of the hidden states (reduce-scatter +
     # all-gather under SP: the same bytes), two in forward and two in backward (Shoeybi et al. 2019), two more
     # when full checkpointing reruns the forward, and a pair for the embedding; not overlapped; seconds.
-    elem = 2 if plan.precision == "bf16" else 4
+    elem = compute_bytes(profile, plan)  # the compute dtype's bytes an element (weights and hidden states)
+    grad_elem = weight_element_bytes(profile)  # gradients, reduced in the weights' dtype (4: float32)
     hidden_numel = _prod(profile.block_input_shape) / profile.sample_batch_size if profile.block_input_shape else 0.0
     hidden_bytes = hidden_numel * plan.micro_batch_size * elem  # one micro-batch's hidden states; bytes
     tp_bw = _group_bandwidth(topology, tp, 1, cal)
@@ -367,12 +369,12 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
         float8_params = float8_weight_params(profile, blocks) if plan.float8_all_gather else 0.0
         total = gathers * _collective_s((params - float8_params) * elem + float8_params, plan.dp_shard, bw, cal,
                                         "all_gather") \
-            + scatters * _collective_s(trainable * 4, plan.dp_shard, bw, cal, "reduce_scatter")
+            + scatters * _collective_s(trainable * grad_elem, plan.dp_shard, bw, cal, "reduce_scatter")
         hidden_by = cal.fsdp_overlap * (compute + memory + recompute)
         dp_comm += max(total - hidden_by, total / max(len(blocks), 1))  # the first unit's gather never hides
     if plan.dp_replicate > 1:
         bw = _group_bandwidth(topology, plan.dp_replicate, plan.dp_shard * tp, cal)
-        dp_comm += _collective_s(trainable * 4 / plan.dp_shard, plan.dp_replicate, bw, cal, "all_reduce") \
+        dp_comm += _collective_s(trainable * grad_elem / plan.dp_shard, plan.dp_replicate, bw, cal, "all_reduce") \
             * (1 - cal.fsdp_overlap / 2)
 
     # Pipeline bubble: (p - 1) micro-batch stage-times over the m micro-batches, per chunk under interleaving
@@ -395,14 +397,15 @@ def _rank_time(profile: ModelProfile, plan: Plan, topology: Topology, cal: Calib
     # over the bandwidth its multi-tensor kernels achieve (optimizer_memory_efficiency); seconds.
     shard_params, shard_trainable = params / plan.dp_shard, trainable / plan.dp_shard
     optimizer_bytes_per_s = topology.device.hbm_bytes_per_s * cal.optimizer_memory_efficiency
-    optimizer = 0.0 if plan.cpu_offload else shard_trainable * cal.optimizer_bytes_per_param / optimizer_bytes_per_s
+    opt_bytes = cal.optimizer_bytes_per_param * grad_elem / 4  # per trainable weight (the fit's: float32)
+    optimizer = 0.0 if plan.cpu_offload else shard_trainable * opt_bytes / optimizer_bytes_per_s
     # Overhead: fixed costs per micro-batch and stage chunk (graph launches, hooks, the loss); seconds.
     overhead = n_micro * plan.pp_stages_per_rank * cal.microbatch_overhead_s
     # Offload: gradients to the host, weights back over PCIe, and Adam on the CPU; seconds.
     offload = 0.0
     if plan.cpu_offload:
-        offload = (shard_params + shard_trainable) * 4 / cal.pcie_bytes_per_s \
-            + shard_trainable * cal.optimizer_bytes_per_param / cal.cpu_adam_bytes_per_s
+        offload = (shard_params + shard_trainable) * grad_elem / cal.pcie_bytes_per_s \
+            + shard_trainable * opt_bytes / cal.cpu_adam_bytes_per_s
 
     prediction = TimePrediction(compute_s=compute, memory_s=memory, launch_s=launch, recompute_s=recompute,
                                 tp_comm_s=tp_comm, dp_comm_s=dp_comm, pp_bubble_s=pp_bubble, pp_comm_s=pp_comm,
