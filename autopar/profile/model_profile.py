@@ -208,6 +208,8 @@ class ModelProfile:
     differentiating_forward: str = ""  # where the forward takes a gradient (torch.autograd.grad with create_graph, as
     # a gradient penalty does: "the forward of block NAME"), found by the trace; FSDP2 frees a unit's gathered weights
     # at that inner backward, which the outer one then reads: plans that manage parameters with FSDP are refused
+    buffers_written: tuple[str, ...] = ()  # buffers the forward writes (BatchNorm's running statistics, an EMA
+    # codebook), found by the trace: under data parallelism each rank updates its own copy from its own samples
     bf16_refusal: str | None = None  # why the step cannot run in bf16 on a GPU (an op a bf16 input reaches has no CUDA
     # bf16 kernel: autopar.profile.cuda_autocast.NoCudaBf16KernelError), found by its bf16 trace: plans are fp32 then
     bf16_weights: tuple[str, ...] = ()  # trainable weights a matmul read in fp32 under bf16 autocast (autocast did not
@@ -339,7 +341,7 @@ class ModelProfile:
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
         values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))
         for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names", "bf16_weights",
-                     "sparse_grad_modules"):
+                     "sparse_grad_modules", "buffers_written"):
             if name in values:
                 values[name] = tuple(values[name])
         if values.get("block_input_shape") is not None:

@@ -69,6 +69,7 @@ class Trace:
     largest_where: str = ""  # where the largest tensor was made: "the forward of block NAME", "the loss's backward"
     differentiated_where: str = ""  # where the forward took a gradient (torch.autograd.grad in it): "the forward of
     # block NAME"; empty: it took none
+    buffers_written: tuple[str, ...] = ()  # the buffers the forward writes (running statistics, an EMA codebook)
     # under autocast: the trainable weights a forward matmul read in float32 (autocast did not reach it), and those
     # this trace gave the step in bf16 (`StepTrace(bf16_weights=...)`), as autopar's autocast gives them
     fp32_matmul_weights: tuple[str, ...] = ()
@@ -278,6 +279,8 @@ class StepTrace:
             allocator_replay_on_cuda=self.on_cuda,
             largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "",
             differentiated_where="" if w.differentiated_in is None else self._where(w.differentiated_in, False),
+            buffers_written=tuple(name for name, _ in self.model.named_buffers()
+                                  if name in self.state and storage_key(self.state[name]) in w.written),
             fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights,
             matmul_weights=tuple(sorted(w.matmul_weights)))
 

@@ -20,6 +20,17 @@ from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbyte
                      storage_key)
 from .hf_masks import CompileMasks
 from .live import LiveMemory
+
+# batch-norm kernels whose schema does not mark the running statistics they update in training as written
+_BATCH_NORMS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
+
+
+def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """The value an op was given for its schema argument `name` (positional or keyword), or None."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            return args[i] if i < len(args) else kwargs.get(name)
+    return None
 from .model_profile import OpGroup, OpRecord
 
 BEFORE, AFTER, LOSS = -1, -2, -3  # scopes of ops outside the blocks: before the first block runs, the rest of the
@@ -280,6 +291,7 @@ class StepWatcher(TorchDispatchMode):
         self.largest_bytes, self.largest_op = 0, "none"
         self.largest_scope, self.largest_backward = AFTER, False  # where the largest output was made
         self.differentiated_in: int | None = None  # the scope whose forward ran a backward (torch.autograd.grad)
+        self.written: set[Any] = set()  # the storages of weights and buffers an op of the forward wrote
         self.num_ops = 0
         self.traffic_bytes = 0
         self.weight_traffic_bytes = 0
@@ -318,6 +330,8 @@ class StepWatcher(TorchDispatchMode):
         scope = self._scope(tensors_in)
         if self.forward and self.differentiated_in is None and torch._C._current_graph_task_id() != -1:
             self.differentiated_in = scope  # autograd's engine runs this op inside the forward
+        if self.forward and (func._schema.is_mutable or func.overloadpacket.__name__ in _BATCH_NORMS):
+            self._note_writes(func, args, kwargs or {})
         out = fp32_grouped_mm(func, args, kwargs or {})  # the fake kernel refuses fp32 grouped GEMMs
         if out is None:
             out = self.flops.run(func, args, kwargs or {}, scope)
@@ -384,6 +398,17 @@ class StepWatcher(TorchDispatchMode):
             self._add(scope, (memory_kind(name), backward, (), dtype, -1, ()), 0.0, nbytes)
         else:
             self._add(scope, ("view", backward, (), "", -1, ()), 0.0, 0)
+
+    def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """The weights and buffers a mutating op of the forward writes (its arguments marked `(a!)`: add_'s self,
+        batch_norm's running statistics), by storage."""
+        names = [a.name for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+        if func.overloadpacket.__name__ in _BATCH_NORMS and not names and _argument(func, args, kwargs, "training"):
+            names = ["running_mean", "running_var"]  # written in training, though their schema does not say so
+        for name in names:
+            for t in tensors_of(_argument(func, args, kwargs, name)):
+                if t.layout == torch.strided and storage_key(t) in self.weight_storages:
+                    self.written.add(storage_key(t))
 
     def label_loss(self, loss: torch.Tensor) -> None:
         """The loss's own autograd node, which no later forward op reads: its backward runs in the scope that

@@ -161,6 +161,14 @@ def apply_plan(
                      "them before wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)")
         if world().rank == 0:
             warnings.warn("autopar: " + notes[-1], stacklevel=3)
+    if plan.dp_size > 1 and (written := _per_rank_buffers(model, profile)):
+        notes.append(f"data parallel: the forward writes {len(written)} buffer(s) ({', '.join(written[:3])}"
+                     f"{', ...' if len(written) > 3 else ''}): each rank updates its own copy from its own "
+                     f"{plan.micro_batch_size} samples, so the copies drift apart (one process would update them from "
+                     "the whole batch), and a checkpoint keeps one rank's; to keep them equal, average them over the "
+                     "ranks after each step (torch.distributed.all_reduce(buffer, op=ReduceOp.AVG))")
+        if world().rank == 0:
+            warnings.warn("autopar: " + notes[-1], stacklevel=3)
     # 4. Activation checkpointing, the key/value cache off in training forwards first (a checkpointed layer's
     #    replay and a layer compiled on its own in step 5 both go wrong with it; _util/kv_cache.py).
     if kv_cache_off_in_training(model):
@@ -220,6 +228,16 @@ def _per_rank_batchnorms(model: nn.Module) -> list[str]:
     """BatchNorm layers whose statistics each rank keeps for itself (all but SyncBatchNorm)."""
     return [name for name, m in model.named_modules()
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, nn.SyncBatchNorm)]
+
+
+def _per_rank_buffers(model: nn.Module, profile: ModelProfile) -> list[str]:
+    """Floating buffers the traced forward writes (ModelProfile.buffers_written: an EMA codebook, a running mean of
+    one's own), but not a BatchNorm's (its note above): under data parallelism each rank keeps its own."""
+    norms = {f"{name}." if name else "" for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    buffers = dict(model.named_buffers())
+    return [n for n in profile.buffers_written if n in buffers and buffers[n].is_floating_point()
+            and not any(n.startswith(prefix) and "." not in n[len(prefix):] for prefix in norms)]
 
 
 def _has_meta(model: nn.Module) -> bool:
