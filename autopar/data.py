@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .errors import PlanError
 from ._util.batch import sample_batch_size, sample_rows
-from .strategies.state import data_shard
+from .strategies.state import applied, data_shard
 from .strategies.state import plan_of
 
 
@@ -53,6 +53,11 @@ def local_batch(model: nn.Module, global_batch: Any) -> Any:
     """This rank's slice of a global batch (dim 0 of every tensor, and lists of one item per sample), by the plan's
     data-parallel index."""
     shard = data_shard(model)
+    sequence_first = applied(model).profile.sequence_first
+    if shard.size > 1 and sequence_first:
+        raise PlanError(f"local_batch cuts a global batch along dim 0, and the sample's dim 0 is the sequence of "
+                        f"{sequence_first}: build it with batch_first=True and give batch-first tensors, or cut the "
+                        "batch along its batch dimension yourself.")
     size = sample_batch_size(global_batch)
     if size % shard.size:
         raise PlanError(f"a global batch of {size} samples does not split over {shard.size} data-parallel ranks.")

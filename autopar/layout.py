@@ -216,6 +216,26 @@ def differentiating_forward_refusal(plan: Plan, profile: ModelProfile) -> str | 
     return None
 
 
+def batch_split_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why `plan` cannot train this model (one line), or None: a plan that cuts the batch into micro-batches
+    (grad_accum > 1, or a pipeline's) cuts dim 0 of its tensors, which is the sequence of a batch_first=False module
+    the sample reaches with its dim 0 first (ModelProfile.sequence_first): each micro-batch would hold part of every
+    sequence."""
+    if profile.sequence_first and (plan.grad_accum > 1 or plan.pp > 1):
+        return (f"autopar cuts a batch into micro-batches along dim 0, and the sample's dim 0 is the sequence of "
+                f"{profile.sequence_first}: build it with batch_first=True and give batch-first tensors, or use a "
+                "plan with grad_accum=1 and pp=1")
+    return None
+
+
+def plan_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why `plan` cannot train this model, for what the model is rather than its size (one line), or None: a sparse
+    gradient under FSDP, a forward that takes a gradient under FSDP or a pipeline, bf16 for float64 weights, a
+    batch split along a sequence."""
+    return sparse_gradient_refusal(plan, profile) or differentiating_forward_refusal(plan, profile) or \
+        float64_refusal(plan, profile) or batch_split_refusal(plan, profile)
+
+
 @dataclass(frozen=True)
 class TPPair:
     """Column-parallel layers reading one input, and the row-parallel layer that maps back to hidden."""

@@ -48,8 +48,7 @@ from typing import Callable, Iterator, Mapping, Protocol
 from .cost import Calibration, Prediction, predict_profile
 from .cost.memory import MemoryPrediction, predict_host_memory, predict_memory
 from .errors import PlanError
-from .layout import (check_pipeline, differentiating_forward_refusal, sequence_parallel_refusal,
-                     sparse_gradient_refusal)
+from .layout import check_pipeline, plan_refusal, sequence_parallel_refusal
 from .plans import CHECKPOINTING, Loop, Plan
 from .profile import ModelProfile
 from .topology import Topology
@@ -372,7 +371,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
             if plan.tp > 1 and tp_refusal is not None:
                 out.append(Candidate(plan, None, False, Drop.unrunnable(tp_refusal)))
                 return None
-            sparse = sparse_gradient_refusal(plan, profile) or differentiating_forward_refusal(plan, profile)
+            sparse = plan_refusal(plan, profile)
             if sparse is not None:
                 out.append(Candidate(plan, None, False, Drop.unrunnable(sparse)))
                 return None

@@ -210,6 +210,9 @@ class ModelProfile:
     # at that inner backward, which the outer one then reads: plans that manage parameters with FSDP are refused
     buffers_written: tuple[str, ...] = ()  # buffers the forward writes (BatchNorm's running statistics, an EMA
     # codebook), found by the trace: under data parallelism each rank updates its own copy from its own samples
+    sequence_first: str = ""  # a batch_first=False module (an nn.LSTM, nn.TransformerEncoderLayer) called with the
+    # sample's dim 0 as its sequence, found by the trace: "NAME (CLASS, batch_first=False, called with SHAPE)";
+    # autopar cuts batches along dim 0, so plans that split the batch are refused for it
     bf16_refusal: str | None = None  # why the step cannot run in bf16 on a GPU (an op a bf16 input reaches has no CUDA
     # bf16 kernel: autopar.profile.cuda_autocast.NoCudaBf16KernelError), found by its bf16 trace: plans are fp32 then
     bf16_weights: tuple[str, ...] = ()  # trainable weights a matmul read in fp32 under bf16 autocast (autocast did not

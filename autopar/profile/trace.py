@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 
-from .._util.batch import autocast_outputs, default_loss, first_tensor, map_tensors, split_sample, to_fp32_outputs
+from .._util.batch import (autocast_outputs, default_loss, first_tensor, map_tensors, sample_batch_size, split_sample,
+                           to_fp32_outputs)
 from .._util.kv_cache import kv_cache_off_while
 from ..errors import ProfileError, TraceError
 from .allocator import ReplayedSteps, replay_steps
@@ -70,6 +71,8 @@ class Trace:
     differentiated_where: str = ""  # where the forward took a gradient (torch.autograd.grad in it): "the forward of
     # block NAME"; empty: it took none
     buffers_written: tuple[str, ...] = ()  # the buffers the forward writes (running statistics, an EMA codebook)
+    sequence_first: str = ""  # a batch_first=False module called with the sample's dim 0 as its sequence: "NAME
+    # (CLASS, batch_first=False, called with SHAPE)"; empty: none
     # under autocast: the trainable weights a forward matmul read in float32 (autocast did not reach it), and those
     # this trace gave the step in bf16 (`StepTrace(bf16_weights=...)`), as autopar's autocast gives them
     fp32_matmul_weights: tuple[str, ...] = ()
@@ -181,6 +184,7 @@ class StepTrace:
         self.output_arity: int | None = None
         self.before: list[str] = []
         self.after: list[str] = []
+        self.sequence_first = ""
 
     # ---- running the step ------------------------------------------------------------------------
     def run(self) -> Trace:
@@ -246,6 +250,8 @@ class StepTrace:
             elif is_norm_layer(m):
                 self._norm_names[id(m)] = name
                 handles.append(m.register_forward_pre_hook(self.on_norm))
+            if getattr(m, "batch_first", True) is False and isinstance(m, _SEQUENCE_FIRST):
+                handles.append(m.register_forward_pre_hook(self._on_sequence_first(name), with_kwargs=True))
             if name and list(m.parameters(recurse=False)) and \
                     not any(name.startswith(u + ".") or name == u for u, _ in self.units):
                 self._outer_names[id(m)] = name
@@ -279,6 +285,7 @@ class StepTrace:
             allocator_replay_on_cuda=self.on_cuda,
             largest_where=self._where(w.largest_scope, w.largest_backward) if w.largest_bytes else "",
             differentiated_where="" if w.differentiated_in is None else self._where(w.differentiated_in, False),
+            sequence_first=self.sequence_first,
             buffers_written=tuple(name for name, _ in self.model.named_buffers()
                                   if name in self.state and storage_key(self.state[name]) in w.written),
             fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights,
@@ -352,6 +359,22 @@ class StepTrace:
         width = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() >= 1 else 0
         input_id = self._input_ids.setdefault(storage_key(args[0]), len(self._input_ids))
         self.norm_calls.append(NormCall(name=self._norm_names[id(module)], input_id=input_id, width=width))
+
+    def _on_sequence_first(self, name: str) -> Callable[..., None]:
+        """A hook on a batch_first=False module (an RNN, attention, a transformer layer): notes it where its input's
+        dim 0 is the sample's batch size and dim 1 is not (the sample's dim 0 is then its sequence)."""
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            x = args[0] if args else next((kwargs[k] for k in ("input", "src", "query", "tgt") if k in kwargs), None)
+            if self.sequence_first or not isinstance(x, torch.Tensor) or x.dim() < 3:
+                return
+            try:
+                batch = sample_batch_size(self.sample)
+            except Exception:  # a sample with no batch dimension: nothing to compare
+                return
+            if x.shape[0] == batch and x.shape[1] != batch:
+                self.sequence_first = (f"{name} ({type(module).__name__}, batch_first=False, called with "
+                                       f"{tuple(x.shape)})")
+        return hook
 
     def on_outer_module(self, module: nn.Module, _args: Any) -> None:
         """A module with parameters of its own outside the blocks: before the first block or after the last."""
@@ -495,6 +518,11 @@ def _fake_attributes(model: nn.Module, fake_mode: FakeTensorMode, device: torch.
                 key = f"{prefix}.{name}" if prefix else name
                 out[key], reals[key] = fake.requires_grad_(value.requires_grad), value
     return out, reals
+
+
+# modules with a batch_first switch whose default (False) reads dim 0 as the sequence
+_SEQUENCE_FIRST = (nn.RNNBase, nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer,
+                   nn.Transformer)
 
 
 def _fake_state(model: nn.Module, fake_mode: FakeTensorMode, device: torch.device, dtype: torch.dtype | None = None

@@ -35,8 +35,7 @@ from .._util.dist import backend as _backend
 from .._util.dist import ensure_single_process_group, world
 from .._util.kv_cache import kv_cache_off_in_training
 from ..errors import PlanError
-from ..layout import (differentiating_forward_refusal, float8_layers, float64_refusal, sequence_parallel_refusal,
-                      sparse_gradient_refusal)
+from ..layout import float8_layers, plan_refusal, sequence_parallel_refusal
 from ..plans import Plan
 from ..profile import ModelProfile, iter_block_modules
 from ..topology import Topology
@@ -77,8 +76,7 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
             check_tensor_parallel(model, profile, plan.tp)
     if plan.pp > 1:
         check_pipeline(plan, profile)
-    why = sparse_gradient_refusal(plan, profile) or differentiating_forward_refusal(plan, profile) or \
-        float64_refusal(plan, profile)
+    why = plan_refusal(plan, profile)
     if why is not None:
         raise PlanError(why + ".")
     if not topology.is_gpu:
