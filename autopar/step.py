@@ -212,11 +212,13 @@ def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: li
     (autopar._util.label_items): every micro-batch is given num_items_in_batch = the valid labels of all of them
     on all data-parallel ranks, so its loss is its items' sum over that count, and the gradient, once FSDP averages
     it over the data-parallel ranks (hence x their number), is the whole global batch's item mean's. Returns this
-    rank's batch's mean loss; None where the first step finds that the model does not divide by the count it is
-    given (the step then runs as for any loss, and so do the later ones): `checking`, at the first micro-batch, runs
-    one forward more without gradients, from the same random state, given twice the count."""
-    how, dp = counting[0], state.data_shard.size
-    local = torch.stack([how.count(mb) for mb in micro]).sum().to(state.device, torch.float32)
+    rank's batch's mean loss; None where the first step (`checking`) finds that the model does not return its first
+    micro-batch's own mean (a forward without the count and without gradients, from the same random state and
+    buffers) times that micro-batch's count over the count given: the model ignores the count, or counts otherwise.
+    The step then runs as for any loss, and so do the later ones."""
+    how, dp, n = counting[0], state.data_shard.size, len(micro)
+    counts = [how.count(mb).to(state.device, torch.float32) for mb in micro]
+    local = torch.stack(counts).sum()
     items = local.clone()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(items)
@@ -224,19 +226,19 @@ def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: li
     items = items.clamp_min(1.0)
     total = torch.zeros((), device=state.device)
     for i, mb in enumerate(micro):
-        _before_micro_batch(model, plan, last=i == len(micro) - 1)
+        _before_micro_batch(model, plan, last=i == n - 1)
         with loss_parallel_scope(vocab_parallel):
-            rng = _rng_state(state.device) if checking and i == 0 else None
+            own = _own_mean(model, mb, loss_of, state.device) if checking and i == 0 else None
             loss = loss_of(call_model(model, {**mb, "num_items_in_batch": items}), mb)
-            if rng is not None and not _divides_by_items(model, mb, items, loss, rng, loss_of, state.device):
+            if own is not None and not _agreed(loss.detach(), own * counts[0] / items):
                 counting[0] = None
-                (loss / len(micro)).backward()  # it ignored the count: this micro-batch's own mean
-                total += loss.detach() / len(micro)
-                for j, rest in enumerate(micro[1:], start=1):
-                    _before_micro_batch(model, plan, last=j == len(micro) - 1)
+                (loss * 0).backward()  # (FSDP's hooks see the backward they expect; nothing is added)
+                for j, rest in enumerate(micro):
+                    if j:
+                        _before_micro_batch(model, plan, last=j == n - 1)
                     loss = loss_of(call_model(model, rest), rest)
-                    (loss / len(micro)).backward()
-                    total += loss.detach() / len(micro)
+                    (loss / n).backward()
+                    total += loss.detach() / n
                 return total
             (loss * dp).backward()
         total += loss.detach()
@@ -247,27 +249,26 @@ def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
 
 
-def _divides_by_items(model: nn.Module, batch: Any, items: torch.Tensor, loss: torch.Tensor,
-                      rng: tuple[torch.Tensor, torch.Tensor | None], loss_of: Callable[[Any, Any], torch.Tensor],
-                      device: torch.device) -> bool:
-    """Whether the model divided `loss` by the `items` it was given: the same forward again, without gradients, from
-    the random state it started from (`rng`: its dropout draws the same), given twice the count, returns half the
-    loss. Every rank agrees (the minimum of their answers). The random state and the buffers (BatchNorm's running
-    statistics) are left as the first forward left them."""
-    after = _rng_state(device)
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+def _own_mean(model: nn.Module, batch: Any, loss_of: Callable[[Any, Any], torch.Tensor],
+              device: torch.device) -> torch.Tensor:
+    """The micro-batch's loss as the model computes it without a count, without gradients; the random state and
+    the buffers it changed (BatchNorm's running statistics) are put back, so the step runs as it would have."""
+    rng, saved = _rng_state(device), [(b, b.detach().clone()) for b in model.buffers()]
+    with torch.no_grad():
+        own = loss_of(call_model(model, batch), batch).detach()
+        for b, before in saved:
+            if not torch.equal(b, before):
+                b.copy_(before)
     torch.set_rng_state(rng[0])
     if rng[1] is not None:
         torch.cuda.set_rng_state(rng[1], device)
-    with torch.no_grad():
-        halved = loss_of(call_model(model, {**batch, "num_items_in_batch": items * 2}), batch)
-        for b, saved in buffers:
-            b.copy_(saved)
-    torch.set_rng_state(after[0])
-    if after[1] is not None:
-        torch.cuda.set_rng_state(after[1], device)
-    whole, half = loss.detach().double(), halved.detach().double()
-    ok = (torch.isfinite(whole) & (whole.abs() > 1e-12) & ((2 * half - whole).abs() <= 1e-3 * whole.abs())).double()
+    return own
+
+
+def _agreed(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `got` is `want` (to 1e-3) on every rank (the minimum of their answers)."""
+    got, want = got.double(), want.double()
+    ok = (torch.isfinite(got) & torch.isfinite(want) & ((got - want).abs() <= 1e-3 * want.abs() + 1e-9)).double()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())

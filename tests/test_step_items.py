@@ -96,3 +96,35 @@ def test_two_ranks_train_as_one_process_on_the_global_batch(tmp_path, name):
     want_losses, want = worker.reference()
     assert got["losses"] == pytest.approx(want_losses, rel=1e-5)
     _close(got["params"], want, 1e-4)
+
+
+class _WithNorm(torch.nn.Module):
+    """A transformers model that takes the count, beside a BatchNorm whose running statistics its forward updates:
+    the first step's extra forward (the check) leaves them and the random state as they were."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model("llama")
+        self.config, self.loss_type = self.inner.config, "ForCausalLM"
+        self.norm = torch.nn.BatchNorm1d(1)
+
+    def forward(self, input_ids, labels, **kwargs):
+        side = self.norm(input_ids[:, :1].float())
+        out = self.inner(input_ids=input_ids, labels=labels, **kwargs)
+        out.loss = out.loss + 0 * side.sum()
+        return out
+
+
+def test_the_first_steps_check_leaves_the_buffers_as_the_micro_batches_left_them():
+    want_losses, want = worker.reference()
+    model = _WithNorm()
+    autopar.wrap(model, sample=worker.batch(0), plan=autopar.Plan(**worker.PLANS["one"]), loop="train_step",
+                 verbose=False)
+    opt = torch.optim.SGD(model.parameters(), lr=worker.LR)
+    step = autopar.train_step(model, opt)
+    losses = [step(worker.batch(s)).item() for s in range(worker.STEPS)]
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    _close({n.removeprefix("inner."): p.detach() for n, p in model.named_parameters() if n.startswith("inner.")},
+           want, 1e-4)
+    assert model.norm.num_batches_tracked.item() == worker.STEPS * 4  # 4 micro-batches a step; the check's undone
+

@@ -8,7 +8,7 @@ is not the whole batch's, and changes with grad_accum and the number of ranks (t
 transformers' Trainer fixed in 2024). transformers' models take `num_items_in_batch=N` and then return the sum of
 their item losses over N; its Trainer counts N as below (labels[..., 1:] for a causal LM's shifting loss, unshifted
 for an encoder-decoder's or any other loss) and sums it over the ranks. autopar does the same, for a model that takes
-loss keyword arguments, after checking once that the model divides by the N it is given.
+loss keyword arguments, after checking once that the model divides by the N it is given what it counts itself.
 """
 
 from __future__ import annotations
@@ -59,10 +59,8 @@ def label_items(model: nn.Module, batch: Any) -> LabelItems | None:
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:
         return None
-    try:
-        loss_type = inner.loss_type
-    except Exception:  # a model whose loss_type property cannot tell
+    try:  # the loss the model computes (transformers' loss_function: ForCausalLM's where its loss_type is unknown)
+        loss = getattr(inner, "loss_function", None) or LOSS_MAPPING.get(inner.loss_type)
+    except Exception:  # a model whose loss_type cannot tell
         return None
-    shifted = LOSS_MAPPING.get(loss_type) is ForCausalLMLoss and \
-        not getattr(inner.config, "is_encoder_decoder", False)
-    return LabelItems(shifted=shifted)
+    return LabelItems(shifted=loss is ForCausalLMLoss and not getattr(inner.config, "is_encoder_decoder", False))
