@@ -25,6 +25,21 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: fl
         torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=1e-6, msg=name)
 
 
+def _trained_as_one_process(model: torch.nn.Module, prefix: str = "") -> torch.nn.Module:
+    """`model` wrapped with 4 micro-batches a step and trained by train_step: its losses and the weights under
+    `prefix` are the plain Llama's on the whole batch (worker.reference)."""
+    want_losses, want = worker.reference()
+    autopar.wrap(model, sample=worker.batch(0), plan=autopar.Plan(**worker.PLANS["one"]), loop="train_step",
+                 verbose=False)
+    opt = torch.optim.SGD(model.parameters(), lr=worker.LR)
+    step = autopar.train_step(model, opt)
+    losses = [step(worker.batch(s)).item() for s in range(worker.STEPS)]
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    _close({n.removeprefix(prefix): p.detach() for n, p in model.named_parameters() if n.startswith(prefix)},
+           want, 1e-4)
+    return model
+
+
 def test_a_causal_lm_counts_its_shifted_labels_and_a_plain_module_is_not_counted():
     how = label_items(make_model("llama"), worker.batch(0))
     assert how is not None and how.shifted
@@ -35,21 +50,13 @@ def test_a_causal_lm_counts_its_shifted_labels_and_a_plain_module_is_not_counted
 
 
 def test_accumulation_trains_as_one_step_on_the_whole_batch_and_the_mean_of_means_would_not():
-    want_losses, want = worker.reference()
-    model = make_model("llama")
-    autopar.wrap(model, sample=worker.batch(0), plan=autopar.Plan(**worker.PLANS["one"]), loop="train_step",
-                 verbose=False)
-    opt = torch.optim.SGD(model.parameters(), lr=worker.LR)
-    step = autopar.train_step(model, opt)
-    losses = [step(worker.batch(s)).item() for s in range(worker.STEPS)]
-    assert losses == pytest.approx(want_losses, rel=1e-5)
-    _close({n: p.detach() for n, p in model.named_parameters()}, want, 1e-4)
+    _trained_as_one_process(make_model("llama"))
     # the test can tell: the micro-batches' own means average to another loss
     plain = make_model("llama")
     micro = [{k: v[i:i + 2] for k, v in worker.batch(0).items()} for i in range(0, worker.GLOBAL, 2)]
     with torch.no_grad():
         mean_of_means = sum(plain(**mb).loss for mb in micro) / len(micro)
-    assert abs(mean_of_means.item() - want_losses[0]) > 1e-3
+    assert abs(mean_of_means.item() - worker.reference()[0][0]) > 1e-3
 
 
 class _OwnMean(torch.nn.Module):
@@ -116,15 +123,6 @@ class _WithNorm(torch.nn.Module):
 
 
 def test_the_first_steps_check_leaves_the_buffers_as_the_micro_batches_left_them():
-    want_losses, want = worker.reference()
-    model = _WithNorm()
-    autopar.wrap(model, sample=worker.batch(0), plan=autopar.Plan(**worker.PLANS["one"]), loop="train_step",
-                 verbose=False)
-    opt = torch.optim.SGD(model.parameters(), lr=worker.LR)
-    step = autopar.train_step(model, opt)
-    losses = [step(worker.batch(s)).item() for s in range(worker.STEPS)]
-    assert losses == pytest.approx(want_losses, rel=1e-5)
-    _close({n.removeprefix("inner."): p.detach() for n, p in model.named_parameters() if n.startswith("inner.")},
-           want, 1e-4)
+    model = _trained_as_one_process(_WithNorm(), prefix="inner.")
     assert model.norm.num_batches_tracked.item() == worker.STEPS * 4  # 4 micro-batches a step; the check's undone
 

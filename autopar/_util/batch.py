@@ -35,10 +35,12 @@ def per_sample_list(x: Any, *, top: bool) -> bool:
         all(isinstance(v, (torch.Tensor, Mapping)) for v in x)
 
 
-def _first_batched(sample: Any, *, top: bool) -> torch.Tensor | int | None:
+def _first_batched(sample: Any, *, top: bool, lists: bool = True) -> torch.Tensor | int | None:
+    """The first tensor of `sample` (`input_ids` first in a mapping), or the length of a list of one item per sample
+    met before it (`lists`), or None."""
     if isinstance(sample, torch.Tensor):
         return sample
-    if per_sample_list(sample, top=top):
+    if lists and per_sample_list(sample, top=top):
         return len(sample)
     if isinstance(sample, Mapping):
         if isinstance(sample.get("input_ids"), torch.Tensor):
@@ -49,7 +51,7 @@ def _first_batched(sample: Any, *, top: bool) -> torch.Tensor | int | None:
     else:
         return None
     for v in values:
-        found = _first_batched(v, top=False)
+        found = _first_batched(v, top=False, lists=lists)
         if found is not None:
             return found
     return None
@@ -64,37 +66,30 @@ def sample_rows(batch: Any, lo: int, hi: int, size: int) -> Any:
             return x[lo:hi] if x.dim() > 0 and x.shape[0] == size else x
         if per_sample_list(x, top=top) and len(x) == size:
             return x[lo:hi]
-        if isinstance(x, Mapping):
-            items = {k: cut(v, False) for k, v in x.items()}
-            try:
-                return type(x)(items)
-            except Exception:  # a mapping type that cannot be rebuilt from a dict
-                return items
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(cut(v, False) for v in x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(cut(v, False) for v in x)
-        return x
+        return _rebuilt(x, lambda v: cut(v, False))
 
     return cut(batch, True)
 
 
+def _rebuilt(x: Any, each: Callable[[Any], Any]) -> Any:
+    """`x` with `each` applied to its values where it is a container (any Mapping, rebuilt as its own type where
+    it can be from a dict, such as Hugging Face's BatchEncoding; a namedtuple, tuple or list), else `x`."""
+    if isinstance(x, Mapping):
+        items = {k: each(v) for k, v in x.items()}
+        try:
+            return type(x)(items)
+        except Exception:  # a mapping type that cannot be rebuilt from a dict
+            return items
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(each(v) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(each(v) for v in x)
+    return x
+
+
 def first_tensor(sample: Any) -> torch.Tensor | None:
-    if isinstance(sample, torch.Tensor):
-        return sample
-    if isinstance(sample, Mapping):
-        if isinstance(sample.get("input_ids"), torch.Tensor):
-            return sample["input_ids"]
-        values = list(sample.values())
-    elif isinstance(sample, (tuple, list)):
-        values = list(sample)
-    else:
-        return None
-    for v in values:
-        t = first_tensor(v)
-        if t is not None:
-            return t
-    return None
+    found = _first_batched(sample, top=True, lists=False)
+    return found if isinstance(found, torch.Tensor) else None
 
 
 def tensors_of(tree: Any) -> list[torch.Tensor]:
@@ -121,17 +116,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     (dicts and dict-likes such as Hugging Face's BatchEncoding, rebuilt as their own type)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
-    if isinstance(batch, Mapping):
-        items = {k: map_tensors(fn, v) for k, v in batch.items()}
-        try:
-            return type(batch)(items)
-        except Exception:  # a mapping type that cannot be rebuilt from a dict
-            return items
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(map_tensors(fn, v) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(map_tensors(fn, v) for v in batch)
-    return batch
+    return _rebuilt(batch, lambda v: map_tensors(fn, v))
 
 
 def first_rows(sample: Any, rows: int | None) -> tuple[Any, int | None]:
