@@ -228,12 +228,27 @@ def batch_split_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     return None
 
 
+def gradient_hook_refusal(plan: Plan, names: Sequence[str], model_class: str) -> str | None:
+    """Why `plan` cannot train this model (one line), or None: parameters `names` carry gradient hooks of the
+    user's, and FSDP2 replaces every parameter with its shard and sets the shard's gradient itself after the
+    reduce-scatter, so the hooks would never run (on 2 gloo ranks a hook halving the gradients was dropped: the
+    weights came out 0.034 from one process's)."""
+    if plan.uses_fsdp and names:
+        return (f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} of {model_class} has a gradient "
+                "hook (Tensor.register_hook or register_post_accumulate_grad_hook), which FSDP2 drops with the "
+                "parameter, so it would never run: change the gradients in your loop between backward and "
+                "optimizer.step (p.grad, a shard under FSDP) and remove the hook, or train in one process without "
+                "offload")
+    return None
+
+
 def plan_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     """Why `plan` cannot train this model, for what the model is rather than its size (one line), or None: a sparse
     gradient under FSDP, a forward that takes a gradient under FSDP or a pipeline, bf16 for float64 weights, a
-    batch split along a sequence."""
+    batch split along a sequence, gradient hooks on parameters under FSDP."""
     return sparse_gradient_refusal(plan, profile) or differentiating_forward_refusal(plan, profile) or \
-        float64_refusal(plan, profile) or batch_split_refusal(plan, profile)
+        float64_refusal(plan, profile) or batch_split_refusal(plan, profile) or \
+        gradient_hook_refusal(plan, profile.hooked_params, profile.model_class)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ FLOP formulas and the flash-like SDPA stand-in), cuda_autocast (CUDA autocast's 
 from __future__ import annotations
 
 from .blocks import find_blocks, is_matmul_layer, is_norm_layer, iter_block_modules
-from .build import profile_model
+from .build import hooked_parameters, profile_model
 from .extrapolate import extrapolate_profile
 from .flops import flash_like_attention, flash_like_sdpa
 from .model_profile import BlockProfile, MatmulCall, ModelProfile, NormCall, model_fingerprint
@@ -32,6 +32,7 @@ __all__ = [
     "find_blocks",
     "flash_like_attention",
     "flash_like_sdpa",
+    "hooked_parameters",
     "is_matmul_layer",
     "is_norm_layer",
     "iter_block_modules",

@@ -140,6 +140,7 @@ def profile_model(
         root_param_names=tuple(n for n, _ in model.named_parameters(recurse=False)),
         sparse_grad_modules=tuple(n for n, m in model.named_modules()
                                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse),
+        hooked_params=hooked_parameters(model),
         num_ops=t.num_ops,
         traffic_bytes=t.traffic_bytes, weight_traffic_bytes=t.weight_traffic_bytes, op_groups=t.op_groups,
         value_reads=t.value_reads,
@@ -364,3 +365,11 @@ def _block_profiles(units: Units, params: _Params, t: Trace, compiled: CompiledS
                      compiled_unfused_bytes=compiled.unfused_attention_bytes[i] if compiled is not None else 0)
         for i, (name, _) in enumerate(units)
     )
+
+
+def hooked_parameters(model: nn.Module) -> tuple[str, ...]:
+    """Parameters with a gradient hook of the user's (Tensor.register_hook, register_post_accumulate_grad_hook:
+    gradient scaling, an optimizer stepped in backward), which FSDP2 drops when it replaces them with their shards."""
+    return tuple(n for n, p in model.named_parameters()
+                 if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
+

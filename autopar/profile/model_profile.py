@@ -205,6 +205,8 @@ class ModelProfile:
     largest_transient_where: str = ""  # where the step made its largest tensor ("the forward of block model.layers.0")
     sparse_grad_modules: tuple[str, ...] = ()  # embeddings built with sparse=True (a sparse gradient, which FSDP2
     # cannot shard or reduce: plans that manage parameters with FSDP are refused for them)
+    hooked_params: tuple[str, ...] = ()  # parameters with a gradient hook of the user's (Tensor.register_hook,
+    # register_post_accumulate_grad_hook), which FSDP2 drops with the parameter: plans that use FSDP are refused
     differentiating_forward: str = ""  # where the forward takes a gradient (torch.autograd.grad with create_graph, as
     # a gradient penalty does: "the forward of block NAME"), found by the trace; FSDP2 frees a unit's gathered weights
     # at that inner backward, which the outer one then reads: plans that manage parameters with FSDP are refused
@@ -344,7 +346,7 @@ class ModelProfile:
         values["tied_params"] = tuple(tuple(g) for g in values.get("tied_params", ()))
         values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))
         for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names", "bf16_weights",
-                     "sparse_grad_modules", "buffers_written"):
+                     "sparse_grad_modules", "buffers_written", "hooked_params"):
             if name in values:
                 values[name] = tuple(values[name])
         if values.get("block_input_shape") is not None:

@@ -35,9 +35,9 @@ from .._util.dist import backend as _backend
 from .._util.dist import ensure_single_process_group, world
 from .._util.kv_cache import kv_cache_off_in_training
 from ..errors import PlanError
-from ..layout import float8_layers, plan_refusal, sequence_parallel_refusal
+from ..layout import float8_layers, gradient_hook_refusal, plan_refusal, sequence_parallel_refusal
 from ..plans import Plan
-from ..profile import ModelProfile, iter_block_modules
+from ..profile import ModelProfile, hooked_parameters, iter_block_modules
 from ..topology import Topology
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, cuda_graphs_refusal, default_backend, max_autotune_refusal
@@ -76,7 +76,8 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
             check_tensor_parallel(model, profile, plan.tp)
     if plan.pp > 1:
         check_pipeline(plan, profile)
-    why = plan_refusal(plan, profile)
+    why = plan_refusal(plan, profile) or (gradient_hook_refusal(plan, hooked_parameters(model), profile.model_class)
+                                          if model is not None else None)  # (hooks added since a cached profile)
     if why is not None:
         raise PlanError(why + ".")
     if not topology.is_gpu:
