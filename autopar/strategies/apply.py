@@ -43,6 +43,7 @@ from .checkpointing import apply_checkpointing
 from .compile import apply_compile, cuda_graphs_refusal, default_backend, max_autotune_refusal
 from .float8 import apply_float8, float8_all_gather_refusal, float8_refusal
 from .fsdp import apply_fsdp, give_no_sync
+from .full_load import apply_full_load
 from .materialize import materialize
 from .mesh import data_shard, dp_mesh
 from .pipeline import _PassThrough, apply_pipeline_split, build_schedule, check_pipeline, install_stage_gates
@@ -197,6 +198,8 @@ def apply_plan(
         apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
                    reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
                    outer_units=outer)
+        # A full (unsharded) state dict then loads into the shards: model.load_state_dict takes each rank's own.
+        apply_full_load(model)
     elif runtime is not None and not _has_meta(model):  # (tensor-parallel plans always take FSDP's branch)
         model.to(device)
     # (under FSDP its bf16 param_dtype casts every weight; a pipeline rank casts those of its stages)

@@ -1,0 +1,48 @@
+"""`model.load_state_dict(full)` on a model whose parameters autopar sharded: each rank takes its shards.
+
+FSDP2 and tensor parallelism hold parameters as DTensors, and torch's load copies a state dict's value into each
+one: a value that is a plain tensor (a pretrained checkpoint, `torch.load` of a file saved from the plain model, a
+state dict another process built) raised "aten.copy_.default got mixed torch.Tensor and DTensor" on every rank.
+`apply_full_load` installs a load pre-hook on the root that turns each plain tensor of a DTensor parameter's full
+shape into that DTensor's layout from this rank's own copy (`distribute_tensor(..., src_data_rank=None)`: every
+rank holds the full tensor, nothing is sent), so the load copies each rank's shards. A DTensor value (a sharded
+state dict, torch's `get_model_state_dict`) and a tensor of another shape are left to torch's load, which checks
+them as it does for any model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+def apply_full_load(model: nn.Module) -> None:
+    """Let `model.load_state_dict` take full (unsharded) tensors for its DTensor parameters."""
+    model.register_load_state_dict_pre_hook(_full_to_shards)
+
+
+def _full_to_shards(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    from torch.distributed.tensor import DTensor
+
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    for name, target in named:
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(target, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                and tuple(value.shape) == tuple(target.shape):
+            state_dict[key] = _as_placed(value.detach(), target)
+
+
+def _as_placed(full: torch.Tensor, like: Any) -> Any:
+    """`full` laid out as DTensor `like` is (its mesh and placements), from this rank's copy."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = like.device_mesh
+    full = full.to(like.to_local().device)
+    try:
+        return distribute_tensor(full, mesh, like.placements, src_data_rank=None)
+    except (NotImplementedError, RuntimeError, AssertionError):  # a placement distribute_tensor cannot make at once
+        whole = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim, src_data_rank=None)
+        return whole.redistribute(mesh, like.placements)
