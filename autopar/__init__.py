@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .api import plan, wrap
 from .checkpoint import load, save
+from .strategies.full_load import full_state_dict
 from .data import dataloader, local_batch, sampler
 from .errors import (AutoparError, InfeasiblePlanError, MaterializeError, PlanError, PlanMismatchError, ProfileError,
                      StaleOptimizerError, TopologyError, UntracedWarning)
@@ -46,6 +47,7 @@ __all__ = [
     "candidates",
     "data_shard",
     "dataloader",
+    "full_state_dict",
     "load",
     "local_batch",
     "plan",

@@ -1,9 +1,11 @@
 """Worker of tests/strategies/test_full_load.py (torchrun, gloo): a tiny Hugging Face Llama wrapped under PLAN from
-one seed, then `model.load_state_dict` of another seed's plain (full) state dict, as a pretrained checkpoint loads.
-Rank 0 writes the gathered full state after the load and the loss of one batch. argv: OUT.pt PLAN-NAME."""
+one seed, then `model.load_state_dict` of another seed's plain (full) state dict, as a pretrained checkpoint loads,
+then `save_pretrained` of `autopar.full_state_dict`. Rank 0 writes the gathered full state after the load, the loss
+of one batch, full_state_dict's tensors and the saved model reloaded. argv: OUT.pt PLAN-NAME."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 
@@ -38,8 +40,17 @@ def main(out: str, name: str) -> None:
     local = {k: v[r * rows:(r + 1) * rows] for k, v in batch().items()}
     loss = model(**local).loss.detach().clone()
     dist.all_reduce(loss)
+    full = autopar.full_state_dict(model)  # every rank, plain tensors on the CPU
+    kept = dict(full)  # (save_pretrained empties the dict it is given as it writes)
+    folder = os.path.join(os.path.dirname(out), "pretrained")
+    model.save_pretrained(folder, state_dict=full, is_main_process=dist.get_rank() == 0)
+    dist.barrier()
     if dist.get_rank() == 0:
-        torch.save({"state": state, "loss": loss.item() / dist.get_world_size(), "result": str(result)}, out)
+        import transformers
+
+        reloaded = transformers.LlamaForCausalLM.from_pretrained(folder).state_dict()
+        torch.save({"state": state, "loss": loss.item() / dist.get_world_size(), "result": str(result),
+                    "full": kept, "reloaded": reloaded}, out)
     dist.destroy_process_group()
 
 
