@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from .api import plan, wrap
 from .checkpoint import load, save
-from .strategies.full_load import full_state_dict
 from .data import dataloader, local_batch, sampler
 from .errors import (AutoparError, InfeasiblePlanError, MaterializeError, PlanError, PlanMismatchError, ProfileError,
                      StaleOptimizerError, TopologyError, UntracedWarning)
@@ -18,6 +17,7 @@ from .planning import candidates, predict
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .step import train_step
+from .strategies.full_load import full_state_dict
 from .strategies.state import applied, data_shard, plan_of
 from .topology import DeviceSpec, Topology
 from .tune.study import autotune

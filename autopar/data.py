@@ -15,8 +15,7 @@ import torch.nn as nn
 
 from .errors import PlanError
 from ._util.batch import sample_batch_size, sample_rows
-from .strategies.state import applied, data_shard
-from .strategies.state import plan_of
+from .strategies.state import applied, data_shard, plan_of
 
 
 def sampler(model: nn.Module, dataset: Any, *, shuffle: bool = True, seed: int = 0,

@@ -184,8 +184,7 @@ def sparse_gradient_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     gradient, which FSDP2 can neither shard nor reduce (its backward failed in `fsdp::chunk_cat`, NotImplementedError
     for SparseCPU), and every plan that manages the parameters with FSDP (Plan.uses_fsdp) runs it."""
     if plan.uses_fsdp and profile.sparse_grad_modules:
-        names = profile.sparse_grad_modules
-        return (f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} of {profile.model_class} "
+        return (f"{_named(profile.sparse_grad_modules)} of {profile.model_class} "
                 "has sparse=True: its gradient is a sparse tensor, which FSDP2 (every plan that shards, replicates "
                 "over processes or offloads) cannot shard or reduce; build it with sparse=False (a dense gradient: "
                 "any optimizer, not SparseAdam), or train in one process without offload")
@@ -234,12 +233,17 @@ def gradient_hook_refusal(plan: Plan, names: Sequence[str], model_class: str) ->
     reduce-scatter, so the hooks would never run (on 2 gloo ranks a hook halving the gradients was dropped: the
     weights came out 0.034 from one process's)."""
     if plan.uses_fsdp and names:
-        return (f"{names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''} of {model_class} has a gradient "
+        return (f"{_named(names)} of {model_class} has a gradient "
                 "hook (Tensor.register_hook or register_post_accumulate_grad_hook), which FSDP2 drops with the "
                 "parameter, so it would never run: change the gradients in your loop between backward and "
                 "optimizer.step (p.grad, a shard under FSDP) and remove the hook, or train in one process without "
                 "offload")
     return None
+
+
+def _named(names: Sequence[str]) -> str:
+    """The first of `names`, and how many more."""
+    return names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
 
 
 def plan_refusal(plan: Plan, profile: ModelProfile) -> str | None:

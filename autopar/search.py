@@ -371,9 +371,9 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
             if plan.tp > 1 and tp_refusal is not None:
                 out.append(Candidate(plan, None, False, Drop.unrunnable(tp_refusal)))
                 return None
-            sparse = plan_refusal(plan, profile)
-            if sparse is not None:
-                out.append(Candidate(plan, None, False, Drop.unrunnable(sparse)))
+            why = plan_refusal(plan, profile)
+            if why is not None:
+                out.append(Candidate(plan, None, False, Drop.unrunnable(why)))
                 return None
             if plan.pp > 1:
                 try:

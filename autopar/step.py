@@ -181,14 +181,12 @@ def train_step(
                 _raise_together(held, state.mesh, state.device, optimizer)
                 unguarded[0] = False
         else:
-            if counting[0] is _UNDECIDED:  # the first step: can the model's own loss be weighed by its items?
+            first = counting[0] is _UNDECIDED
+            if first:  # can the model's own loss be weighed by its items?
                 counting[0] = label_items(model, micro[0]) if loss_fn is None else None
-                checking = counting[0] is not None
-            else:
-                checking = False
-            loss = _item_mean_step(model, plan, micro, counting, checking, _local(loss_of), state, vocab_parallel) \
+            loss = _item_mean_step(model, plan, micro, counting, first, _local(loss_of), state, vocab_parallel) \
                 if counting[0] is not None else None
-            if loss is None:
+            if loss is None:  # any other loss: the mean of the micro-batches' means
                 total = torch.zeros((), device=state.device)
                 for i, mb in enumerate(micro):
                     _before_micro_batch(model, plan, last=i == n - 1)
@@ -215,7 +213,7 @@ def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: li
     rank's batch's mean loss; None where the first step (`checking`) finds that the model does not return its first
     micro-batch's own mean (a forward without the count and without gradients, from the same random state and
     buffers) times that micro-batch's count over the count given: the model ignores the count, or counts otherwise.
-    The step then runs as for any loss, and so do the later ones."""
+    Nothing is then added to the gradients, and the step runs as for any loss (train_step), as do the later ones."""
     how, dp, n = counting[0], state.data_shard.size, len(micro)
     counts = [how.count(mb).to(state.device, torch.float32) for mb in micro]
     local = torch.stack(counts).sum()
@@ -233,13 +231,7 @@ def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: li
             if own is not None and not _agreed(loss.detach(), own * counts[0] / items):
                 counting[0] = None
                 (loss * 0).backward()  # (FSDP's hooks see the backward they expect; nothing is added)
-                for j, rest in enumerate(micro):
-                    if j:
-                        _before_micro_batch(model, plan, last=j == n - 1)
-                    loss = loss_of(call_model(model, rest), rest)
-                    (loss / n).backward()
-                    total += loss.detach() / n
-                return total
+                return None
             (loss * dp).backward()
         total += loss.detach()
     return total * items / local.clamp_min(1.0)

@@ -329,7 +329,7 @@ def predict_host_memory(profile: ModelProfile, plan: Plan, *, ranks_per_node: in
                                 process_bytes_per_rank=float(HOST_PROCESS_BYTES))
 
 
-def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: float, elem: float = 4.0) -> float:
+def _gathered_bytes(plan: Plan, rp: _RankParams, blocks: list[int], compute: float, elem: float) -> float:
     """Weights gathered (or cast) for compute. FSDP all-gathers a unit's weights in the compute dtype for its
     forward and again for its backward; at the peak (backward of a unit) the unit, the prefetched next one and
     the root's (embeddings, head) are gathered, with the unit's unsharded gradient (compute dtype) and its fp32

@@ -372,4 +372,3 @@ def hooked_parameters(model: nn.Module) -> tuple[str, ...]:
     gradient scaling, an optimizer stepped in backward), which FSDP2 drops when it replaces them with their shards."""
     return tuple(n for n, p in model.named_parameters()
                  if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None))
-

@@ -20,6 +20,7 @@ from .fusion import (_NORM, _REDUCING, _REDUCTION, _SOFTMAX, FusionModel, _nbyte
                      storage_key)
 from .hf_masks import CompileMasks
 from .live import LiveMemory
+from .model_profile import OpGroup, OpRecord
 
 # batch-norm kernels whose schema does not mark the running statistics they update in training as written
 _BATCH_NORMS = frozenset({"native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"})
@@ -31,7 +32,7 @@ def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
         if arg.name == name:
             return args[i] if i < len(args) else kwargs.get(name)
     return None
-from .model_profile import OpGroup, OpRecord
+
 
 BEFORE, AFTER, LOSS = -1, -2, -3  # scopes of ops outside the blocks: before the first block runs, the rest of the
 # model's forward, and the loss (what runs after the model's forward returns: the user's loss, outside a compiled

@@ -159,16 +159,14 @@ def apply_plan(
                      f"keep their statistics per rank: each normalises over its own {plan.micro_batch_size} "
                      "samples, not the global batch as one process would; for one process's statistics convert "
                      "them before wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)")
-        if world().rank == 0:
-            warnings.warn("autopar: " + notes[-1], stacklevel=3)
+        _warn_once(notes[-1])
     if plan.dp_size > 1 and (written := _per_rank_buffers(model, profile)):
         notes.append(f"data parallel: the forward writes {len(written)} buffer(s) ({', '.join(written[:3])}"
                      f"{', ...' if len(written) > 3 else ''}): each rank updates its own copy from its own "
                      f"{plan.micro_batch_size} samples, so the copies drift apart (one process would update them from "
                      "the whole batch), and a checkpoint keeps one rank's; to keep them equal, average them over the "
                      "ranks after each step (torch.distributed.all_reduce(buffer, op=ReduceOp.AVG))")
-        if world().rank == 0:
-            warnings.warn("autopar: " + notes[-1], stacklevel=3)
+        _warn_once(notes[-1])
     # 4. Activation checkpointing, the key/value cache off in training forwards first (a checkpointed layer's
     #    replay and a layer compiled on its own in step 5 both go wrong with it; _util/kv_cache.py).
     if kv_cache_off_in_training(model):
@@ -235,11 +233,17 @@ def _per_rank_batchnorms(model: nn.Module) -> list[str]:
 def _per_rank_buffers(model: nn.Module, profile: ModelProfile) -> list[str]:
     """Floating buffers the traced forward writes (ModelProfile.buffers_written: an EMA codebook, a running mean of
     one's own), but not a BatchNorm's (its note above): under data parallelism each rank keeps its own."""
-    norms = {f"{name}." if name else "" for name, m in model.named_modules()
-             if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    norms = {f"{name}.{key}" if name else key for name, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) for key, _ in m.named_buffers(recurse=False)}
     buffers = dict(model.named_buffers())
-    return [n for n in profile.buffers_written if n in buffers and buffers[n].is_floating_point()
-            and not any(n.startswith(prefix) and "." not in n[len(prefix):] for prefix in norms)]
+    return [n for n in profile.buffers_written
+            if n in buffers and buffers[n].is_floating_point() and n not in norms]
+
+
+def _warn_once(note: str) -> None:
+    """A note of the plan's that the user must see: warned on rank 0 (the others have the same)."""
+    if world().rank == 0:
+        warnings.warn("autopar: " + note, stacklevel=4)
 
 
 def _has_meta(model: nn.Module) -> bool:

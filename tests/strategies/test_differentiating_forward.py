@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.errors import PlanError
-from autopar.strategies.apply import check_plan
+from tests.strategies._refusal import FSDP_PLANS, refusal
 
 
 class Critic(nn.Module):
@@ -46,16 +45,10 @@ def test_the_trace_finds_where_the_forward_takes_a_gradient():
     assert autopar.profile_model(Plain(), torch.randn(8, 8), warn=False).differentiating_forward == ""
 
 
-@pytest.mark.parametrize("fields", [dict(dp_shard=2), dict(dp_replicate=2), dict(cpu_offload=True)])
+@pytest.mark.parametrize("fields", FSDP_PLANS)
 def test_a_plan_that_uses_fsdp_is_refused_in_one_line(fields):
-    model = Critic()
-    profile = autopar.profile_model(model, torch.randn(8, 8), warn=False)
-    plan = autopar.Plan(micro_batch_size=4 if "cpu_offload" not in fields else 8, **fields)
-    topology = autopar.Topology.from_spec("2xH200" if plan.dp_size > 1 else "1xH200")
-    with pytest.raises(PlanError) as info:
-        check_plan(plan, profile, topology, world_size=plan.dp_size, model=model)
-    text = str(info.value)
-    assert "\n" not in text and text.startswith("Critic takes a gradient in the forward of")
+    text = refusal(Critic(), torch.randn(8, 8), fields)
+    assert text.startswith("Critic takes a gradient in the forward of")
     assert "torch.autograd.grad" in text and "one process" in text
 
 

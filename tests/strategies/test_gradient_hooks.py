@@ -14,6 +14,7 @@ import torch.nn as nn
 import autopar
 from autopar.errors import PlanError
 from autopar.strategies.apply import check_plan
+from tests.strategies._refusal import FSDP_PLANS, refusal
 
 
 def _net() -> nn.Module:
@@ -32,17 +33,13 @@ def _hooked(post_accumulate: bool = False) -> nn.Module:
 
 
 @pytest.mark.parametrize("post_accumulate", [False, True])
-@pytest.mark.parametrize("fields", [dict(dp_shard=2), dict(dp_replicate=2), dict(cpu_offload=True)])
+@pytest.mark.parametrize("fields", FSDP_PLANS)
 def test_a_plan_that_uses_fsdp_is_refused_in_one_line(fields, post_accumulate):
     model = _hooked(post_accumulate)
     profile = autopar.profile_model(model, torch.randn(8, 8), warn=False)
     assert profile.hooked_params == ("2.weight", "2.bias")
-    plan = autopar.Plan(micro_batch_size=4 if "cpu_offload" not in fields else 8, **fields)
-    topology = autopar.Topology.from_spec("2xH200" if plan.dp_size > 1 else "1xH200")
-    with pytest.raises(PlanError) as info:
-        check_plan(plan, profile, topology, world_size=plan.dp_size, model=model)
-    text = str(info.value)
-    assert "\n" not in text and text.startswith("2.weight and 1 more of Sequential has a gradient hook")
+    text = refusal(model, None, fields, profile=profile)
+    assert text.startswith("2.weight and 1 more of Sequential has a gradient hook")
     assert "optimizer.step" in text and "one process" in text
 
 

@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.errors import PlanError
-from autopar.strategies.apply import check_plan
+from tests.strategies._refusal import FSDP_PLANS, refusal
 
 
 class Recommender(nn.Module):
@@ -28,17 +27,10 @@ class Recommender(nn.Module):
         return self.head(h)
 
 
-@pytest.mark.parametrize("fields", [dict(dp_shard=2), dict(dp_replicate=2), dict(cpu_offload=True)])
+@pytest.mark.parametrize("fields", FSDP_PLANS)
 def test_a_plan_that_uses_fsdp_is_refused_in_one_line(fields):
-    model = Recommender()
-    ids = torch.randint(0, 100, (8, 4))
-    profile = autopar.profile_model(model, ids, warn=False)
-    plan = autopar.Plan(micro_batch_size=4 if "cpu_offload" not in fields else 8, **fields)
-    topology = autopar.Topology.from_spec("2xH200" if plan.dp_size > 1 else "1xH200")
-    with pytest.raises(PlanError) as info:
-        check_plan(plan, profile, topology, world_size=plan.dp_size, model=model)
-    text = str(info.value)
-    assert "\n" not in text and "items of Recommender has sparse=True" in text and "sparse=False" in text
+    text = refusal(Recommender(), torch.randint(0, 100, (8, 4)), fields)
+    assert "items of Recommender has sparse=True" in text and "sparse=False" in text
 
 
 def test_one_process_keeps_it_and_trains(monkeypatch):
