@@ -16,7 +16,7 @@ from .errors import (AutoparError, InfeasiblePlanError, MaterializeError, PlanEr
 from .planning import candidates, predict
 from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
-from .step import train_step
+from .step import clip_grad_norm_, train_step
 from .strategies.full_load import full_state_dict
 from .strategies.state import applied, data_shard, plan_of
 from .topology import DeviceSpec, Topology
@@ -45,6 +45,7 @@ __all__ = [
     "applied",
     "autotune",
     "candidates",
+    "clip_grad_norm_",
     "data_shard",
     "dataloader",
     "full_state_dict",

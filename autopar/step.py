@@ -86,32 +86,76 @@ def _tied_weights(model: nn.Module, tied: Sequence[Sequence[str]]) -> dict[int, 
     return share
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied: Sequence[Sequence[str]] = ()
-                   ) -> torch.Tensor:
-    """Clip all gradients of `model` to a total L2 norm of `max_norm`; returns the norm before clipping.
-
-    Sums every element's square once over all ranks (sharded, replicated and pipeline-split parameters,
-    and the copies of a weight tied across pipeline stages).
-    """
+def _total_norm(model: nn.Module, mesh: Any, tied: Sequence[Sequence[str]], norm_type: float
+                ) -> tuple[torch.Tensor, list[nn.Parameter]]:
+    """The `norm_type`-norm of all gradients of `model` over every rank (each element once), and the parameters
+    with a gradient here."""
     params = [p for p in model.parameters() if p.grad is not None]
     device = params[0].grad.device if params else torch.device("cpu")
     share = _tied_weights(model, tied)
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        g = g.detach().abs() if g.is_complex() else g.detach()  # a complex element's square is |z|^2 (as torch's)
-        total += g.double().pow(2).sum() * share.get(id(p), 1.0) / _replication(p.grad, mesh)
+        g = g.detach().abs().double()  # a complex element counts by its modulus |z| (as torch's)
+        if math.isinf(norm_type):
+            total = torch.maximum(total, g.max()) if g.numel() else total
+        else:
+            total += g.pow(norm_type).sum() * share.get(id(p), 1.0) / _replication(p.grad, mesh)
     if mesh is not None and dist.is_initialized():
-        dist.all_reduce(total)
-    norm = total.sqrt().float()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+    norm = total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+    return norm.float(), params
+
+
+def _scale(params: Sequence[nn.Parameter], factor: float) -> None:
+    for p in params:
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        g.mul_(factor)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, mesh: Any, *, tied: Sequence[Sequence[str]] = ()
+                   ) -> torch.Tensor:
+    """Clip all gradients of `model` to a total L2 norm of `max_norm`; returns the norm before clipping.
+
+    Sums every element's square once over all ranks (sharded, replicated and pipeline-split parameters,
+    and the copies of a weight tied across pipeline stages). A norm that is not finite raises FloatingPointError.
+    """
+    norm, params = _total_norm(model, mesh, tied, 2.0)
     value = norm.item()  # one device sync
     if not math.isfinite(value):
         raise FloatingPointError(f"the gradient norm is {value}: the loss or a gradient is not finite.")
     scale = max_norm / (value + 1e-6)
     if scale < 1:
-        for p in params:
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            g.mul_(scale)
+        _scale(params, scale)
+    return norm
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for a model wrapped by autopar, for a training loop of the user's own.
+
+    The norm is that of all gradients of the model together over every rank, each element counted once
+    (FSDP's shards, replicated and tensor-parallel copies, a weight tied across pipeline stages), so it is the
+    norm one process would compute on the whole batch. torch's function refuses a model where autopar keeps a
+    parameter replicated beside FSDP's sharded ones ("mixed torch.Tensor and DTensor"); this one takes every
+    plan. As torch's: returns the total norm (before clipping) and scales every gradient by
+    `max_norm / (norm + 1e-6)` where that is below 1; a norm that is not finite raises RuntimeError with
+    `error_if_nonfinite=True`, and otherwise scales the gradients by it as torch does (to NaN or zero).
+    """
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}.")
+    if not norm_type > 0:
+        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type!r}.")
+    state = applied(model)
+    norm, params = _total_norm(model, state.mesh, state.profile.tied_params, float(norm_type))
+    value = norm.item()
+    if not math.isfinite(value):
+        if error_if_nonfinite:
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {value}, so they cannot be "
+                               "clipped: pass error_if_nonfinite=False to scale them by it anyway.")
+        _scale(params, max_norm / (value + 1e-6) if not math.isnan(value) else value)
+    elif max_norm / (value + 1e-6) < 1:
+        _scale(params, max_norm / (value + 1e-6))
     return norm
 
 

@@ -8,6 +8,7 @@ Pipeline and tensor-parallel steps on several processes are covered by tests/dis
 from __future__ import annotations
 
 import collections
+import copy
 import math
 
 import pytest
@@ -276,3 +277,32 @@ def test_pipeline_clip_counts_a_tied_weight_once(plan):
             p.grad = grads[name].clone()
         squares += float(clip_grad_norm(model, 1e9, None, tied=profile.tied_params)) ** 2
     assert math.sqrt(squares) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_the_public_clip_grad_norm_is_torchs_on_one_process(norm_type, monkeypatch):
+    """autopar.clip_grad_norm_ (for a loop of the user's own) returns torch's norm and leaves torch's gradients."""
+    monkeypatch.setenv("AUTOPAR_NO_WRAP_CACHE", "1")
+    torch.manual_seed(0)
+    original = make_model("gpt")
+    model = autopar.wrap(copy.deepcopy(original), sample=batch(0), loss_fn=lm_loss, verbose=False)
+    for m in (original, model):
+        lm_loss(m(batch(0)), batch(0)).backward()
+    want = torch.nn.utils.clip_grad_norm_(original.parameters(), 0.01, norm_type=norm_type)
+    got = autopar.clip_grad_norm_(model, 0.01, norm_type=norm_type)
+    assert float(got) == pytest.approx(float(want), rel=1e-5) and float(want) > 0.01
+    for (name, p), q in zip(model.named_parameters(), original.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-9, msg=name)
+
+
+def test_the_public_clip_grad_norm_refuses_a_non_finite_norm_when_asked(monkeypatch):
+    monkeypatch.setenv("AUTOPAR_NO_WRAP_CACHE", "1")
+    model = autopar.wrap(make_model("gpt"), sample=batch(0), loss_fn=lm_loss, verbose=False)
+    lm_loss(model(batch(0)), batch(0)).backward()
+    next(model.parameters()).grad[0] = float("inf")
+    with pytest.raises(RuntimeError, match="is inf"):
+        autopar.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+    assert math.isinf(float(autopar.clip_grad_norm_(model, 1.0)))  # as torch: the gradients scaled by 0
+    assert all(float(p.grad.nan_to_num(0).abs().max()) == 0 for p in model.parameters())
+    with pytest.raises(PlanError, match="not wrapped by autopar"):
+        autopar.clip_grad_norm_(make_model("gpt"), 1.0)

@@ -193,9 +193,15 @@ def apply_plan(
         outer = None
         if runtime is not None:  # the stage's forward stops early: no unit may wrap the whole model
             outer = _outer_units(model, profile)
-        apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
-                   reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
-                   outer_units=outer)
+        beside = apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
+                            reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
+                            outer_units=outer)
+        if beside:
+            notes.append(f"data parallel: {len(beside)} parameter(s) ({beside[0]}{', ...' if len(beside) > 1 else ''}"
+                         ", which FSDP2 cannot shard) stay replicated beside its shards, which "
+                         "torch.nn.utils.clip_grad_norm_ refuses to mix: clip with autopar.clip_grad_norm_(model, "
+                         "max_norm) or autopar.train_step(..., max_grad_norm=)")
+            _warn_once(notes[-1])
         # A full (unsharded) state dict then loads into the shards: model.load_state_dict takes each rank's own.
         apply_full_load(model)
     elif runtime is not None and not _has_meta(model):  # (tensor-parallel plans always take FSDP's branch)

@@ -138,8 +138,9 @@ def apply_fsdp(
     reshard_after_forward: bool,
     cpu_offload: bool,
     outer_units: Sequence[nn.Module] | None = None,
-) -> None:
-    """Shard `model` over `mesh`: one FSDP unit per block, the rest (embeddings, head) in the root unit.
+) -> list[str]:
+    """Shard `model` over `mesh`: one FSDP unit per block, the rest (embeddings, head) in the root unit; returns the
+    names of the parameters of more than one element kept replicated beside the shards.
 
     With `outer_units` (a pipeline stage, whose forward stops after its last block), the modules around
     the blocks are units of their own and no unit wraps the whole model. Parameters FSDP2 cannot shard
@@ -194,6 +195,7 @@ def apply_fsdp(
         shard(model, reshard=reshard_after_forward, root=True)
     if scalars:
         _ReplicatedParams(model, [n for n, _ in scalars], mesh, root_unit=outer_units is None)
+    return [n for n, p in scalars if p.dim() > 0]
 
 
 def give_no_sync(model: nn.Module) -> None:

@@ -129,6 +129,8 @@ SCENARIOS = {
     "listed_params_sharded": (ListedParams, dict(dp_shard=2, micro_batch_size=4), False),
     # train_step clipping the gradient norm (CLIP): the complex weights' |z|^2 counted, sharded and replicated ones
     "complex_sharded_clipped": (FourierBlock, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
+    # a loop of the user's own clipping with autopar.clip_grad_norm_ (torch's refuses the replicated weights' mix)
+    "complex_sharded_user_clipped": (FourierBlock, dict(dp_shard=2, micro_batch_size=4), False),
     # a loop written for DDP: two halves of the batch a step, the first backward under model.no_sync()
     "ddp_loop_no_sync_sharded": (Float64Linear, dict(dp_shard=2, micro_batch_size=4), False),
     "ddp_loop_no_sync_replicated": (Float64Linear, dict(dp_replicate=2, micro_batch_size=4), False),
@@ -153,7 +155,9 @@ def run_ranks(name: str) -> dict:
     plan = autopar.Plan(**fields)
     local = plan.local_batch_size
     x, y = batch_of(0)
-    model = autopar.wrap(build(block), sample=(x[:local], y[:local]), plan=plan, loss_fn=loss_fn, verbose=False)
+    with warnings.catch_warnings(record=True) as at_wrap:  # what autopar says while wrapping
+        warnings.simplefilter("always")
+        model = autopar.wrap(build(block), sample=(x[:local], y[:local]), plan=plan, loss_fn=loss_fn, verbose=False)
     rank, size = autopar.data_shard(model)
     gathered: dict[str, torch.dtype] = {}  # the dtype each Linear computes with, as the forward sees its weight
     for n, m in model.named_modules():
@@ -166,7 +170,7 @@ def run_ranks(name: str) -> dict:
     opt = _optimizer(model, foreach=name.endswith("_foreach"))
     step = autopar.train_step(model, opt, loss_fn, max_grad_norm=CLIP if name.endswith("_clipped") else None) \
         if with_step else None
-    losses = []
+    losses, norms = [], []
     with warnings.catch_warnings(record=True) as said:  # what autopar says while training
         warnings.simplefilter("always")
         for i in range(STEPS):
@@ -188,6 +192,8 @@ def run_ranks(name: str) -> dict:
                 opt.zero_grad(set_to_none=True)
                 loss = loss_fn(model(mine[0]), mine)
                 loss.backward()
+                if name.endswith("_clipped"):
+                    norms.append(autopar.clip_grad_norm_(model, CLIP).item())
                 opt.step()
                 loss = loss.detach()
             dist.all_reduce(loss)
@@ -196,18 +202,18 @@ def run_ranks(name: str) -> dict:
     opt.zero_grad(set_to_none=True)
     mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
     loss_fn(model(mine[0]), mine).backward()
-    return {"losses": losses, "params": {n: _full(p) for n, p in model.named_parameters()},
+    return {"losses": losses, "norms": norms, "params": {n: _full(p) for n, p in model.named_parameters()},
             "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
             "kinds": {n: type(p).__name__ for n, p in model.named_parameters()},
             "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered, "sync_calls": sync_calls,
-            "said": [str(w.message) for w in said if str(w.message).startswith("autopar:")]}
+            "said": [str(w.message) for w in [*at_wrap, *said] if str(w.message).startswith("autopar:")]}
 
 
 def run_reference(name: str, *, autocast: bool = False) -> dict:
     block, _, _ = SCENARIOS[name]
     model = build(block)
     opt = _optimizer(model)
-    losses = []
+    losses, norms = [], []
     for i in range(STEPS + 1):
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -215,10 +221,11 @@ def run_reference(name: str, *, autocast: bool = False) -> dict:
         loss.backward()
         if i < STEPS:
             if name.endswith("_clipped"):
-                assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP  # (it clips)
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+                assert norms[-1] > CLIP  # (it clips)
             opt.step()
             losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()}}
 
 

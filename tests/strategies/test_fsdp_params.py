@@ -118,3 +118,14 @@ def test_a_foreach_optimizer_steps_the_replicated_weights_beside_the_sharded_one
     said = [m for m in runs["complex_sharded_foreach"]["said"] if "tensor by tensor" in m]
     assert len(said) == 1 and "AdamW" in said[0]
     assert not any("tensor by tensor" in m for m in runs["complex_sharded"]["said"])  # foreach=False: nothing to say
+
+
+def test_a_users_own_loop_clips_with_autopar_clip_grad_norm_as_torch_clips_one_process(runs):
+    """torch's clip_grad_norm_ refuses the replicated complex weight beside the sharded ones; autopar.clip_grad_norm_
+    returns the norm one process computes on the global batch at every step (the parity test checks the weights)."""
+    got, want = runs["complex_sharded_user_clipped"], worker.run_reference("complex_sharded_user_clipped")
+    assert "error" not in got, got.get("traceback")
+    assert len(got["norms"]) == worker.STEPS and min(got["norms"]) > worker.CLIP  # it clipped every step
+    said = [m for m in got["said"] if "clip_grad_norm_" in m]  # at wrap, naming the replicated weight
+    assert len(said) == 1 and "blocks.0.spectral.shift" in said[0] and "autopar.clip_grad_norm_(model" in said[0]
+    torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=0)
