@@ -15,6 +15,7 @@ micro-batches; `train_step(model, optimizer, loss_fn)` returns `step(batch) -> l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
@@ -253,11 +254,15 @@ def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: li
     """The micro-batches' forward and backward with the model's own loss as the mean over the whole step's items
     (autopar._util.label_items): every micro-batch is given num_items_in_batch = the valid labels of all of them
     on all data-parallel ranks, so its loss is its items' sum over that count, and the gradient, once FSDP averages
-    it over the data-parallel ranks (hence x their number), is the whole global batch's item mean's. Returns this
-    rank's batch's mean loss; None where the first step (`checking`) finds that the model does not return its first
-    micro-batch's own mean (a forward without the count and without gradients, from the same random state and
-    buffers) times that micro-batch's count over the count given: the model ignores the count, or counts otherwise.
-    Nothing is then added to the gradients, and the step runs as for any loss (train_step), as do the later ones."""
+    it over the data-parallel ranks (hence x their number), is the whole global batch's item mean's. A model that
+    ignores the count (its loss stays its micro-batch's mean) gets the same sum over the count as that mean times
+    its micro-batch's count over the count (LabelItems.weighed). Returns this rank's batch's mean loss.
+
+    The first step (`checking`) decides which, from the first micro-batch's loss as the model computes it without
+    the count and without gradients (the same random state and buffers): the count is used where the loss given it
+    is that mean times the micro-batch's count over the count; weighed where it is that mean and the mean is the
+    cross-entropy of the logits over the counted labels (LabelItems.item_mean); else None: nothing is added to the
+    gradients, and the step runs as for any loss (train_step), as do the later ones."""
     how, dp, n = counting[0], state.data_shard.size, len(micro)
     counts = [how.count(mb).to(state.device, torch.float32) for mb in micro]
     local = torch.stack(counts).sum()
@@ -271,11 +276,19 @@ def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: li
         _before_micro_batch(model, plan, last=i == n - 1)
         with loss_parallel_scope(vocab_parallel):
             own = _own_mean(model, mb, loss_of, state.device) if checking and i == 0 else None
-            loss = loss_of(call_model(model, {**mb, "num_items_in_batch": items}), mb)
+            output = call_model(model, mb if how.weighed else {**mb, "num_items_in_batch": items})
+            loss = loss_of(output, mb)
             if own is not None and not _agreed(loss.detach(), own * counts[0] / items):
-                counting[0] = None
-                (loss * 0).backward()  # (FSDP's hooks see the backward they expect; nothing is added)
-                return None
+                mean = how.item_mean(output, mb)
+                ignored = _agreed(loss.detach(), own)  # (both checks on every rank: each is a collective)
+                its_items = _agreed(own, mean if mean is not None else torch.full_like(own, math.nan))
+                if not (ignored and its_items):
+                    counting[0] = None
+                    (loss * 0).backward()  # (FSDP's hooks see the backward they expect; nothing is added)
+                    return None
+                counting[0] = how = dataclasses.replace(how, weighed=True)
+            if how.weighed:
+                loss = loss * counts[i] / items
             (loss * dp).backward()
         total += loss.detach()
     return total * items / local.clamp_min(1.0)

@@ -60,23 +60,31 @@ def test_accumulation_trains_as_one_step_on_the_whole_batch_and_the_mean_of_mean
 
 
 class _OwnMean(torch.nn.Module):
-    """A transformers model whose forward takes **kwargs but drops num_items_in_batch (its loss stays its own mean):
-    found at the first step, and trained as any loss, each micro-batch's mean over their number."""
+    """A transformers model whose forward takes **kwargs but drops num_items_in_batch (its loss stays its own mean,
+    as transformers' T5, BART and BERT-MLM do); with `extra`, PaLM's z-loss added to that mean."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: float = 0.0) -> None:
         super().__init__()
         self.inner = make_model("llama")
-        self.config, self.loss_type = self.inner.config, "ForCausalLM"
+        self.config, self.loss_type, self.extra = self.inner.config, "ForCausalLM", extra
 
     def forward(self, input_ids, labels, **kwargs):
         kwargs.pop("num_items_in_batch", None)
-        return self.inner(input_ids=input_ids, labels=labels, **kwargs)
+        out = self.inner(input_ids=input_ids, labels=labels, **kwargs)
+        out.loss = out.loss + self.extra * torch.logsumexp(out.logits.float(), -1).square().mean()  # a z-loss
+        return out
 
 
-def test_a_model_that_ignores_the_count_trains_on_the_mean_of_its_micro_batches_means():
-    model = _OwnMean()
+def test_a_model_that_ignores_the_count_is_weighed_by_its_items_and_trains_as_one_process():
+    """Its loss is the cross-entropy of its logits over the counted labels: each micro-batch's mean times its count
+    over the step's count, which is the whole batch's item mean."""
+    _trained_as_one_process(_OwnMean(), prefix="inner.")
+
+
+def test_a_loss_that_is_not_its_items_mean_trains_on_the_mean_of_its_micro_batches_means():
+    model = _OwnMean(extra=1e-2)
     assert label_items(model, worker.batch(0)) is not None  # it says it takes the count
-    plain = _OwnMean()
+    plain = _OwnMean(extra=1e-2)
     autopar.wrap(model, sample=worker.batch(0), plan=autopar.Plan(**worker.PLANS["one"]), loop="train_step",
                  verbose=False)
     opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=worker.LR) for m in (model, plain))

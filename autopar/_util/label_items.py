@@ -9,6 +9,9 @@ transformers' Trainer fixed in 2024). transformers' models take `num_items_in_ba
 their item losses over N; its Trainer counts N as below (labels[..., 1:] for a causal LM's shifting loss, unshifted
 for an encoder-decoder's or any other loss) and sums it over the ranks. autopar does the same, for a model that takes
 loss keyword arguments, after checking once that the model divides by the N it is given what it counts itself.
+A model that takes them but ignores N (transformers' T5, BART and BERT's masked LM in 5.25 return their own mean
+whatever N) is weighed instead: each micro-batch's mean times its count over N, which is the same sum over N, where
+the first step finds its loss to be the cross-entropy of its logits over the counted labels (`item_mean`).
 """
 
 from __future__ import annotations
@@ -28,13 +31,34 @@ class LabelItems:
     """How to count the items of a batch that a model's own loss averages over."""
 
     shifted: bool  # a causal LM's loss: labels[..., 1:] (position 0 is never a target)
+    weighed: bool = False  # the model ignores num_items_in_batch: its mean is weighed by its count over N instead
 
-    def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """The batch's valid labels (a 0-d tensor on the labels' device)."""
+    def _labels(self, batch: Mapping[str, Any]) -> torch.Tensor:
         labels = batch.get("shift_labels")
         if not isinstance(labels, torch.Tensor):
             labels = batch["labels"][..., 1:] if self.shifted else batch["labels"]
-        return labels.ne(IGNORE_INDEX).sum()
+        return labels
+
+    def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The batch's valid labels (a 0-d tensor on the labels' device)."""
+        return self._labels(batch).ne(IGNORE_INDEX).sum()
+
+    def item_mean(self, output: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """The mean cross-entropy of the output's logits over the counted labels (no gradient), or None where the
+        output has no plain logits tensor shaped as the labels and a class dimension."""
+        logits = getattr(output, "logits", None)
+        if logits is None and isinstance(output, Mapping):
+            logits = output.get("logits")
+        labels = self._labels(batch)
+        if type(logits) is not torch.Tensor or logits.dim() != labels.dim() + 1:  # (a DTensor's: not here)
+            return None
+        if self.shifted and "shift_labels" not in batch:
+            logits = logits[..., :-1, :]
+        if logits.shape[:-1] != labels.shape:
+            return None
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(logits.detach().flatten(0, -2).float(),
+                                                     labels.flatten().to(logits.device), ignore_index=IGNORE_INDEX)
 
 
 def label_items(model: nn.Module, batch: Any) -> LabelItems | None:
