@@ -159,3 +159,56 @@ def test_a_dataset_smaller_than_one_batch_is_refused_not_left_to_yield_nothing(m
                                         "of 8: every epoch would yield nothing"):
         autopar.dataloader(model, _dataset(7))
     assert len(list(autopar.dataloader(model, _dataset(7), drop_last=False))) == 1  # the remedy it names
+
+
+# ---- an iterable dataset ------------------------------------------------------------------------------
+class _Stream(torch.utils.data.IterableDataset):
+    """Samples 0..n-1 in order (the same on every rank), split between DataLoader workers by the dataset itself."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, self.n, step):
+            yield torch.tensor(i), torch.tensor(i * 10)
+
+
+def _global_batches(n: int, per_step: int, workers: int = 0) -> list[list[int]]:
+    """What one process reads from _Stream(n) at the global batch size (drop_last: full batches only)."""
+    loader = torch.utils.data.DataLoader(_Stream(n), batch_size=per_step, drop_last=True, num_workers=workers)
+    return [b[0].tolist() for b in loader]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_ranks_of_an_iterable_dataset_read_one_processs_global_batches(model, monkeypatch, workers):
+    """4 ranks x 8 samples: each step's batches on the 4 ranks make up the global batch of 32 one process reads at
+    that size (with its DataLoader workers too), in the same order of steps; the incomplete last one is dropped on
+    every rank, so all make the same number of steps."""
+    shares = []
+    for rank in range(4):
+        _as_rank(monkeypatch, rank)
+        loader = autopar.dataloader(model, _Stream(150), num_workers=workers)
+        batches = list(loader)
+        assert all(len(b[0]) == 8 and torch.equal(b[1], b[0] * 10) for b in batches)
+        shares.append([b[0].tolist() for b in batches])
+    want = _global_batches(150, 32, workers)
+    assert len(want) == 4 and all(len(s) == len(want) for s in shares)
+    for step, batch_ in enumerate(want):
+        assert sorted(i for s in shares for i in s[step]) == sorted(batch_)
+    assert shares[1][0] == want[0][1::4]  # rank 1 takes positions 1, 5, 9, ... of each global batch
+
+
+def test_one_rank_reads_an_iterable_dataset_in_full_batches(model):
+    loader = autopar.dataloader(model, _Stream(21))
+    assert [b[0].tolist() for b in loader] == [list(range(8)), list(range(8, 16))]
+
+
+@pytest.mark.parametrize("kwargs, says", [(dict(shuffle=True), "shuffle it in the dataset"),
+                                          (dict(drop_last=False), "leave drop_last=True")])
+def test_an_iterable_dataset_refuses_what_it_cannot_do(model, kwargs, says):
+    with pytest.raises(PlanError, match=says):
+        autopar.dataloader(model, _Stream(64), **kwargs)
+    with pytest.raises(PlanError, match="no indices to sample"):
+        autopar.sampler(model, _Stream(64))
