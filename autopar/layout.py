@@ -215,6 +215,22 @@ def differentiating_forward_refusal(plan: Plan, profile: ModelProfile) -> str | 
     return None
 
 
+def written_weight_refusal(plan: Plan, profile: ModelProfile) -> str | None:
+    """Why `plan` cannot train this model (one line), or None: its forward writes a parameter in place
+    (ModelProfile.params_written: nn.Embedding(max_norm=) renormalises the rows its batch reads). Under FSDP the
+    write lands in the gathered copy, freed after the forward, and with data or tensor parallelism each rank would
+    write its own copy from its own samples or shard, where one process writes the one weight from the whole batch:
+    every plan that manages the parameters with FSDP (Plan.uses_fsdp), splits the batch over ranks or splits the
+    weights (tp) is refused. Gradient accumulation and pipeline stages write the one weight as one process does."""
+    if profile.params_written and (plan.uses_fsdp or plan.dp_size > 1 or plan.tp > 1):
+        names = profile.params_written
+        return (f"{profile.model_class}'s forward writes {_named(names)} in place (as nn.Embedding(max_norm=) "
+                "renormalises the rows it reads), which FSDP's gathered copies and data- or tensor-parallel ranks "
+                "cannot share: train it in one process (or with pipeline stages only), or renormalise the weight "
+                "after each optimizer step instead of in forward")
+    return None
+
+
 def batch_split_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     """Why `plan` cannot train this model (one line), or None: a plan that cuts the batch into micro-batches
     (grad_accum > 1, or a pipeline's) cuts dim 0 of its tensors, which is the sequence of a batch_first=False module
@@ -249,9 +265,10 @@ def _named(names: Sequence[str]) -> str:
 def plan_refusal(plan: Plan, profile: ModelProfile) -> str | None:
     """Why `plan` cannot train this model, for what the model is rather than its size (one line), or None: a sparse
     gradient under FSDP, a forward that takes a gradient under FSDP or a pipeline, bf16 for float64 weights, a
-    batch split along a sequence, gradient hooks on parameters under FSDP."""
+    batch split along a sequence, gradient hooks on parameters under FSDP, a parameter the forward writes."""
     return sparse_gradient_refusal(plan, profile) or differentiating_forward_refusal(plan, profile) or \
         float64_refusal(plan, profile) or batch_split_refusal(plan, profile) or \
+        written_weight_refusal(plan, profile) or \
         gradient_hook_refusal(plan, profile.hooked_params, profile.model_class)
 
 

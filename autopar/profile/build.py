@@ -132,6 +132,7 @@ def profile_model(
         largest_transient_where=t.largest_where,
         differentiating_forward=t.differentiated_where,
         buffers_written=t.buffers_written,
+        params_written=t.params_written,
         sequence_first=t.sequence_first,
         sample_batch_size=batch,
         tokens_per_sample=tokens,

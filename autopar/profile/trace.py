@@ -71,6 +71,7 @@ class Trace:
     differentiated_where: str = ""  # where the forward took a gradient (torch.autograd.grad in it): "the forward of
     # block NAME"; empty: it took none
     buffers_written: tuple[str, ...] = ()  # the buffers the forward writes (running statistics, an EMA codebook)
+    params_written: tuple[str, ...] = ()  # the parameters the forward writes in place (Embedding(max_norm=)'s renorm)
     sequence_first: str = ""  # a batch_first=False module called with the sample's dim 0 as its sequence: "NAME
     # (CLASS, batch_first=False, called with SHAPE)"; empty: none
     # under autocast: the trainable weights a forward matmul read in float32 (autocast did not reach it), and those
@@ -288,6 +289,8 @@ class StepTrace:
             sequence_first=self.sequence_first,
             buffers_written=tuple(name for name, _ in self.model.named_buffers()
                                   if name in self.state and storage_key(self.state[name]) in w.written),
+            params_written=tuple(name for name, _ in self.model.named_parameters()
+                                 if name in self.state and storage_key(self.state[name]) in w.written),
             fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights,
             matmul_weights=tuple(sorted(w.matmul_weights)))
 
