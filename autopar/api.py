@@ -341,7 +341,10 @@ def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, pro
         check_peers_on_first_forward(model, data_rank=state.data_shard.rank, device=state.device,
                                      degrees="tensor-parallel")
     # 7. The cost model's choice, as measured, goes to wrap's cache (rank 0), for the next wrap of this model and job.
-    if cache_key is not None and decision is not None and decision.source == "chosen by the cost model":
+    #    Not where some ranks' samples use parameters others' do not: a cached plan is applied without the trace
+    #    that finds them (wrap plans afresh each time for such a model).
+    if cache_key is not None and decision is not None and decision.source == "chosen by the cost model" and \
+            not state.used_on_some_ranks:
         _store_wrap_choice(chosen, cache_key, profile, topo, global_batch=global_batch, loop=chosen_loop)
     hook.applied(model, chosen, profile)
     return model

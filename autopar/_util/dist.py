@@ -144,6 +144,18 @@ def min_max(value: int) -> tuple[int, int]:
     return int(t[0].item()), int(-t[1].item())
 
 
+def ranks_with(flags: list[bool]) -> list[int]:
+    """Collective: for each of `flags` (a list of one length on every rank), on how many ranks it is set (one process:
+    0 or 1; under a fake process group, autopar.exact's, where every rank is this one: 0 or the world size)."""
+    device = _collective_device()
+    if device is not None and dist.get_backend() == "fake":
+        return [int(f) * dist.get_world_size() for f in flags]
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device or "cpu")
+    if device is not None and len(flags):
+        dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
 def first_failure(error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank had `error` (so no rank waits forever for a failed one)."""
     device = _collective_device()

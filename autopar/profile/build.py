@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._util.batch import check_sample_fits, first_tensor, sample_batch_size
+from .._util.own_checkpointing import own_checkpointing_off
 from ..errors import ProfileError, TraceError
 from .blocks import BlocksSpec, find_blocks, is_matmul_layer, shape_facts
 from .graphs import GraphCount, dynamo_graphs
@@ -28,6 +29,12 @@ MAX_REAL_WEIGHT_BYTES = 4 * 2**30  # the most weight bytes a trace reads the val
 
 #: The note of a profile made without a trace (`trace=False`).
 NOT_TRACED_NOTE = "not traced (trace=False): FLOPs and activation bytes are unknown (zero here)."
+
+
+def _random_kept() -> Any:
+    """The random states as they were, after the trace: the CPU's, and the current GPU's where CUDA runs."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else [])
 
 
 def profile_model(
@@ -86,8 +93,11 @@ def profile_model(
     params = _Params.of(model, units)
     compiled = None
     if trace:
-        t, precision, fallback, compiled, valued = _traced_step(model, sample, units, loss_fn=loss_fn,
-                                                                precision=precision, weight_values=weight_values)
+        # (the random state kept: a forward that draws, torch.rand as DropPath does, leaves a seeded run as it was;
+        # the model's own checkpointing off, which wrap replaces by the plan's: autopar/_util/own_checkpointing.py)
+        with _random_kept(), own_checkpointing_off(model):
+            t, precision, fallback, compiled, valued = _traced_step(model, sample, units, loss_fn=loss_fn,
+                                                                    precision=precision, weight_values=weight_values)
         if fallback is not None:
             notes.append(fallback)
             if warn:
@@ -133,6 +143,7 @@ def profile_model(
         differentiating_forward=t.differentiated_where,
         buffers_written=t.buffers_written,
         params_written=t.params_written,
+        params_unused=t.params_unused,
         sequence_first=t.sequence_first,
         sample_batch_size=batch,
         tokens_per_sample=tokens,

@@ -212,6 +212,8 @@ class ModelProfile:
     # at that inner backward, which the outer one then reads: plans that manage parameters with FSDP are refused
     params_written: tuple[str, ...] = ()  # parameters the forward writes in place (nn.Embedding(max_norm=) renorms
     # the rows it reads), found by the trace: each rank would write its own copy or FSDP's gathered one, lost at once
+    params_unused: tuple[str, ...] = ()  # trainable parameters the traced step gave no gradient: unused by the sample
+    # (a pooler an LM never reads, a task head the sample's task skips); found by the trace
     buffers_written: tuple[str, ...] = ()  # buffers the forward writes (BatchNorm's running statistics, an EMA
     # codebook), found by the trace: under data parallelism each rank updates its own copy from its own samples
     sequence_first: str = ""  # a batch_first=False module (an nn.LSTM, nn.TransformerEncoderLayer) called with the
@@ -349,7 +351,7 @@ class ModelProfile:
         values["live_frontier"] = tuple(_live_point(p) for p in values.get("live_frontier", ()))
         for name in ("notes", "modules_before_blocks", "modules_after_blocks", "root_param_names", "bf16_weights",
                      "sparse_grad_modules", "buffers_written", "hooked_params",
-                     "params_written"):
+                     "params_written", "params_unused"):
             if name in values:
                 values[name] = tuple(values[name])
         if values.get("block_input_shape") is not None:

@@ -72,6 +72,7 @@ class Trace:
     # block NAME"; empty: it took none
     buffers_written: tuple[str, ...] = ()  # the buffers the forward writes (running statistics, an EMA codebook)
     params_written: tuple[str, ...] = ()  # the parameters the forward writes in place (Embedding(max_norm=)'s renorm)
+    params_unused: tuple[str, ...] = ()  # the trainable parameters the step gave no gradient (unused by this sample)
     sequence_first: str = ""  # a batch_first=False module called with the sample's dim 0 as its sequence: "NAME
     # (CLASS, batch_first=False, called with SHAPE)"; empty: none
     # under autocast: the trainable weights a forward matmul read in float32 (autocast did not reach it), and those
@@ -291,6 +292,8 @@ class StepTrace:
                                   if name in self.state and storage_key(self.state[name]) in w.written),
             params_written=tuple(name for name, _ in self.model.named_parameters()
                                  if name in self.state and storage_key(self.state[name]) in w.written),
+            params_unused=tuple(name for name, p in self.model.named_parameters()
+                                if p.requires_grad and name in self.state and self.state[name].grad is None),
             fp32_matmul_weights=tuple(sorted(w.fp32_matmul_weights)), bf16_weights=self.bf16_weights,
             matmul_weights=tuple(sorted(w.matmul_weights)))
 

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._util.dist import backend as _backend
 from .._util.dist import ensure_single_process_group, world
 from .._util.kv_cache import kv_cache_off_in_training
+from .._util.own_checkpointing import turn_own_checkpointing_off
 from ..errors import PlanError
 from ..layout import float8_layers, gradient_hook_refusal, plan_refusal, sequence_parallel_refusal
 from ..plans import Plan
@@ -42,7 +43,7 @@ from ..topology import Topology
 from .checkpointing import apply_checkpointing
 from .compile import apply_compile, cuda_graphs_refusal, default_backend, max_autotune_refusal
 from .float8 import apply_float8, float8_all_gather_refusal, float8_refusal
-from .fsdp import apply_fsdp, give_no_sync
+from .fsdp import apply_fsdp, contiguous_weights, give_no_sync
 from .full_load import apply_full_load
 from .materialize import materialize
 from .mesh import data_shard, dp_mesh
@@ -51,6 +52,7 @@ from .precision import apply_autocast, present_weights
 from .replicas import broadcast_replicas
 from .state import Applied
 from .tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from .unused import Unused, apply_unused, find_unused
 
 
 def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_size: int,
@@ -137,6 +139,11 @@ def apply_plan(
                         "none is large enough for it to pay (autopar.layout.float8_converts)"))
         if not_gathered is not None and converted:
             notes.append(f"float8: {not_gathered}")
+    # Parameters some ranks' forwards use and others' do not (strategies/unused.py), found on the whole model before
+    # the split (one collective): a container of blocks the data calls is no unit in step 6, and their units reduce
+    # zeros where a rank has no gradient.
+    unused = find_unused(model, profile, list(iter_block_modules(model, profile))) \
+        if plan.uses_fsdp and plan.dp_size > 1 else Unused()
     # 2. Pipeline split.
     runtime = None
     if plan.pp > 1:
@@ -174,6 +181,11 @@ def apply_plan(
                      "leaves it unset; eval forwards, generate and config.use_cache unchanged): in training it is "
                      "only written, a checkpointed layer's replay would append to it, and a layer compiled on its "
                      "own would be compiled again for every layer")
+    if own := turn_own_checkpointing_off(model):  # (_util/own_checkpointing.py)
+        notes.append(f"checkpointing: the model's own ({own[0]}{', ...' if len(own) > 1 else ''}: "
+                     "gradient_checkpointing_enable) is turned off; the plan's checkpointing "
+                     f"('{plan.checkpointing}') replaces it, as the plan's memory was predicted")
+        _warn_once(notes[-1])
     checkpointed = apply_checkpointing(blocks, mode=plan.checkpointing, every=plan.checkpoint_every)
     # 5. torch.compile: per block when FSDP or the pipeline wraps the blocks, else the whole model's forward
     #    (in step 8, after the move and before autocast, which then wraps the compiled forward from outside).
@@ -183,6 +195,7 @@ def apply_plan(
         compiled = apply_compile(model, blocks, per_block=True, backend=compile_backend,
                                  max_autotune=plan.max_autotune)
     # 6. FSDP2 (over a one-process mesh when CPU offload is asked for on a single process).
+    reduced: list[str] = []  # parameters some ranks' forwards use and others' do not
     if use_fsdp:
         fsdp_mesh = dp_mesh(mesh, plan)
         if fsdp_mesh is None:
@@ -193,9 +206,23 @@ def apply_plan(
         outer = None
         if runtime is not None:  # the stage's forward stops early: no unit may wrap the whole model
             outer = _outer_units(model, profile)
-        beside = apply_fsdp(model, fsdp_mesh, blocks=blocks, precision=plan.precision,
-                            reshard_after_forward=plan.reshard_after_forward, cpu_offload=plan.cpu_offload,
-                            outer_units=outer)
+        if made := contiguous_weights(model):
+            notes.append(f"data parallel: {len(made)} weight(s) stored in another memory format ({made[0]}"
+                         f"{', ...' if len(made) > 1 else ''}: channels_last) are made contiguous, as FSDP2 shards "
+                         "them; the inputs' format still sets the activations'")
+        conditional = set(unused.conditional)
+        beside = apply_fsdp(model, fsdp_mesh, blocks=[(n, b) for n, b in blocks if n not in conditional],
+                            precision=plan.precision, reshard_after_forward=plan.reshard_after_forward,
+                            cpu_offload=plan.cpu_offload, outer_units=outer)
+        reduced = apply_unused(model, unused)
+        if reduced:
+            notes.append(f"data parallel: {len(reduced)} parameter(s) ({reduced[0]}{', ...' if len(reduced) > 1 else ''})"
+                         " may go without a gradient on some ranks (a task head, a branch or an expert the data "
+                         "chooses): a rank whose backward gives one none reduces a zero gradient for it, as DDP's "
+                         "find_unused_parameters=True does, and one no rank used keeps none"
+                         + (f"; the blocks of {unused.conditional[0].rpartition('.')[0] or 'the model'} are gathered "
+                            "together, as one unit" if unused.conditional else ""))
+            _warn_once(notes[-1])
         if beside:
             notes.append(f"data parallel: {len(beside)} parameter(s) ({beside[0]}{', ...' if len(beside) > 1 else ''}"
                          ", which FSDP2 cannot shard) stay replicated beside its shards, which "
@@ -218,7 +245,8 @@ def apply_plan(
         give_no_sync(model)
     return Applied(plan=plan, profile=profile, topology=topology, mesh=mesh, device=device,
                    data_shard=data_shard(mesh, plan), checkpointed=tuple(checkpointed), compiled=tuple(compiled),
-                   notes=tuple(notes), pipeline=runtime, tensor_parallel=layout)
+                   notes=tuple(notes), pipeline=runtime, tensor_parallel=layout,
+                   used_on_some_ranks=tuple(reduced))
 
 
 def last_blocks(blocks: list[tuple[str, nn.Module]]) -> list[str]:

@@ -198,6 +198,40 @@ def apply_fsdp(
     return [n for n, p in scalars if p.dim() > 0]
 
 
+def contiguous_weights(model: nn.Module) -> list[str]:
+    """Make the parameters stored in another memory format (a conv net moved to channels_last) contiguous, which
+    FSDP2 needs ("FSDP does not support non-contiguous parameters yet"); returns their names. The values, and the
+    activations' format that the inputs set, are unchanged."""
+    names = []
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+                names.append(name)
+    return names
+
+
+def reduce_unused(model: nn.Module, names: Sequence[str]) -> None:
+    """Make the FSDP units holding parameters `names` (used by some ranks' forwards and not others') reduce a zero
+    gradient for a parameter its rank's backward gave none, so that every rank's reduce-scatter has the same size
+    (FSDP2 reduces only the parameters with a gradient: ranks with different ones mismatch their collectives, which
+    gloo aborts on and NCCL hangs on); the others keep a None gradient for parameters no rank used."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise PlanError(f"{names[0]} is used by some ranks' samples and not others', which FSDP2 of torch "
+                        f"{torch.__version__} cannot reduce (no set_reduce_scatter_unused_params): upgrade torch, or "
+                        "make every rank's forward use every parameter (e.g. compute every head and weigh its loss).")
+    modules = dict(model.named_modules())
+    for name in names:
+        path = name.split(".")[:-1]
+        while path and not isinstance(modules[".".join(path)], FSDPModule):
+            path.pop()
+        unit = modules[".".join(path)]
+        if isinstance(unit, FSDPModule):
+            unit.set_reduce_scatter_unused_params(True, recurse=False)
+
+
 def give_no_sync(model: nn.Module) -> None:
     """Give the wrapped model DDP's `no_sync()` where it has none, so that a loop written for DDP runs unchanged:
     a context in which backward accumulates gradients without reducing them (FSDP2's

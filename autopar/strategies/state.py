@@ -37,6 +37,8 @@ class Applied:
     notes: tuple[str, ...] = ()  # what was changed besides the plan's techniques, for the log
     pipeline: PipelineRuntime | None = None  # the runtime of a pipeline-parallel plan
     tensor_parallel: TPLayout | None = None  # what a tensor-parallel plan split
+    used_on_some_ranks: tuple[str, ...] = ()  # parameters that may go without a gradient on some ranks (their FSDP
+    # units reduce zeros for them: strategies/unused.py)
 
 
 def attach(model: nn.Module, state: Applied) -> None:

@@ -365,3 +365,24 @@ def test_a_torchscript_module_is_refused_in_one_line_naming_it():
         with pytest.raises(ProfileError) as info:
             profile_model(model, torch.randn(4, 8), warn=False)
         assert "\n" not in str(info.value) and str(info.value).startswith(f"{named} is a TorchScript module")
+
+
+class _DropPath(torch.nn.Module):
+    """A forward that draws with a factory (torch.rand), as stochastic depth does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * (torch.rand(x.shape[0], 1) > 0.2))
+
+
+@pytest.mark.parametrize("weight_values", [False, True])
+def test_tracing_leaves_the_random_stream_as_it_found_it(weight_values):
+    """A seeded run draws the same masks wrapped or not (docs/reliability.md: planning changes nothing)."""
+    torch.manual_seed(0)
+    model, x = _DropPath(), torch.randn(8, 8)
+    before = torch.get_rng_state()
+    profile_model(model, x, warn=False, weight_values=weight_values)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -105,10 +105,28 @@ class ListedParams(nn.Module):
         return self.head(x)
 
 
+class ChannelsLast(nn.Module):
+    """A conv net moved to channels_last, as CNNs are for speed (weights and inputs): FSDP2 shards only contiguous
+    weights ("FSDP does not support non-contiguous parameters yet")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(8, CLASSES)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.convs(x.view(-1, 2, 2, DIM // 4).contiguous(memory_format=torch.channels_last))
+        return self.head(h.mean((2, 3)))
+
+
+WHOLE_MODELS = (ListedParams, ChannelsLast)  # scenarios whose "block" is the whole model
+
+
 def build(block: type[nn.Module]) -> nn.Module:
-    """The model of a scenario: Net over `block`, or `block` itself where it is a whole model (ListedParams)."""
+    """The model of a scenario: Net over `block`, or `block` itself where it is a whole model (WHOLE_MODELS)."""
     torch.manual_seed(0)
-    return block() if block is ListedParams else Net(block)
+    return block() if block in WHOLE_MODELS else Net(block)
 
 
 def batch_of(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +145,7 @@ SCENARIOS = {
     "float64_param_accum": (Float64Scale, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
     "float64_module_bf16": (Float64Linear, dict(dp_shard=2, micro_batch_size=4, precision="bf16"), False),
     "listed_params_sharded": (ListedParams, dict(dp_shard=2, micro_batch_size=4), False),
+    "channels_last_sharded": (ChannelsLast, dict(dp_shard=2, micro_batch_size=4), False),
     # train_step clipping the gradient norm (CLIP): the complex weights' |z|^2 counted, sharded and replicated ones
     "complex_sharded_clipped": (FourierBlock, dict(dp_shard=2, micro_batch_size=2, grad_accum=2), True),
     # a loop of the user's own clipping with autopar.clip_grad_norm_ (torch's refuses the replicated weights' mix)
@@ -202,7 +221,8 @@ def run_ranks(name: str) -> dict:
     opt.zero_grad(set_to_none=True)
     mine = (x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local])
     loss_fn(model(mine[0]), mine).backward()
-    return {"losses": losses, "norms": norms, "params": {n: _full(p) for n, p in model.named_parameters()},
+    return {"losses": losses, "norms": norms, "notes": list(autopar.applied(model).notes),
+            "params": {n: _full(p) for n, p in model.named_parameters()},
             "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
             "kinds": {n: type(p).__name__ for n, p in model.named_parameters()},
             "dtypes": {n: p.dtype for n, p in model.named_parameters()}, "gathered": gathered, "sync_calls": sync_calls,

@@ -129,3 +129,10 @@ def test_a_users_own_loop_clips_with_autopar_clip_grad_norm_as_torch_clips_one_p
     said = [m for m in got["said"] if "clip_grad_norm_" in m]  # at wrap, naming the replicated weight
     assert len(said) == 1 and "blocks.0.spectral.shift" in said[0] and "autopar.clip_grad_norm_(model" in said[0]
     torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(want["norms"]), rtol=RTOL, atol=0)
+
+
+def test_channels_last_weights_are_made_contiguous_for_fsdp2_and_train_as_one_process(runs):
+    """(The parity test checks the training.) The plan's notes name the weights made contiguous."""
+    assert worker.build(worker.ChannelsLast).convs[0].weight.is_contiguous() is False
+    notes = [n for n in runs["channels_last_sharded"]["notes"] if "made contiguous" in n]
+    assert len(notes) == 1 and notes[0].startswith("data parallel: 2 weight(s)") and "convs.0.weight" in notes[0]

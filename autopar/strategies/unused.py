@@ -1,0 +1,121 @@
+"""Parameters some ranks' forwards use and others' do not, under FSDP2: task heads trained on some ranks only,
+branches or experts the data chooses. What wrap does so that every rank's collectives match and the gradients are
+what DDP's `find_unused_parameters=True` gives.
+
+FSDP2 gathers a unit's parameters when the unit is called, and after its backward reduces only the parameters that
+got a gradient. Ranks whose forwards call different units, or leave different parameters of one unit without a
+gradient, issue collectives of different sizes: gloo aborts ("Received data size doesn't match expected size"), NCCL
+hangs, and where the sizes happen to agree the ranks silently gather or add up different parameters (two branches of
+one shape chosen per rank by the data, replicated on 2 gloo ranks: the ranks' weights drifted 0.03 apart).
+
+From every rank's traced step (ModelProfile.params_unused; a block is uncalled where its forward did no FLOPs and
+none of its parameters got a gradient), counted over the ranks (`find_unused`):
+1. a container of blocks of which some rank's trace left one uncalled is *conditional*: none of its blocks becomes
+   an FSDP unit, so the unit around them gathers them on every rank whichever the data calls;
+2. the units holding those blocks' parameters, or parameters some ranks' traces used and others' did not, reduce a
+   zero gradient where a rank's backward gave none (FSDP2's `set_reduce_scatter_unused_params`): every rank reduces
+   the same tensors, and the average is DDP's (the ranks that used a parameter, summed over all ranks);
+3. before each optimizer step, those parameters whose reduced gradient is zero on every rank (no rank used them this
+   step) get their gradient back as None, as one process and DDP leave them: AdamW skips them (no decay, no momentum
+   step). `NONE_WHERE_UNUSED`: one optimizer step pre-hook for every model, as strategies.fsdp's BESIDE_SHARDS.
+
+What no rank's traced sample shows (a block every trace called that a later batch skips on one rank) is not seen.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .._util.dist import ranks_with, world
+from ..profile import ModelProfile
+from .fsdp import reduce_unused
+
+
+@dataclass(frozen=True)
+class Unused:
+    """What `find_unused` found over the ranks, by the whole model's names (before a pipeline split)."""
+
+    conditional: tuple[str, ...] = ()  # blocks of containers of which some rank's trace left a block uncalled
+    reduced: tuple[str, ...] = ()  # the trainable parameters whose units reduce zeros where a rank has no gradient:
+    #                               those some ranks' traces used and others' did not, and the conditional blocks'
+
+
+def find_unused(model: nn.Module, profile: ModelProfile, blocks: Sequence[tuple[str, nn.Module]]) -> Unused:
+    """Collective over every rank (one all-reduce), on the whole model (every rank has every name): see the module
+    docstring."""
+    unused = set(profile.params_unused)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    flops = {b.name: b.forward_flops for b in profile.blocks}
+    uncalled = [flops.get(n, 1.0) == 0 and _within(n, b, unused) for n, b in blocks]
+    counts = ranks_with([n in unused for n in names] + uncalled)
+    size = world().size
+    parents = {n.rpartition(".")[0] for (n, _), k in zip(blocks, counts[len(names):]) if k > 0}
+    conditional = tuple(n for n, _ in blocks if n.rpartition(".")[0] in parents)
+    reduced = [n for n, k in zip(names, counts) if 0 < k < size]
+    for block in conditional:
+        reduced += [f"{block}.{k}" for k, p in model.get_submodule(block).named_parameters() if p.requires_grad]
+    return Unused(conditional, tuple(dict.fromkeys(reduced)))
+
+
+def _within(name: str, block: nn.Module, names: set[str]) -> bool:
+    """Whether every trainable parameter of `block` (at `name` in the model; at least one) is among `names`."""
+    trained = [f"{name}.{k}" for k, p in block.named_parameters() if p.requires_grad]
+    return bool(trained) and all(n in names for n in trained)
+
+
+def apply_unused(model: nn.Module, unused: Unused) -> list[str]:
+    """Steps 2 and 3 for the parameters of `unused` this rank's `model` holds (a pipeline stage holds its own), once
+    FSDP2 has sharded it; returns their names."""
+    present = dict(model.named_parameters())
+    names = [n for n in unused.reduced if n in present]
+    if names:
+        reduce_unused(model, names)
+        NONE_WHERE_UNUSED.add(model, names)
+    return names
+
+
+class _NoneWhereUnused:
+    """The models whose units reduce zeros for ranks without a gradient, with those parameters' names, and the one
+    optimizer step pre-hook that gives None back to those with a zero gradient on every rank (one all-reduce a step).
+    Names, looked up at each step: materialising a meta model gives it new Parameter objects."""
+
+    def __init__(self) -> None:
+        self._models: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+        self._handle = None
+
+    def add(self, model: nn.Module, names: Sequence[str]) -> None:
+        self._models[model] = tuple(names)
+        if self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._handle = register_optimizer_step_pre_hook(self._check)
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        watched = {id(p): p for model, names in list(self._models.items()) for p in map(model.get_parameter, names)}
+        params = [p for group in optimizer.param_groups for p in group["params"] if watched.get(id(p)) is p]
+        if not params:
+            return
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+        device = _device(params)
+        used = torch.stack([g.ne(0).any() if g is not None and g.numel() else torch.zeros((), dtype=torch.bool,
+                                                                                         device=device)
+                            for g in grads]).to(torch.int32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        for p, u in zip(params, used.tolist()):
+            if not u:
+                p.grad = None
+
+
+def _device(params: Sequence[torch.Tensor]) -> torch.device:
+    p = params[0]
+    return (p.to_local() if hasattr(p, "to_local") else p).device
+
+
+NONE_WHERE_UNUSED = _NoneWhereUnused()
