@@ -15,9 +15,10 @@ none of its parameters got a gradient), counted over the ranks (`find_unused`):
 2. the units holding those blocks' parameters, or parameters some ranks' traces used and others' did not, reduce a
    zero gradient where a rank's backward gave none (FSDP2's `set_reduce_scatter_unused_params`): every rank reduces
    the same tensors, and the average is DDP's (the ranks that used a parameter, summed over all ranks);
-3. before each optimizer step, those parameters whose reduced gradient is zero on every rank (no rank used them this
-   step) get their gradient back as None, as one process and DDP leave them: AdamW skips them (no decay, no momentum
-   step). `NONE_WHERE_UNUSED`: one optimizer step pre-hook for every model, as strategies.fsdp's BESIDE_SHARDS.
+3. before each optimizer step, those parameters no rank used since the last step (the module holding it ran no forward
+   with gradients, and the reduced gradient is zero) get their gradient back as None, as one process and DDP leave
+   them: AdamW skips them (no decay, no momentum step); a used one keeps its zero gradient, as there.
+   `NONE_WHERE_UNUSED`: one optimizer step pre-hook for every model, as strategies.fsdp's BESIDE_SHARDS.
 
 What no rank's traced sample shows (a block every trace called that a later batch skips on one rank) is not seen.
 """
@@ -82,35 +83,61 @@ def apply_unused(model: nn.Module, unused: Unused) -> list[str]:
 
 class _NoneWhereUnused:
     """The models whose units reduce zeros for ranks without a gradient, with those parameters' names, and the one
-    optimizer step pre-hook that gives None back to those with a zero gradient on every rank (one all-reduce a step).
-    Names, looked up at each step: materialising a meta model gives it new Parameter objects."""
+    optimizer step pre-hook that gives None back to those no rank used since the last step (one all-reduce a step).
+
+    Used: the module holding it ran a forward with gradients on this rank (a forward pre-hook marks it), or its
+    reduced gradient is not zero (a weight read outside its module). A zero gradient alone does not say unused: the
+    layers before a zero-initialised one (zero_init_residual, adaLN-Zero) get exact zeros, and one process and DDP
+    step them (AdamW's decay and its step count). Names are looked up at each step: materialising a meta model gives
+    it new Parameter objects (and keeps its modules)."""
 
     def __init__(self) -> None:
         self._models: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+        self._called: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self._handle = None
 
     def add(self, model: nn.Module, names: Sequence[str]) -> None:
         self._models[model] = tuple(names)
+        for owner in {n.rpartition(".")[0] for n in names}:
+            module = model.get_submodule(owner)
+            if module not in self._called:
+                self._called[module] = False
+                module.register_forward_pre_hook(self._mark)
         if self._handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
             self._handle = register_optimizer_step_pre_hook(self._check)
 
+    def _mark(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            self._called[module] = True
+
     def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        watched = {id(p): p for model, names in list(self._models.items()) for p in map(model.get_parameter, names)}
-        params = [p for group in optimizer.param_groups for p in group["params"] if watched.get(id(p)) is p]
+        watched = {id(p): (p, model.get_submodule(n.rpartition(".")[0]))
+                   for model, names in list(self._models.items()) for n in names
+                   for p in (model.get_parameter(n),)}
+        params = [watched[id(p)] for group in optimizer.param_groups for p in group["params"]
+                  if id(p) in watched and watched[id(p)][0] is p]
         if not params:
             return
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
-        device = _device(params)
-        used = torch.stack([g.ne(0).any() if g is not None and g.numel() else torch.zeros((), dtype=torch.bool,
-                                                                                         device=device)
-                            for g in grads]).to(torch.int32)
+        device = _device([p for p, _ in params])
+        used = torch.stack([_nonzero(p.grad, device) | self._called.get(owner, False) for p, owner in params])
+        used = used.to(torch.int32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(used, op=dist.ReduceOp.MAX)
-        for p, u in zip(params, used.tolist()):
+        for (p, _), u in zip(params, used.tolist()):
             if not u:
                 p.grad = None
+        for owner in {owner for _, owner in params}:
+            self._called[owner] = False
+
+
+def _nonzero(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """Whether this rank's part of `grad` has an element that is not zero (a 0-d bool tensor on `device`)."""
+    g = grad.to_local() if hasattr(grad, "to_local") else grad
+    if g is None or not g.numel():
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return g.ne(0).any().to(device)
 
 
 def _device(params: Sequence[torch.Tensor]) -> torch.device:

@@ -52,6 +52,17 @@ class Branches(nn.Module):
         return F.cross_entropy(self.head(h), y)
 
 
+class ZeroBranches(Branches):
+    """The branches end in zero-initialised layers (zero_init_residual, adaLN-Zero): the layers before get exact zero
+    gradients where their branch runs, and one process still steps them (AdamW's decay and step count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for branch in self.branches:
+            nn.init.zeros_(branch[2].weight)
+            nn.init.zeros_(branch[2].bias)
+
+
 class Experts(nn.Module):
     """A top-1 mixture of experts that skips the experts no token was routed to (the usual loop)."""
 
@@ -87,6 +98,11 @@ def _signed(step: int, rank: int) -> tuple:
     return torch.randn(4, 8, generator=g) + 2 * sign, torch.randint(0, 3, (4,), generator=g)
 
 
+def _agreeing(step: int, rank: int) -> tuple:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 8, generator=g) + (2.0 if step % 2 == 0 else -2.0), torch.randint(0, 3, (4,), generator=g)
+
+
 def _tokens(step: int, rank: int) -> tuple:
     g = torch.Generator().manual_seed(10 * step + rank)
     return torch.randn(4, 2, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
@@ -102,6 +118,8 @@ SCENARIOS = {
     "branches_replicated": (Branches, _signed, dict(dp_replicate=2)),
     "branches_sharded": (Branches, _signed, dict(dp_shard=2)),
     "experts_sharded": (Experts, _tokens, dict(dp_shard=2)),
+    # both ranks take one branch a step (the other unused: None), whose first layer gets exact zeros (used: stepped)
+    "zero_init_branches": (ZeroBranches, _agreeing, dict(dp_shard=2)),
 }
 
 
