@@ -223,6 +223,14 @@ def apply_plan(
                          + (f"; the blocks of {unused.conditional[0].rpartition('.')[0] or 'the model'} are gathered "
                             "together, as one unit" if unused.conditional else ""))
             _warn_once(notes[-1])
+        if unused.nowhere:
+            nowhere = unused.nowhere
+            notes.append(f"data parallel: {len(nowhere)} trainable parameter(s) ({nowhere[0]}"
+                         f"{', ...' if len(nowhere) > 1 else ''}) got no gradient in any rank's traced step: if later "
+                         "batches use them on some ranks and not others, FSDP2 reduces different tensors on the ranks "
+                         "(wrong, silently, where their shapes agree); give each rank's wrap a sample that uses them, "
+                         "or freeze them (requires_grad=False) if no batch does")
+            _warn_once(notes[-1])
         if beside:
             notes.append(f"data parallel: {len(beside)} parameter(s) ({beside[0]}{', ...' if len(beside) > 1 else ''}"
                          ", which FSDP2 cannot shard) stay replicated beside its shards, which "

@@ -45,6 +45,7 @@ class Unused:
     conditional: tuple[str, ...] = ()  # blocks of containers of which some rank's trace left a block uncalled
     reduced: tuple[str, ...] = ()  # the trainable parameters whose units reduce zeros where a rank has no gradient:
     #                               those some ranks' traces used and others' did not, and the conditional blocks'
+    nowhere: tuple[str, ...] = ()  # trainable parameters no rank's trace gave a gradient (outside conditional blocks)
 
 
 def find_unused(model: nn.Module, profile: ModelProfile, blocks: Sequence[tuple[str, nn.Module]]) -> Unused:
@@ -61,7 +62,9 @@ def find_unused(model: nn.Module, profile: ModelProfile, blocks: Sequence[tuple[
     reduced = [n for n, k in zip(names, counts) if 0 < k < size]
     for block in conditional:
         reduced += [f"{block}.{k}" for k, p in model.get_submodule(block).named_parameters() if p.requires_grad]
-    return Unused(conditional, tuple(dict.fromkeys(reduced)))
+    reduced = list(dict.fromkeys(reduced))
+    nowhere = tuple(n for n, k in zip(names, counts) if k == size and n not in set(reduced))
+    return Unused(conditional, tuple(reduced), nowhere)
 
 
 def _within(name: str, block: nn.Module, names: set[str]) -> bool:

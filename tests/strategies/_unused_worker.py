@@ -36,6 +36,27 @@ class MultiTask(nn.Module):
         return F.mse_loss(self.head_b(h).squeeze(-1), y.float())
 
 
+class LayeredMultiTask(nn.Module):
+    """Two task heads over a trunk of repeated layers: the layers are the blocks, and the heads sit in the root
+    unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head_a = nn.Linear(32, 3)
+        self.head_b = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, task: int) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        if task == 0:
+            return F.cross_entropy(self.head_a(h), y)
+        return F.mse_loss(self.head_b(h).squeeze(-1), y.float())
+
+
 class Branches(nn.Module):
     """Two branches of one shape; the data's sign chooses one (ranks whose data differ take different ones)."""
 
@@ -118,6 +139,9 @@ SCENARIOS = {
     "branches_replicated": (Branches, _signed, dict(dp_replicate=2)),
     "branches_sharded": (Branches, _signed, dict(dp_shard=2)),
     "experts_sharded": (Experts, _tokens, dict(dp_shard=2)),
+    # every rank's sample and batches on task 0: head b (in the root unit, beside the trunk's layers) is never used
+    # (kept None), and wrap warns that a later use on some ranks only would go unseen
+    "one_task": (LayeredMultiTask, lambda s, r: _tasks(s, r, (0, 0)), dict(dp_shard=2)),
     # both ranks take one branch a step (the other unused: None), whose first layer gets exact zeros (used: stepped)
     "zero_init_branches": (ZeroBranches, _agreeing, dict(dp_shard=2)),
 }

@@ -38,7 +38,14 @@ def test_ranks_whose_forwards_use_different_parameters_train_as_one_process(runs
     for param, value in want["params"].items():
         torch.testing.assert_close(got["params"][param], value, rtol=1e-5, atol=1e-6, msg=param)
     said = [m for m in got["said"] if "find_unused_parameters" in m]
-    assert len(said) == 1 and "the blocks of" in said[0]
+    assert len(said) == (0 if name == "one_task" else 1) and all("the blocks of" in m for m in said)
+
+
+def test_parameters_no_rank_used_are_named_with_what_could_go_wrong(runs):
+    said = [m for m in runs["one_task"]["said"] if "got no gradient in any rank's traced step" in m]
+    assert len(said) == 1 and "head_b.weight" in said[0] and "requires_grad=False" in said[0]
+    assert runs["one_task"]["used_on_some_ranks"] == ()
+    assert not any("got no gradient" in m for m in runs["tasks_sharded"]["said"])
 
 
 def test_the_containers_the_data_chooses_from_are_gathered_as_one(runs):
