@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.utils.checkpoint import CheckpointError
 
 from .._util.batch import check_sample_fits, first_tensor, sample_batch_size
 from .._util.own_checkpointing import own_checkpointing_off
@@ -193,6 +194,9 @@ def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callab
         t, compiled = _traced(model, sample, units, loss_fn, precision)
         return t, precision, None, compiled, False
     except TraceError as exc:
+        if isinstance(exc.__cause__, CheckpointError):  # the forward checkpoints attention itself (_UNFUSED_NOTE)
+            t, compiled = _traced(model, sample, units, loss_fn, precision, flash_like=False)
+            return t, precision, _UNFUSED_NOTE, compiled, False
         if isinstance(exc.__cause__, _DATA_DEPENDENT):
             if not _weights_readable(model):
                 raise
@@ -209,6 +213,11 @@ def _traced_step(model: nn.Module, sample: Any, units: Units, *, loss_fn: Callab
         raise
 
 
+_UNFUSED_NOTE = ("traced with torch's own attention on the CPU, not the flash kernel a GPU runs: the forward "
+                 "checkpoints attention itself (torch.utils.checkpoint), whose replay in backward runs outside autopar's "
+                 "stand-in and found other saved tensors; attention's memory is the math kernel's, above a GPU's")
+
+
 _REAL_WEIGHTS_AGAIN = ("traced with the weights' own values beside the fake tensors, as another precision's trace of "
                        "this step needed (it reads values the weights compute)")
 
@@ -219,7 +228,7 @@ MAX_BF16_WEIGHT_TRACES = 3
 
 
 def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | None, precision: str, *,
-            real_weights: bool = False, bf16_weights: tuple[str, ...] = (), attempt: int = 1
+            real_weights: bool = False, bf16_weights: tuple[str, ...] = (), attempt: int = 1, flash_like: bool = True
             ) -> tuple[Trace, CompiledSaved | None]:
     """One traced step in `precision`, with the probe that partitions its autograd graph as torch.compile
     would (autopar.profile.remat) in place of the loss function (it calls `loss_fn`). Under bf16 autocast, a step
@@ -227,7 +236,8 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
     given in bf16, as autopar's autocast gives them (autopar.strategies.precision)."""
     probe = CompiledSavedProbe(loss_fn, len(units))
     step = StepTrace(model, sample, units, loss_fn=probe, precision=precision, real_weights=real_weights,
-                     bf16_weights=bf16_weights, stop_at_fp32_weights=not bf16_weights and attempt == 1)
+                     bf16_weights=bf16_weights, stop_at_fp32_weights=not bf16_weights and attempt == 1,
+                     flash_like=flash_like)
     probe.weight_storages = step.watcher.weight_storages.copy  # the weights' storages, as the trace knows them
     probe.masks = step.watcher.compile_masks  # which masks torch.compile would build, as the trace finds them
     probe.autocast = precision == "bf16"  # its compiled backward runs under autocast too
@@ -236,12 +246,14 @@ def _traced(model: nn.Module, sample: Any, units: Units, loss_fn: Callable | Non
             t = step.run()
     except Fp32WeightsFound as found:  # the first such block: its weights, and the other blocks' of the same names
         return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
-                       bf16_weights=_in_every_block(found.names, found.block, units, model), attempt=attempt + 1)
+                       bf16_weights=_in_every_block(found.names, found.block, units, model), attempt=attempt + 1,
+                       flash_like=flash_like)
     missed = set(t.fp32_matmul_weights) - set(bf16_weights)
     unread = set(bf16_weights) - set(t.matmul_weights)  # a namesake no matmul reads: autocast was right about it
     if precision == "bf16" and (missed or unread) and attempt < MAX_BF16_WEIGHT_TRACES:  # again, those settled
         return _traced(model, sample, units, loss_fn, precision, real_weights=real_weights,
-                       bf16_weights=tuple(sorted((set(bf16_weights) | missed) - unread)), attempt=attempt + 1)
+                       bf16_weights=tuple(sorted((set(bf16_weights) | missed) - unread)), attempt=attempt + 1,
+                       flash_like=flash_like)
     return t, probe.result()
 
 

@@ -132,7 +132,7 @@ class StepTrace:
 
     def __init__(self, model: nn.Module, sample: Any, units: Units, *,
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str, real_weights: bool = False,
-                 bf16_weights: tuple[str, ...] = (), stop_at_fp32_weights: bool = False) -> None:
+                 bf16_weights: tuple[str, ...] = (), stop_at_fp32_weights: bool = False, flash_like: bool = True) -> None:
         self.model, self.units, self.loss_fn, self.precision = model, units, loss_fn, precision
         self.value_reads = 0  # the model's forward's reads of tensor values, once it has returned
         device = _profile_device(model, sample)
@@ -157,7 +157,7 @@ class StepTrace:
         # (On a CUDA device only its check of ops CUDA has no bf16 kernel for, which a bf16 input reaches: typed.)
         self.cuda_policy = CudaAutocastPolicy(device.type, cast=device.type != "cuda") if precision == "bf16" \
             else contextlib.nullcontext()
-        self.sdpa = flash_like_sdpa() if device.type == "cpu" else contextlib.nullcontext()
+        self.sdpa = flash_like_sdpa() if device.type == "cpu" and flash_like else contextlib.nullcontext()
         self.watcher = StepWatcher({storage_key(t) for t in self.state.values()},
                                    {tuple(t.shape) for t in self.state.values() if t.dim() >= 2},
                                    len(units), self.running_block, compile_masks=CompileMasks(self.shadows))

@@ -386,3 +386,32 @@ def test_tracing_leaves_the_random_stream_as_it_found_it(weight_values):
     before = torch.get_rng_state()
     profile_model(model, x, warn=False, weight_values=weight_values)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+class _CheckpointedAttention(nn.Module):
+    """Blocks whose forward the model checkpoints itself (torch.utils.checkpoint, non-reentrant) around attention with
+    a boolean mask: the replay in backward ran outside the trace's flash-like attention and saved a float mask
+    ("CheckpointError: Recomputed values ... have different metadata")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.qkv = nn.ModuleList(nn.Linear(32, 96) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+
+        def attend(qkv: nn.Module, h: torch.Tensor) -> torch.Tensor:
+            q, k, v = qkv(h).view(h.shape[0], h.shape[1], 3, 2, 16).permute(2, 0, 3, 1, 4)
+            return h + torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2) \
+                .reshape(h.shape)
+
+        for qkv in self.qkv:
+            h = torch.utils.checkpoint.checkpoint(attend, qkv, h, use_reentrant=False)
+        return h.pow(2).mean()
+
+
+def test_a_forward_that_checkpoints_attention_itself_is_traced_with_torchs_attention():
+    profile = profile_model(_CheckpointedAttention(), torch.randn(4, 10, 8), warn=False, graphs=False)
+    assert profile.flops > 0 and any("checkpoints attention itself" in n for n in profile.notes)
