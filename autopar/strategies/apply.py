@@ -144,6 +144,10 @@ def apply_plan(
     # zeros where a rank has no gradient.
     unused = find_unused(model, profile, list(iter_block_modules(model, profile))) \
         if plan.uses_fsdp and plan.dp_size > 1 else Unused()
+    if unused.conditional and plan.pp > 1:  # a stage has no unit around its blocks to gather them instead
+        raise PlanError(f"the blocks of {unused.conditional[0].rpartition('.')[0] or type(model).__name__} are run "
+                        "by some ranks' samples and not others' (the data chooses), which pipeline stages cannot "
+                        "shard: use a plan with pp=1.")
     # 2. Pipeline split.
     runtime = None
     if plan.pp > 1:
