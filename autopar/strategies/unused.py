@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._util.batch import tensors_of
 from .._util.dist import ranks_with, world
 from ..profile import ModelProfile
 from .fsdp import reduce_unused
@@ -85,27 +86,32 @@ def apply_unused(model: nn.Module, unused: Unused) -> list[str]:
 
 
 class _NoneWhereUnused:
-    """The models whose units reduce zeros for ranks without a gradient, with those parameters' names, and the one
-    optimizer step pre-hook that gives None back to those no rank used since the last step (one all-reduce a step).
+    """The models whose units reduce zeros for ranks without a gradient, with those parameters' names; at the end of
+    each backward through the model (after FSDP2's reductions), those no rank used since the last optimizer step get
+    their gradient back as None (one all-reduce), as one process leaves them; the optimizer step pre-hook does it
+    where no backward through the model's output did, and starts the next step's count.
 
     Used: the module holding it ran a forward with gradients on this rank (a forward pre-hook marks it), or its
     reduced gradient is not zero (a weight read outside its module). A zero gradient alone does not say unused: the
     layers before a zero-initialised one (zero_init_residual, adaLN-Zero) get exact zeros, and one process and DDP
-    step them (AdamW's decay and its step count). Names are looked up at each step: materialising a meta model gives
+    step them (AdamW's decay and its step count). Names are looked up each time: materialising a meta model gives
     it new Parameter objects (and keeps its modules)."""
 
     def __init__(self) -> None:
         self._models: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
         self._called: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+        self._restored: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self._handle = None
 
     def add(self, model: nn.Module, names: Sequence[str]) -> None:
         self._models[model] = tuple(names)
+        self._restored[model] = False
         for owner in {n.rpartition(".")[0] for n in names}:
             module = model.get_submodule(owner)
             if module not in self._called:
                 self._called[module] = False
                 module.register_forward_pre_hook(self._mark)
+        model.register_forward_hook(self._after_forward)
         if self._handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -115,12 +121,28 @@ class _NoneWhereUnused:
         if torch.is_grad_enabled():
             self._called[module] = True
 
-    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        watched = {id(p): (p, model.get_submodule(n.rpartition(".")[0]))
-                   for model, names in list(self._models.items()) for n in names
-                   for p in (model.get_parameter(n),)}
-        params = [watched[id(p)] for group in optimizer.param_groups for p in group["params"]
-                  if id(p) in watched and watched[id(p)][0] is p]
+    def _after_forward(self, model: nn.Module, args: Any, output: Any) -> None:
+        """The backward of this output ends by restoring the Nones, after FSDP2's own end-of-backward (its callback,
+        queued before: ours queues the restore behind every callback queued so far)."""
+        tensors = [t for t in tensors_of(output) if t.requires_grad]
+        if not tensors:
+            return
+        engine = torch.autograd.Variable._execution_engine
+        ref = weakref.ref(model)
+
+        def restore() -> None:
+            if ref() is not None:
+                self._restore(ref())
+
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda grads: engine.queue_callback(lambda: engine.queue_callback(restore)), mode="any")
+
+    def _watched(self, model: nn.Module) -> list[tuple[torch.Tensor, nn.Module]]:
+        return [(model.get_parameter(n), model.get_submodule(n.rpartition(".")[0])) for n in self._models[model]]
+
+    def _restore(self, model: nn.Module, params: list[tuple[torch.Tensor, nn.Module]] | None = None) -> None:
+        """Collective: None back for the parameters (of `model`'s watched ones) no rank used since the last step."""
+        params = self._watched(model) if params is None else params
         if not params:
             return
         device = _device([p for p, _ in params])
@@ -131,8 +153,19 @@ class _NoneWhereUnused:
         for (p, _), u in zip(params, used.tolist()):
             if not u:
                 p.grad = None
-        for owner in {owner for _, owner in params}:
-            self._called[owner] = False
+        self._restored[model] = True
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in list(self._models.keys()):
+            params = [(p, owner) for p, owner in self._watched(model) if id(p) in stepped]
+            if not params:
+                continue
+            if not self._restored.get(model, False):
+                self._restore(model, params)
+            for _, owner in params:
+                self._called[owner] = False
+            self._restored[model] = False
 
 
 def _nonzero(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -155,10 +155,12 @@ def reference(name: str) -> dict:
     for step in range(STEPS):
         loss = (model(*batch(step, 0)) + model(*batch(step, 1))) / 2
         loss.backward()
+        no_grad = [n for n, p in model.named_parameters() if p.grad is None]  # (the last step's, after backward)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "no_grad": no_grad}
 
 
 def run_ranks(name: str) -> dict:
@@ -173,6 +175,7 @@ def run_ranks(name: str) -> dict:
     for step in range(STEPS):
         loss = model(*batch(step, rank))
         loss.backward()
+        no_grad = [n for n, p in model.named_parameters() if p.grad is None]
         opt.step()
         opt.zero_grad()
         loss = loss.detach()
@@ -181,6 +184,7 @@ def run_ranks(name: str) -> dict:
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
               for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "used_on_some_ranks": autopar.applied(model).used_on_some_ranks,
+            "no_grad": no_grad,
             "said": [str(w.message) for w in said if str(w.message).startswith("autopar:")]}
 
 
