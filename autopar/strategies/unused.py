@@ -10,8 +10,10 @@ one shape chosen per rank by the data, replicated on 2 gloo ranks: the ranks' we
 
 From every rank's traced step (ModelProfile.params_unused; a block is uncalled where its forward did no FLOPs and
 none of its parameters got a gradient), counted over the ranks (`find_unused`):
-1. a container of blocks of which some rank's trace left one uncalled is *conditional*: none of its blocks becomes
-   an FSDP unit, so the unit around them gathers them on every rank whichever the data calls;
+1. a container of blocks of which some ranks' traces left one uncalled and others' called it is *conditional*: none
+   of its blocks becomes an FSDP unit, so the unit around them gathers them on every rank whichever the data calls
+   (a block no trace called, a multimodal model's audio tower under text, stays a unit: wrap names its parameters
+   among those no trace gave a gradient);
 2. the units holding those blocks' parameters, or parameters some ranks' traces used and others' did not, reduce a
    zero gradient where a rank's backward gave none (FSDP2's `set_reduce_scatter_unused_params`): every rank reduces
    the same tensors, and the average is DDP's (the ranks that used a parameter, summed over all ranks);
@@ -43,7 +45,7 @@ from .fsdp import reduce_unused
 class Unused:
     """What `find_unused` found over the ranks, by the whole model's names (before a pipeline split)."""
 
-    conditional: tuple[str, ...] = ()  # blocks of containers of which some rank's trace left a block uncalled
+    conditional: tuple[str, ...] = ()  # blocks of containers with a block some ranks' traces called and others' not
     reduced: tuple[str, ...] = ()  # the trainable parameters whose units reduce zeros where a rank has no gradient:
     #                               those some ranks' traces used and others' did not, and the conditional blocks'
     nowhere: tuple[str, ...] = ()  # trainable parameters no rank's trace gave a gradient (outside conditional blocks)
@@ -58,7 +60,7 @@ def find_unused(model: nn.Module, profile: ModelProfile, blocks: Sequence[tuple[
     uncalled = [flops.get(n, 1.0) == 0 and _within(n, b, unused) for n, b in blocks]
     counts = ranks_with([n in unused for n in names] + uncalled)
     size = world().size
-    parents = {n.rpartition(".")[0] for (n, _), k in zip(blocks, counts[len(names):]) if k > 0}
+    parents = {n.rpartition(".")[0] for (n, _), k in zip(blocks, counts[len(names):]) if 0 < k < size}
     conditional = tuple(n for n, _ in blocks if n.rpartition(".")[0] in parents)
     reduced = [n for n, k in zip(names, counts) if 0 < k < size]
     for block in conditional:

@@ -120,8 +120,10 @@ def _signed(step: int, rank: int) -> tuple:
 
 
 def _agreeing(step: int, rank: int) -> tuple:
+    """The traced sample (step 0) takes a branch per rank; the later steps one branch on both ranks, in turn."""
     g = torch.Generator().manual_seed(10 * step + rank)
-    return torch.randn(4, 8, generator=g) + (2.0 if step % 2 == 0 else -2.0), torch.randint(0, 3, (4,), generator=g)
+    sign = (1.0 if rank == 0 else -1.0) if step == 0 else (1.0 if step % 2 == 0 else -1.0)
+    return torch.randn(4, 8, generator=g) + 2 * sign, torch.randint(0, 3, (4,), generator=g)
 
 
 def _tokens(step: int, rank: int) -> tuple:
@@ -142,7 +144,8 @@ SCENARIOS = {
     # every rank's sample and batches on task 0: head b (in the root unit, beside the trunk's layers) is never used
     # (kept None), and wrap warns that a later use on some ranks only would go unseen
     "one_task": (LayeredMultiTask, lambda s, r: _tasks(s, r, (0, 0)), dict(dp_shard=2)),
-    # both ranks take one branch a step (the other unused: None), whose first layer gets exact zeros (used: stepped)
+    # after the first step both ranks take one branch (the other unused: None), whose first layer gets exact zeros
+    # (used: stepped)
     "zero_init_branches": (ZeroBranches, _agreeing, dict(dp_shard=2)),
 }
 
