@@ -17,10 +17,11 @@ none of its parameters got a gradient), counted over the ranks (`find_unused`):
 2. the units holding those blocks' parameters, or parameters some ranks' traces used and others' did not, reduce a
    zero gradient where a rank's backward gave none (FSDP2's `set_reduce_scatter_unused_params`): every rank reduces
    the same tensors, and the average is DDP's (the ranks that used a parameter, summed over all ranks);
-3. before each optimizer step, those parameters no rank used since the last step (the module holding it ran no forward
-   with gradients, and the reduced gradient is zero) get their gradient back as None, as one process and DDP leave
-   them: AdamW skips them (no decay, no momentum step); a used one keeps its zero gradient, as there.
-   `NONE_WHERE_UNUSED`: one optimizer step pre-hook for every model, as strategies.fsdp's BESIDE_SHARDS.
+3. at the end of each backward through the model (after FSDP2's reductions), those parameters no rank used since the
+   last optimizer step (the module holding it ran no forward with gradients, and the reduced gradient is zero) get
+   their gradient back as None, as one process and DDP leave them: AdamW skips them (no decay, no momentum step); a
+   used one keeps its zero gradient, as there. `NONE_WHERE_UNUSED` (one optimizer step pre-hook for every model, as
+   strategies.fsdp's BESIDE_SHARDS, does it where no backward did and starts the next step's count).
 
 What no rank's traced sample shows (a block every trace called that a later batch skips on one rank) is not seen.
 """
@@ -66,7 +67,8 @@ def find_unused(model: nn.Module, profile: ModelProfile, blocks: Sequence[tuple[
     for block in conditional:
         reduced += [f"{block}.{k}" for k, p in model.get_submodule(block).named_parameters() if p.requires_grad]
     reduced = list(dict.fromkeys(reduced))
-    nowhere = tuple(n for n, k in zip(names, counts) if k == size and n not in set(reduced))
+    kept = set(reduced)
+    nowhere = tuple(n for n, k in zip(names, counts) if k == size and n not in kept)
     return Unused(conditional, tuple(reduced), nowhere)
 
 
