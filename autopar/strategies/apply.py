@@ -166,7 +166,7 @@ def apply_plan(
             notes.append(f"tensor parallel: the vocabulary ({profile.vocab_size}) does not divide by tp={plan.tp}: "
                          "the embedding and the head stay whole on every rank")
     if plan.dp_size > 1 and (norms := _per_rank_batchnorms(model)):
-        notes.append(f"data parallel: {len(norms)} BatchNorm layer(s) ({norms[0]}{', ...' if len(norms) > 1 else ''}) "
+        notes.append(f"data parallel: {len(norms)} BatchNorm layer(s) ({_first(norms)}) "
                      f"keep their statistics per rank: each normalises over its own {plan.micro_batch_size} "
                      "samples, not the global batch as one process would; for one process's statistics convert "
                      "them before wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)")
@@ -186,7 +186,7 @@ def apply_plan(
                      "only written, a checkpointed layer's replay would append to it, and a layer compiled on its "
                      "own would be compiled again for every layer")
     if own := turn_own_checkpointing_off(model):  # (_util/own_checkpointing.py)
-        notes.append(f"checkpointing: the model's own ({own[0]}{', ...' if len(own) > 1 else ''}: "
+        notes.append(f"checkpointing: the model's own ({_first(own)}: "
                      "gradient_checkpointing_enable) is turned off; the plan's checkpointing "
                      f"('{plan.checkpointing}') replaces it, as the plan's memory was predicted")
         _warn_once(notes[-1])
@@ -211,8 +211,8 @@ def apply_plan(
         if runtime is not None:  # the stage's forward stops early: no unit may wrap the whole model
             outer = _outer_units(model, profile)
         if made := contiguous_weights(model):
-            notes.append(f"data parallel: {len(made)} weight(s) stored in another memory format ({made[0]}"
-                         f"{', ...' if len(made) > 1 else ''}: channels_last) are made contiguous, as FSDP2 shards "
+            notes.append(f"data parallel: {len(made)} weight(s) stored in another memory format ({_first(made)}"
+                         ": channels_last) are made contiguous, as FSDP2 shards "
                          "them; the inputs' format still sets the activations'")
         conditional = set(unused.conditional)
         beside = apply_fsdp(model, fsdp_mesh, blocks=[(n, b) for n, b in blocks if n not in conditional],
@@ -220,23 +220,22 @@ def apply_plan(
                             cpu_offload=plan.cpu_offload, outer_units=outer)
         reduced = apply_unused(model, unused)
         if reduced:
-            notes.append(f"data parallel: {len(reduced)} parameter(s) ({reduced[0]}{', ...' if len(reduced) > 1 else ''})"
+            notes.append(f"data parallel: {len(reduced)} parameter(s) ({_first(reduced)})"
                          " may go without a gradient on some ranks (a task head, a branch or an expert the data "
                          "chooses): a rank whose backward gives one none reduces a zero gradient for it, as DDP's "
                          "find_unused_parameters=True does, and one no rank used keeps none"
                          + (f"; the blocks of {unused.conditional[0].rpartition('.')[0] or 'the model'} are gathered "
                             "together, as one unit" if unused.conditional else ""))
             _warn_once(notes[-1])
-        if unused.nowhere:
-            nowhere = unused.nowhere
-            notes.append(f"data parallel: {len(nowhere)} trainable parameter(s) ({nowhere[0]}"
-                         f"{', ...' if len(nowhere) > 1 else ''}) got no gradient in any rank's traced step: if later "
+        if nowhere := unused.nowhere:
+            notes.append(f"data parallel: {len(nowhere)} trainable parameter(s) ({_first(nowhere)}"
+                         ") got no gradient in any rank's traced step: if later "
                          "batches use them on some ranks and not others, FSDP2 reduces different tensors on the ranks "
                          "(wrong, silently, where their shapes agree); give each rank's wrap a sample that uses them, "
                          "or freeze them (requires_grad=False) if no batch does")
             _warn_once(notes[-1])
         if beside:
-            notes.append(f"data parallel: {len(beside)} parameter(s) ({beside[0]}{', ...' if len(beside) > 1 else ''}"
+            notes.append(f"data parallel: {len(beside)} parameter(s) ({_first(beside)}"
                          ", which FSDP2 cannot shard) stay replicated beside its shards, which "
                          "torch.nn.utils.clip_grad_norm_ refuses to mix: clip with autopar.clip_grad_norm_(model, "
                          "max_norm) or autopar.train_step(..., max_grad_norm=)")
@@ -248,8 +247,8 @@ def apply_plan(
     # (under FSDP its bf16 param_dtype casts every weight; a pipeline rank casts those of its stages)
     cast = tuple(present_weights(model, profile.bf16_weights)) if plan.precision == "bf16" and not use_fsdp else ()
     if cast:
-        notes.append(f"precision: {len(cast)} weight(s) that autocast does not reach ({cast[0]}"
-                     f"{', ...' if len(cast) > 1 else ''}: a matmul on no autocast list reads them) are given to the "
+        notes.append(f"precision: {len(cast)} weight(s) that autocast does not reach ({_first(cast)}"
+                     ": a matmul on no autocast list reads them) are given to the "
                      "forward in bf16, as autocast gives a Linear's; their parameters stay fp32")
     with later:
         _finish(model, plan, blocks, runtime, mesh, device, init_fn, compile_backend, use_fsdp, compiled, cast)
@@ -284,6 +283,11 @@ def _per_rank_buffers(model: nn.Module, profile: ModelProfile) -> list[str]:
     buffers = dict(model.named_buffers())
     return [n for n in profile.buffers_written
             if n in buffers and buffers[n].is_floating_point() and n not in norms]
+
+
+def _first(names: list[str] | tuple[str, ...]) -> str:
+    """The first of `names`, and ", ..." where there are more (a note's list)."""
+    return names[0] + (", ..." if len(names) > 1 else "")
 
 
 def _warn_once(note: str) -> None:
