@@ -54,6 +54,7 @@ from .profile import model_fingerprint
 _META = "autopar.yaml"
 _SUMS = ".autopar-sums.{rank}.yaml"  # one rank's files and their hashes, merged into autopar.yaml by rank 0
 _SHARD = re.compile(r"__(\d+)_")  # DCP's file of rank N: __N_I.distcp
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp")  # the whole name of one (a user's __2024_results.csv is not)
 _DRIFT_WARNED: set[tuple[str, ...]] = set()  # the sets of drifted buffers this process has warned of
 
 
@@ -118,7 +119,7 @@ def _foreign_entries(folder: Path) -> list[str]:
         return entries
     listed = set(meta["files"]) if isinstance(meta.get("files"), dict) else set()
     return [e for e in entries if (folder / e).is_dir()
-            or (e not in listed and e not in (_META, ".metadata") and not _SHARD.match(e))]
+            or (e not in listed and e not in (_META, ".metadata") and not _DCP_FILE.fullmatch(e))]
 
 
 def _refusal(path: Path) -> str:
@@ -209,9 +210,12 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     _warn_drifted(model)
     token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
     new = path.parent / f".{path.name}.new-{token}"
+    stepped = bool(optimizer.state)  # never stepped: torch's get_state_dict steps it once (lr 0) to make its state
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    if not stepped:  # as it was, so the first real step is AdamW's first (its count, its bias correction)
+        optimizer.state.clear()
     try:
-        _write(model, optimizer, model_sd, optim_sd, new, dcp)
+        _write(model, optimizer, model_sd, optim_sd, new, dcp, stepped=stepped)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException; KeyboardInterrupt cleans too
         shutil.rmtree(new, ignore_errors=True)
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
@@ -274,7 +278,8 @@ def _warn_drifted(model: nn.Module) -> None:
                   "wrap: model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)", UserWarning, stacklevel=3)
 
 
-def _write(model: nn.Module, optimizer: Any, model_sd: dict, optim_sd: dict, new: Path, dcp: Any) -> None:
+def _write(model: nn.Module, optimizer: Any, model_sd: dict, optim_sd: dict, new: Path, dcp: Any, *,
+           stepped: bool = True) -> None:
     """Every rank's shards, their sums, and (rank 0, last) the manifest, into the hidden folder `new`."""
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
     _barrier()
@@ -299,7 +304,7 @@ def _write(model: nn.Module, optimizer: Any, model_sd: dict, optim_sd: dict, new
             fingerprint = state.profile.fingerprint if state is not None else model_fingerprint(model)
             meta = {"autopar_checkpoint": 1, "model_fingerprint": fingerprint,
                     "plan": state.plan.to_dict() if state is not None else None,
-                    "optimizer": type(optimizer).__name__, "files": files,
+                    "optimizer": type(optimizer).__name__, "optimizer_stepped": stepped, "files": files,
                     "param_groups": [sorted(g) for g in groups]}
             atomic_write_text(new / _META, yaml.safe_dump(meta, sort_keys=False))  # last: the folder is complete
         except Exception as exc:  # every rank learns of it (first_failure), rank 0 raises its own
@@ -392,6 +397,11 @@ def _tied_aliases(path: Path, optim_sd: dict, state: Any) -> dict[str, str]:
     return aliases
 
 
+def _groups_differ(path: Path, saved: int, own: int) -> str:
+    return (f"the checkpoint at {path} has {saved} optimizer parameter groups and this optimizer {own}: build the "
+            "optimizer with the groups it was saved with.")
+
+
 def _group_order(own: list[list[str]], saved: Any, aliases: dict[str, str], num_loaded: int,
                  path: Path) -> list[int]:
     """For each of this optimizer's groups (its parameters' names), the index of the saved group that held the
@@ -402,8 +412,7 @@ def _group_order(own: list[list[str]], saved: Any, aliases: dict[str, str], num_
     if not isinstance(saved, list) or not all(isinstance(g, list) for g in saved):
         raise AutoparError(f"{path / _META} is damaged: its `param_groups` is not a list of name lists.")
     if len(saved) != len(own) or num_loaded != len(own):
-        raise AutoparError(f"the checkpoint at {path} has {len(saved)} optimizer parameter groups and this optimizer "
-                           f"{len(own)}: build the optimizer with the groups it was saved with.")
+        raise AutoparError(_groups_differ(path, len(saved), len(own)))
     where = {name: j for j, names in enumerate(saved) for name in names}
     order = []
     for k, names in enumerate(own):
@@ -435,7 +444,7 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     (learning rate, weight decay, ...) of the saved group that held the same parameters, by name.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     path = _resolve(Path(path))
     meta_path = path / _META
@@ -472,6 +481,15 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     own_params = [list(group["params"]) for group in optim_sd.get("param_groups", [])]
     from torch.distributed.checkpoint.api import CheckpointException
 
+    saved_groups = meta.get("param_groups")
+    if isinstance(saved_groups, list) and len(saved_groups) != len(own_params):  # before DCP's missing-key error
+        raise AutoparError(_groups_differ(path, len(saved_groups), len(own_params)))
+    # A parameter the saved optimizer never stepped (a head no batch had used yet) has no state there: it gets none
+    # here either, as then (torch's get_state_dict made state for every parameter, which DCP would look for).
+    saved_keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stateless = [n for n in optim_sd.get("state", {}) if not any(k.startswith(f"optim.state.{n}.") for k in saved_keys)]
+    for name in stateless:
+        del optim_sd["state"][name]
     try:
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
@@ -485,4 +503,8 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     loaded = optim_sd.get("param_groups", [])
     order = _group_order(own_params, meta.get("param_groups"), aliases, len(loaded), path)
     optim_sd["param_groups"] = [dict(loaded[j], params=params) for j, params in zip(order, own_params)]
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    # (strict=False lets those stateless parameters be; every model key was in the checkpoint, or dcp.load raised)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(strict=not stateless))
+    if meta.get("optimizer_stepped") is False:  # saved before its first step: no state, as then
+        optimizer.state.clear()

@@ -272,3 +272,82 @@ def test_parameter_groups_that_hold_other_parameters_than_the_saved_ones_are_ref
                                {"params": [model2[0].bias, model2[1].bias]}])
     with pytest.raises(AutoparError, match="parameter group 0 matches no saved group"):
         autopar.load(model2, mixed, tmp_path / "ck")
+
+
+def test_a_users_file_named_like_a_shard_is_never_replaced(saved):
+    """Only DCP's whole names (__N_I.distcp) go without the manifest's listing: a save over a checkpoint deleted
+    __2024_results.csv of the user's."""
+    path, a, _ = saved
+    (path / "__2024_results.csv").write_text("kept")
+    model, opt = model_and_optimizer(2)
+    with pytest.raises(AutoparError, match=r"\(__2024_results.csv\)"):
+        autopar.save(model, opt, path)
+    assert (path / "__2024_results.csv").read_text() == "kept" and _same(_loaded(path)[0], a)
+
+
+class _TwoHeads(torch.nn.Module):
+    """A trunk and two heads; the batch says which head its loss uses (head b unused until a batch asks for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3), torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, head: str) -> torch.Tensor:
+        return getattr(self, head)(torch.relu(self.trunk(x))).square().mean()
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, heads: str, first: int = 0) -> list[float]:
+    losses = []
+    for i, head in enumerate(heads, start=first):
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(i)), head)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_parameter_the_optimizer_never_stepped_loads_without_state_and_resumes_as_one_run(tmp_path):
+    """Head b had no AdamW state when saved: loading made state for it (torch's get_state_dict) and looked for it in
+    the checkpoint, so the checkpoint could not be loaded; now head b gets no state, as it had."""
+    straight = _TwoHeads()
+    straight_opt = torch.optim.AdamW(straight.parameters(), lr=1e-2)
+    _steps(straight, straight_opt, "aab")
+    model = _TwoHeads()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, opt, "aa")
+    autopar.save(model, opt, tmp_path / "ck")
+    resumed = _TwoHeads()
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    autopar.load(resumed, resumed_opt, tmp_path / "ck")
+    assert resumed.b.weight not in resumed_opt.state and resumed.a.weight in resumed_opt.state
+    _steps(resumed, resumed_opt, "b", first=2)
+    for p, q in zip(resumed.parameters(), straight.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_save_before_the_first_step_changes_nothing_and_loads_as_never_stepped(tmp_path):
+    """torch's get_state_dict stepped a fresh optimizer once (lr 0) to make its state: AdamW's count was 1 before
+    the first real step, and the run's losses changed (9e-3 over 4 steps)."""
+    plain = _TwoHeads()
+    want = _steps(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), "aaa")
+    model = _TwoHeads()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    autopar.save(model, opt, tmp_path / "ck")
+    assert not opt.state
+    assert _steps(model, opt, "aaa") == want
+    resumed = _TwoHeads()
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    autopar.load(resumed, resumed_opt, tmp_path / "ck")
+    assert not resumed_opt.state
+    assert _steps(resumed, resumed_opt, "aaa") == want
+
+
+def test_an_optimizer_with_another_number_of_groups_is_told_so(tmp_path):
+    model, opt = _grouped(1, "ab")
+    autopar.save(model, opt, tmp_path / "ck")
+    torch.manual_seed(3)
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(AutoparError, match="has 2 optimizer parameter groups and this optimizer 1"):
+        autopar.load(model2, torch.optim.AdamW(model2.parameters()), tmp_path / "ck")
