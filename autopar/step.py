@@ -97,7 +97,8 @@ def _total_norm(model: nn.Module, mesh: Any, tied: Sequence[Sequence[str]], norm
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in params:
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        g = g.detach().abs().double()  # a complex element counts by its modulus |z| (as torch's)
+        g = g.detach()
+        g = (g.abs() if g.is_complex() or norm_type != 2.0 else g).double()  # |z| for a complex element (as torch's)
         if math.isinf(norm_type):
             total = torch.maximum(total, g.max()) if g.numel() else total
         else:

@@ -153,13 +153,16 @@ def test_a_save_onto_a_folder_that_is_not_a_checkpoint_is_refused_and_leaves_it_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]  # no hidden folder left beside it
 
 
-def test_a_checkpoint_folder_holding_a_file_of_the_users_is_not_replaced(saved):
+@pytest.mark.parametrize("name", ["notes.txt", "__2024_results.csv"])
+def test_a_checkpoint_folder_holding_a_file_of_the_users_is_not_replaced(saved, name):
+    """Also one named like a shard: only DCP's whole names (__N_I.distcp) go without the manifest's listing (a save
+    over a checkpoint deleted __2024_results.csv of the user's)."""
     path, a, _ = saved
-    (path / "notes.txt").write_text("kept")
+    (path / name).write_text("kept")
     model, opt = model_and_optimizer(2)
-    with pytest.raises(AutoparError, match=r"\(notes.txt\)"):
+    with pytest.raises(AutoparError, match=rf"\({name}\)"):
         autopar.save(model, opt, path)
-    assert (path / "notes.txt").read_text() == "kept" and _same(_loaded(path)[0], a)
+    assert (path / name).read_text() == "kept" and _same(_loaded(path)[0], a)
 
 
 @pytest.mark.parametrize("where", ["cwd", "home", "root"])
@@ -272,17 +275,6 @@ def test_parameter_groups_that_hold_other_parameters_than_the_saved_ones_are_ref
                                {"params": [model2[0].bias, model2[1].bias]}])
     with pytest.raises(AutoparError, match="parameter group 0 matches no saved group"):
         autopar.load(model2, mixed, tmp_path / "ck")
-
-
-def test_a_users_file_named_like_a_shard_is_never_replaced(saved):
-    """Only DCP's whole names (__N_I.distcp) go without the manifest's listing: a save over a checkpoint deleted
-    __2024_results.csv of the user's."""
-    path, a, _ = saved
-    (path / "__2024_results.csv").write_text("kept")
-    model, opt = model_and_optimizer(2)
-    with pytest.raises(AutoparError, match=r"\(__2024_results.csv\)"):
-        autopar.save(model, opt, path)
-    assert (path / "__2024_results.csv").read_text() == "kept" and _same(_loaded(path)[0], a)
 
 
 class _TwoHeads(torch.nn.Module):
