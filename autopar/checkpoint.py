@@ -12,6 +12,8 @@ A save never damages the checkpoint before it: every rank writes into a new hidd
 is the folder switched in (the old one renamed aside, the new one renamed to `path`, the old one removed).
 A crash at any point leaves `path` complete, or, in the instant between the two renames, both complete
 folders beside it: `load` then takes the new one (the old one if the new one is not complete), and says so.
+The next save to `path` that completes removes the folders such crashes left beside it (only those holding
+nothing but a save's own files).
 
 A save replaces only what it may: a new or empty folder, or one that `autopar.yaml` marks as an autopar
 checkpoint and that holds nothing but that checkpoint's files. Any other folder (your notes, a data set, the
@@ -36,6 +38,7 @@ import hashlib
 import os
 import re
 import shutil
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -209,6 +212,7 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
         raise AutoparError(refusal)
     _warn_drifted(model)
     token = broadcast_text(uuid.uuid4().hex[:12] if _rank() == 0 else None)
+    started = time.time()
     new = path.parent / f".{path.name}.new-{token}"
     stepped = bool(optimizer.state)  # never stepped: torch's get_state_dict steps it once (lr 0) to make its state
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -222,7 +226,7 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
             raise
         raise _save_error(path, new, exc, _state_bytes(model_sd, optim_sd)) from exc
     if _rank() == 0:
-        _switch(new, path, token)
+        _switch(new, path, token, started)
     _barrier()
     return path
 
@@ -317,14 +321,45 @@ def _group_names(optim_sd: dict) -> list[list[str]]:
     return [[str(n) for n in group.get("params", [])] for group in optim_sd.get("param_groups", [])]
 
 
-def _switch(new: Path, path: Path, token: str) -> None:
-    """`new` (complete) becomes `path`; the checkpoint there before is removed once it no longer is `path`."""
+def _switch(new: Path, path: Path, token: str, started: float) -> None:
+    """`new` (complete) becomes `path`; the checkpoint there before is removed once it no longer is `path`, and
+    so are the folders earlier saves to `path` left beside it when killed (_leftovers; `started`: this save's
+    start, time.time())."""
     old = path.parent / f".{path.name}.old-{token}"
     if path.exists():
         os.replace(path, old)
     os.replace(new, path)
     fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+    for folder in _leftovers(path, started):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+#: What a save writes into its folder: DCP's shards and metadata (and its temporary file), the sums of each rank,
+#: the manifest, and atomic_write_text's temporary files of those two
+_SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.autopar-sums\.\d+\.yaml|autopar\.yaml"
+                        r"|\.(\.autopar-sums\.\d+\.yaml|autopar\.yaml)\.\w+\.tmp")
+
+
+def _leftovers(path: Path, before: float) -> list[Path]:
+    """The folders a save to `path` killed before its end left beside it (`.NAME.new-TOKEN`, `.NAME.old-TOKEN`):
+    plain folders (no links) holding nothing but what a save writes, none of it changed since `before` (a save
+    to the same path still running elsewhere keeps its folder). Anything else there is the user's: kept."""
+    name = re.compile(rf"\.{re.escape(path.name)}\.(new|old)-[0-9a-f]{{12}}")
+    found = []
+    for folder in path.parent.iterdir():
+        if not name.fullmatch(folder.name) or folder.is_symlink() or not folder.is_dir():
+            continue
+        try:
+            entries = list(folder.iterdir())
+            stale = folder.stat().st_mtime < before and all(
+                not e.is_symlink() and e.is_file() and _SAVE_FILE.fullmatch(e.name) and e.stat().st_mtime < before
+                for e in entries)
+        except OSError:
+            continue
+        if stale:
+            found.append(folder)
+    return found
 
 
 def _complete(folder: Path) -> bool:

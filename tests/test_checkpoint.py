@@ -5,8 +5,10 @@ tests/distributed/test_checkpoint.py.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -58,6 +60,41 @@ def test_a_save_killed_before_its_switch_leaves_the_earlier_checkpoint(saved, tm
         assert _same(params, b)
     else:
         assert code == -9 and (_same(params, a) or _same(params, b)), when  # killed: one of the two, whole
+    model, opt = model_and_optimizer(3)  # the next save that completes clears what the killed one left beside it
+    autopar.save(model, opt, path)
+    assert _beside(path) == [] and _same(_loaded(path)[0], _params(model))
+
+
+def _beside(path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
+def test_a_save_clears_only_what_killed_saves_to_its_path_left(saved):
+    path, _, _ = saved
+    old = 1_000_000_000  # 2001: before any save of this test
+    made = {}
+    for name, files in {".ckpt.new-0123456789ab": ["__0_0.distcp", ".metadata.tmp", ".autopar-sums.0.yaml"],
+                        ".ckpt.old-0123456789ac": ["__0_0.distcp", "__1_0.distcp", ".metadata", "autopar.yaml",
+                                                   ".autopar.yaml.k2j_9x.tmp"],
+                        ".ckpt.new-0123456789ad": ["__0_0.distcp", "notes.txt"],  # a file of the user's inside
+                        ".ckpt.new-0123456789ae": ["__0_0.distcp"],  # written after the save began (another save)
+                        ".ckpt.new-not-a-token": ["__0_0.distcp"], ".other.new-0123456789ab": ["__0_0.distcp"]}.items():
+        folder = path.parent / name
+        folder.mkdir()
+        for f in files:
+            (folder / f).write_bytes(b"x")
+        made[name] = folder
+    for name, folder in made.items():
+        if not name.endswith("ae"):
+            for f in [*folder.iterdir(), folder]:
+                os.utime(f, (old, old))
+    later = time.time() + 3600
+    os.utime(made[".ckpt.new-0123456789ae"] / "__0_0.distcp", (later, later))
+    model, opt = model_and_optimizer(3)
+    autopar.save(model, opt, path)
+    assert sorted(p.name for p in path.parent.iterdir() if p.name != "ckpt") == [
+        ".ckpt.new-0123456789ad", ".ckpt.new-0123456789ae", ".ckpt.new-not-a-token", ".other.new-0123456789ab"]
+    assert (made[".ckpt.new-0123456789ad"] / "notes.txt").read_bytes() == b"x"
 
 
 def test_a_save_killed_between_its_renames_loads_the_new_complete_one_with_a_warning(saved, tmp_path):
@@ -67,9 +104,9 @@ def test_a_save_killed_between_its_renames_loads_the_new_complete_one_with_a_war
     with pytest.warns(UserWarning, match="a save was interrupted while switching folders"):
         params, _ = _loaded(path)
     assert _same(params, b)
-    model, opt = model_and_optimizer(3)  # saving again puts a checkpoint back in place
+    model, opt = model_and_optimizer(3)  # saving again puts a checkpoint back in place, and nothing beside it
     autopar.save(model, opt, path)
-    assert _same(_loaded(path)[0], _params(model))
+    assert _same(_loaded(path)[0], _params(model)) and _beside(path) == []
 
 
 def test_a_flipped_truncated_or_missing_file_is_refused_by_name(saved):

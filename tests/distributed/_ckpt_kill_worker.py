@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 
-import torch
 
 import autopar.checkpoint as ckpt
 from tests.distributed._ckpt_models import model_and_optimizer
@@ -27,7 +26,7 @@ def main(path: str, seed: int, when: str) -> None:
     if when.startswith("after:"):
         threading.Timer(float(when.split(":")[1]), kill).start()
     elif when == "before_switch":
-        ckpt._switch = lambda new, path, token: kill()
+        ckpt._switch = lambda *args: kill()
     elif when == "between":
         real = os.replace
 
