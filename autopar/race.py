@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._util.batch import call_model, default_loss, first_rows, map_tensors
+from ._util.batch import call_model, default_loss, first_rows, map_tensors, to_device
 from .plans import Plan
 from .strategies.compile import (add_graphs_forwards, compiled_modules, cuda_graphs_refusal, default_backend,
                                  forget_compiled, settle_graphs, use_compiled)
@@ -122,16 +122,17 @@ def races_graphs(plan: Plan, device: torch.device) -> bool:
 
 
 def real_batch(sample: Any, device: torch.device) -> Any:
-    """The sample on `device`, with real values where it holds meta tensors (integers zero, a mask's ones,
-    floats normal): what a step can run on, of the sample's shapes and dtypes."""
+    """The sample on `device` as a step takes it (autopar._util.batch.to_device: CPU tensors stay where the sample
+    has any on a GPU), with real values where it holds meta tensors (integers zero, a mask's ones, floats
+    normal): what a step can run on, of the sample's shapes and dtypes."""
     def one(t: torch.Tensor) -> torch.Tensor:
         if not t.is_meta:
-            return t.to(device)
+            return t
         if t.is_floating_point():
             return torch.randn(t.shape, dtype=t.dtype, device=device)
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
-    return map_tensors(one, sample)
+    return map_tensors(one, to_device(sample, device))
 
 
 class _Kept:

@@ -25,8 +25,8 @@ import torch.nn as nn
 
 from .errors import LossError, PlanError
 from .plans import Plan
-from ._util.batch import (call_model, check_peer_batches, first_tensor, map_tensors, model_loss, sample_batch_size,
-                          sample_rows)
+from ._util.batch import (call_model, check_peer_batches, first_tensor, model_loss, sample_batch_size, sample_rows,
+                          to_device)
 from ._util.label_items import label_items
 from .strategies.tensor_parallel import loss_parallel_scope
 from .strategies.pipeline import sync_tied_grads
@@ -217,7 +217,7 @@ def train_step(
             check_peer_batches(batch, data_rank=state.data_shard.rank, device=state.device,
                                degrees="pipeline-parallel" if plan.tp == 1 else "pipeline- and tensor-parallel")
             unchecked[0] = False
-        micro = split_batch(_to(batch, state.device), n)
+        micro = split_batch(to_device(batch, state.device), n)
         if runtime is not None:
             held: list[LossError] = []
             guarded = _held(loss_of, held) if unguarded[0] else loss_of
@@ -383,8 +383,6 @@ def _raise_together(held: list[LossError], mesh: Any, device: torch.device, opti
                     "loss_fn=lambda output, batch: ... (the batch's mean loss) to autopar.train_step.")
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    return map_tensors(lambda x: x.to(device), batch)
 
 
 def _pipeline_step(runtime: Any, micro: list[Any], loss_of: Callable[[Any, Any], torch.Tensor],

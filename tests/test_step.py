@@ -115,12 +115,31 @@ def test_split_keeps_a_hugging_face_batch_encoding():
 
 def test_the_step_moves_a_batch_encoding_to_the_device():
     transformers = pytest.importorskip("transformers")
-    from autopar.step import _to
+    from autopar._util.batch import to_device
 
     enc = transformers.BatchEncoding({"input_ids": torch.zeros(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3)})
-    moved = _to(enc, torch.device("meta"))
+    moved = to_device(enc, torch.device("meta"))
+    assert isinstance(moved, transformers.BatchEncoding)
     assert moved["input_ids"].device.type == "meta" and moved["attention_mask"].device.type == "meta"
-    assert torch.equal(_to(enc, torch.device("cpu"))["input_ids"], enc["input_ids"])
+    assert torch.equal(to_device(enc, torch.device("cpu"))["input_ids"], enc["input_ids"])
+
+
+def test_a_batch_its_owner_placed_keeps_its_cpu_tensors_where_they_are():
+    """A batch with a tensor already on a GPU is taken as placed: pack_padded_sequence's lengths, say, stay on the
+    CPU (where torch requires them); a batch all on the CPU moves whole (above); meta tensors stay meta. (A fake
+    GPU tensor: the rule, on a machine without one.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar._util.batch import to_device
+
+    with FakeTensorMode():
+        x, lengths = torch.zeros(4, 3, device="cuda"), torch.tensor([3, 2, 2, 1])
+        for device in (torch.device("cuda"), torch.device("cuda", 0)):
+            out = to_device({"x": x, "lengths": lengths}, device)
+            assert out["x"] is x and out["lengths"] is lengths and out["lengths"].device.type == "cpu"
+    shape_only = torch.empty(2, 3, device="meta")
+    moved = to_device((torch.zeros(2), shape_only), torch.device("meta"))
+    assert moved[0].device.type == "meta" and moved[1] is shape_only
 
 
 def test_split_refuses_a_batch_that_does_not_divide():

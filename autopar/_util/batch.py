@@ -119,6 +119,23 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
     return _rebuilt(batch, lambda v: map_tensors(fn, v))
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` on `device`, as autopar runs a step on it: a batch all on the CPU moves whole; one whose owner
+    already put any tensor on another device (a GPU) is taken as placed - its CPU tensors stay where they are
+    (pack_padded_sequence's lengths must be on the CPU, say), and only those on another accelerator move. Meta
+    tensors (shapes without values) stay meta."""
+    kinds: set[str] = set()
+    map_tensors(lambda t: kinds.add(t.device.type), batch)
+    kinds.discard("meta")
+    placed = not kinds <= {"cpu"} and device.type != "cpu"
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        there = t.device.type == device.type and device.index in (None, t.device.index)
+        return t if there or t.is_meta or (placed and t.device.type == "cpu") else t.to(device)
+
+    return map_tensors(one, batch)
+
+
 def first_rows(sample: Any, rows: int | None) -> tuple[Any, int | None]:
     """The first `rows` samples of `sample` (its tensors cut along dim 0 where they hold the sample's count), or
     `sample` itself where rows is None or not fewer than it holds; and how many samples that is (None: the sample

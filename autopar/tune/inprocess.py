@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._util.batch import default_loss, map_tensors, sample_batch_size
+from .._util.batch import default_loss, map_tensors, sample_batch_size, to_device
 from ..api import wrap
 from ..planning import resolve_topology
 from ..plans import Loop, Plan
@@ -90,7 +90,7 @@ def measure_in_process(model_fn: Callable[[], Any], sample: Any, plan: Plan, *, 
         # without loss_fn, the profile's own stand-in (output.loss, else a sum): the trial times the step
         step = train_step(model, optimizer, loss_fn or (lambda output, _batch: default_loss(output)))
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        batch = map_tensors(lambda t: t.to(device), batch_of(sample, plan.local_batch_size))
+        batch = to_device(batch_of(sample, plan.local_batch_size), device)
         for _ in range(warmup):
             step(batch)
         if cuda:
