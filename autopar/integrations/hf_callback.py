@@ -209,6 +209,12 @@ class AutoparCallback(transformers.TrainerCallback):
         if model is None or not is_wrapped(model):
             raise PlanError("AutoparCallback needs the model autopar.integrations.hf.prepare returned: pass that "
                             "model to the Trainer.")
+        if state.global_step > 0:  # the Trainer resumed (its state read from a checkpoint's trainer_state.json)
+            raise AutoparError(
+                f"trainer.train(resume_from_checkpoint=...) at step {state.global_step} would go on with a fresh "
+                "optimizer and learning-rate schedule (under prepare the Trainer saves only the model; the optimizer "
+                "state is in checkpoint-N/autopar): start the run anew, or resume in your own loop with "
+                "autopar.load(model, optimizer, 'checkpoint-N/autopar').")
         self._state, self._window, self.measurement = applied(model), _Window(self.warmup_steps), None
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()

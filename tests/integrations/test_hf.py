@@ -21,7 +21,7 @@ import yaml
 
 import autopar
 from autopar._util.dist import World
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.integrations import hf
 from autopar.integrations.hf_callback import feed_back
 from autopar.plan_cache import cache_key, cached_plan_for, lookup, store
@@ -176,6 +176,23 @@ def test_default_save_strategy_is_handled(tmp_path):
     Trainer(model=model, args=args, train_dataset=_hf.Rows())  # constructs
     with pytest.raises(ValueError, match="save_only_model=True"):
         Trainer(model=model, args=dataclasses.replace(args, save_only_model=False), train_dataset=_hf.Rows())
+
+
+def test_resuming_the_trainer_is_refused_where_it_would_go_on_with_a_fresh_optimizer(tmp_path):
+    """Under prepare the Trainer saves only the model (the optimizer state goes to checkpoint-N/autopar): its
+    resume_from_checkpoint reloaded the weights and went on with a fresh AdamW and schedule, without a word."""
+    from transformers import Trainer
+
+    def trainer(steps: int) -> Trainer:
+        user = _hf.args(str(tmp_path), per_device=_hf.GLOBAL, max_steps=steps, save_strategy="steps", save_steps=2)
+        model, args = hf.prepare(_hf.make_model(), user, sample=_hf.sample(_hf.GLOBAL), verbose=False)
+        return Trainer(model=model, args=args, train_dataset=_hf.Rows(), callbacks=[hf.AutoparCallback()])
+
+    trainer(2).train()
+    assert (tmp_path / "checkpoint-2" / "autopar" / "autopar.yaml").is_file()
+    with pytest.raises(AutoparError, match=r"resume_from_checkpoint=\.\.\.\) at step 2 would go on with a fresh "
+                                           r"optimizer .* autopar\.load\(model, optimizer, 'checkpoint-N/autopar'\)"):
+        trainer(4).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 
 def test_prepare_picks_up_a_plan_autopar_tune_cached(tmp_path):
