@@ -42,11 +42,11 @@ from lightning.pytorch.callbacks import BatchSizeFinder, Callback
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .._util.batch import sample_batch_size
+from .._util.batch import check_sample_fits, sample_batch_size
 from .._util.dist import world
 from .._util.log import get_logger
 from ..api import wrap
-from ..errors import AutoparError, PlanError
+from ..errors import AutoparError, PlanError, SampleError
 from ..planning import bf16_variants
 from ..plans import Plan
 from ..step import train_step as autopar_train_step
@@ -162,6 +162,16 @@ class TrainStepRunner:
                                        max_grad_norm=trainer.gradient_clip_val or None)
 
     def __call__(self, batch: Any) -> torch.Tensor:
+        if self.steps == 0:  # the batch is what the forward takes here: say so before the step's own TypeError
+            try:
+                check_sample_fits(self.module, batch)
+            except SampleError as exc:
+                raise PlanError(
+                    f"a plan run by autopar.train_step (grad_accum > 1, pp > 1 or train_step=True) calls "
+                    f"{type(self.module).__name__}.forward with each training batch (model(x), model(*batch) or "
+                    f"model(**batch)) and takes loss_fn(output, batch) as its loss, and this batch does not fit "
+                    f"the forward ({exc}): make forward take the whole batch (e.g. forward(self, x, y=None)), or "
+                    "use a plan with grad_accum=1 and pp=1.") from None
         loss = self.step(batch)
         self.steps += 1
         for config in self.schedulers:

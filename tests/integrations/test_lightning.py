@@ -188,3 +188,25 @@ def test_measure_options_and_measurements_validate_themselves():
     assert line == ("measured over 4 steps: 200.0 ms/step (predicted 100.0 ms, measured/predicted 2.00), 40.0 samples/s "
                     "(predicted 80.0, measured/predicted 0.50), MFU 25.0% (predicted 50.0%, measured/predicted 0.50), "
                     "peak 1.00 GiB (cuda max allocated) (predicted 0.50 GiB, measured/predicted 2.00)")
+
+
+def test_a_batch_the_forward_does_not_take_is_refused_before_a_train_step_plan_runs_it():
+    """Under a plan run by autopar.train_step (accumulation, pipelines) each training batch is the forward's input;
+    the usual (x, y) batch of a forward(x) failed in the step with a bare TypeError (found by a helper)."""
+    from autopar.integrations.lightning import TrainStepRunner
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.lin(x)
+
+    runner = object.__new__(TrainStepRunner)  # the check alone: no Trainer, and the step must not run
+    runner.module, runner.steps = Net(), 0
+    runner.step = lambda batch: pytest.fail("the step ran on a batch the forward does not take")
+    with pytest.raises(autopar.PlanError, match=r"calls Net\.forward with each training batch .* make forward take "
+                                                r"the whole batch \(e\.g\. forward\(self, x, y=None\)\), or use a plan "
+                                                r"with grad_accum=1 and pp=1"):
+        runner((torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)))
