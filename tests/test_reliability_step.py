@@ -101,7 +101,7 @@ def test_a_sample_that_does_not_fit_the_forward_is_refused_before_any_trace(entr
     message = str(info.value)
     assert "\n" not in message
     assert "sample= does not fit Logits.forward(x)" in message
-    assert "the sample has keys ['inputs'], forward takes ['x']" in message
+    assert "it has keys ['inputs'], forward takes ['x']" in message
 
 
 def test_a_sample_that_fits_the_forward_is_not_refused():

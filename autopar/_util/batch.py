@@ -164,10 +164,11 @@ def call_model(model: Callable[..., Any], sample: Any) -> Any:
     return model(*args, **kwargs)
 
 
-def check_sample_fits(model: Any, sample: Any) -> None:
+def check_sample_fits(model: Any, sample: Any, *, what: str = "sample=", remedy: str | None = None) -> None:
     """A SampleError where `sample`, passed as autopar passes it (`split_sample`), cannot bind to the model's
     forward: a keyword it does not take (and no **kwargs), a required argument the sample lacks, too many
-    positional values. A forward whose signature cannot be read is not checked."""
+    positional values. A forward whose signature cannot be read is not checked. `what` names the sample in the
+    message (where it came from), `remedy` says what to change (default: give a sample that fits)."""
     forward = getattr(model, "forward", model)
     try:
         signature = inspect.signature(forward)
@@ -181,8 +182,8 @@ def check_sample_fits(model: Any, sample: Any) -> None:
             f"is {len(args)} positional value(s)" if isinstance(sample, (tuple, list)) else "is one tensor"
         params = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
         name = f"{type(model).__name__}.forward({', '.join(params)})"
-        raise SampleError(f"sample= does not fit {name} ({exc}): the sample {given}, forward takes {params}; give a "
-                          "sample the model is called with as model(x), model(*sample) or model(**sample).") from None
+        raise SampleError(f"{what} does not fit {name} ({exc}): it {given}, forward takes {params}; " + (
+            remedy or "give a sample the model is called with as model(x), model(*sample) or model(**sample).")) from None
 
 
 def model_loss(output: Any) -> torch.Tensor:

@@ -46,7 +46,7 @@ from .._util.batch import check_sample_fits, sample_batch_size
 from .._util.dist import world
 from .._util.log import get_logger
 from ..api import wrap
-from ..errors import AutoparError, PlanError, SampleError
+from ..errors import AutoparError, PlanError
 from ..planning import bf16_variants
 from ..plans import Plan
 from ..step import train_step as autopar_train_step
@@ -163,15 +163,11 @@ class TrainStepRunner:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         if self.steps == 0:  # the batch is what the forward takes here: say so before the step's own TypeError
-            try:
-                check_sample_fits(self.module, batch)
-            except SampleError as exc:
-                raise PlanError(
-                    f"a plan run by autopar.train_step (grad_accum > 1, pp > 1 or train_step=True) calls "
-                    f"{type(self.module).__name__}.forward with each training batch (model(x), model(*batch) or "
-                    f"model(**batch)) and takes loss_fn(output, batch) as its loss, and this batch does not fit "
-                    f"the forward ({exc}): make forward take the whole batch (e.g. forward(self, x, y=None)), or "
-                    "use a plan with grad_accum=1 and pp=1.") from None
+            check_sample_fits(self.module, batch, what="this training batch (a plan run by autopar.train_step - "
+                              "grad_accum > 1, pp > 1 or train_step=True - calls forward with each batch as model(x), "
+                              "model(*batch) or model(**batch), and its loss is loss_fn(output, batch))",
+                              remedy="make forward take the whole batch (e.g. forward(self, x, y=None)), or use a "
+                                     "plan with grad_accum=1 and pp=1.")
         loss = self.step(batch)
         self.steps += 1
         for config in self.schedulers:
@@ -356,10 +352,15 @@ class AutoparStrategy(ModelParallelStrategy):
             raise PlanError("autopar needs one batch of the model's input to plan: pass AutoparStrategy(sample=batch), "
                             "or set the LightningModule's example_input_array.")
         try:
-            return next(iter(source.dataloader()))
+            batch = next(iter(source.dataloader()))
         except StopIteration:
             raise PlanError("the training dataloader is empty, so autopar has no batch to plan with: pass "
                             "AutoparStrategy(sample=batch).") from None
+        check_sample_fits(module, batch, what="the first training batch (taken as the forward's input: no "
+                          "AutoparStrategy(sample=...), no example_input_array)",
+                          remedy="pass AutoparStrategy(sample=...) as forward is called (sample=(batch,) for a "
+                                 "forward(self, batch) that takes a dict whole), or set example_input_array.")
+        return batch
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")

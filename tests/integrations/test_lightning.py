@@ -193,6 +193,7 @@ def test_measure_options_and_measurements_validate_themselves():
 def test_a_batch_the_forward_does_not_take_is_refused_before_a_train_step_plan_runs_it():
     """Under a plan run by autopar.train_step (accumulation, pipelines) each training batch is the forward's input;
     the usual (x, y) batch of a forward(x) failed in the step with a bare TypeError (found by a helper)."""
+    from autopar.errors import SampleError
     from autopar.integrations.lightning import TrainStepRunner
 
     class Net(torch.nn.Module):
@@ -206,7 +207,7 @@ def test_a_batch_the_forward_does_not_take_is_refused_before_a_train_step_plan_r
     runner = object.__new__(TrainStepRunner)  # the check alone: no Trainer, and the step must not run
     runner.module, runner.steps = Net(), 0
     runner.step = lambda batch: pytest.fail("the step ran on a batch the forward does not take")
-    with pytest.raises(autopar.PlanError, match=r"calls Net\.forward with each training batch .* make forward take "
-                                                r"the whole batch \(e\.g\. forward\(self, x, y=None\)\), or use a plan "
-                                                r"with grad_accum=1 and pp=1"):
+    with pytest.raises(SampleError, match=r"^this training batch \(a plan run by autopar\.train_step .* does not fit "
+                                          r"Net\.forward\(x\) .* make forward take the whole batch \(e\.g\. "
+                                          r"forward\(self, x, y=None\)\), or use a plan with grad_accum=1 and pp=1\.$"):
         runner((torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)))
