@@ -383,8 +383,6 @@ def _raise_together(held: list[LossError], mesh: Any, device: torch.device, opti
                     "loss_fn=lambda output, batch: ... (the batch's mean loss) to autopar.train_step.")
 
 
-
-
 def _pipeline_step(runtime: Any, micro: list[Any], loss_of: Callable[[Any, Any], torch.Tensor],
                    device: torch.device, mesh: Any) -> torch.Tensor:
     n = len(micro)
