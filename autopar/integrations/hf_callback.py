@@ -204,6 +204,7 @@ class AutoparCallback(transformers.TrainerCallback):
         self.measurement: StepMeasurement | None = None
         self._state: Applied | None = None
         self._window = _Window(warmup_steps)
+        self._said_at: int | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is None or not is_wrapped(model):
@@ -216,6 +217,7 @@ class AutoparCallback(transformers.TrainerCallback):
                 "state is in checkpoint-N/autopar): start the run anew, or resume in your own loop with "
                 "autopar.load(model, optimizer, 'checkpoint-N/autopar').")
         self._state, self._window, self.measurement = applied(model), _Window(self.warmup_steps), None
+        self._said_at = None  # the step whose measurement on_log said last
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
 
@@ -229,8 +231,9 @@ class AutoparCallback(transformers.TrainerCallback):
         self.measurement = measure(self._state, timed[0], steps=timed[1])
         if logs is not None:  # for the callbacks after this one (reporters)
             logs.update({f"autopar/{k}": v for k, v in self.measurement.to_cache().items()})
-        if _rank() == 0:
+        if _rank() == 0 and self._said_at != state.global_step:  # (the Trainer's summary logs at the last step too)
             get_logger().info("step %d: %s", state.global_step, self.measurement.describe())
+            self._said_at = state.global_step
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                 **kwargs: Any) -> None:
@@ -248,7 +251,8 @@ class AutoparCallback(transformers.TrainerCallback):
         self.measurement = measure(self._state, timed[0], steps=timed[1])
         if _rank() != 0:
             return
-        get_logger().info("%s", self.measurement.describe())
+        if self._said_at != state.global_step:  # not said already by the last step's log
+            get_logger().info("%s", self.measurement.describe())
         if self.feedback:
             path = feed_back(self._state, self.measurement, loop=Loop.ACCUMULATES, directory=self.cache_directory)
             if path is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import logging
 import math
 import types
 
@@ -215,7 +216,21 @@ def test_callback_measures_beside_the_prediction_and_feeds_the_plan_cache(tmp_pa
     model, args = hf.prepare(_hf.make_model(), _hf.args(str(tmp_path), per_device=_hf.GLOBAL),
                              sample=_hf.sample(_hf.GLOBAL), verbose=False)
     callback = hf.AutoparCallback(warmup_steps=2)
-    _hf.train(model, args, callbacks=[callback])
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("autopar")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        _hf.train(model, args, callbacks=[callback])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    # every logged step's measurement once, and the run's end adds no copy of the last step's
+    measured = [line for line in said if "ms/step (predicted" in line]
+    assert len(measured) == _hf.STEPS - 2 and all(line.startswith("step ") for line in measured), said
     m = callback.measurement
     assert m is not None and m.steps == _hf.STEPS - 2 and m.step_s > 0
     assert math.isclose(m.tokens_per_s, _hf.GLOBAL * _hf.SEQ / m.step_s)
