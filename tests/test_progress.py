@@ -15,6 +15,14 @@ import autopar._util.progress as progress
 from autopar._util.log import get_logger
 
 
+def _until(condition, timeout_s: float = 60.0) -> None:
+    """Wait (inside a phase) until the progress thread has said what the test reads: a fixed sleep was too short
+    when the suite's other workers held the cores (the thread had not run yet)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 @pytest.fixture()
 def lines(monkeypatch):
     monkeypatch.setattr(progress, "AFTER_S", 0.05)
@@ -35,6 +43,7 @@ def lines(monkeypatch):
 def test_a_long_phase_says_what_it_does_while_it_runs_and_its_time_at_the_end(lines):
     with progress.phase("tracing a step"):
         time.sleep(0.4)
+        _until(lambda: len(lines) >= 2)
     assert lines[0].startswith("tracing a step... (") and lines[0].endswith(" s so far)")
     assert len(lines) >= 3  # announced, then again every EVERY_S
     assert lines[-1].startswith("tracing a step: done in ") and lines[-1].endswith(" s")
@@ -92,6 +101,7 @@ def terminal(monkeypatch):
 def test_on_a_terminal_a_long_phase_is_one_line_redrawn_in_place_then_a_line_that_stays(terminal):
     with progress.phase("tracing a step"):
         time.sleep(0.4)
+        _until(lambda: terminal.text.count("\r\033[K[autopar] ") >= 3)
     redraws = terminal.text.count("\r\033[K[autopar] ")
     assert redraws >= 3  # redrawn in place while it runs
     assert "s so far" not in terminal.text  # not the log file's lines
@@ -166,6 +176,7 @@ def test_the_terminal_line_fits_the_terminal_width(terminal, monkeypatch):
     with progress.phase("checking the 2 best plan(s) with the exact memory check (a full-model trace each)") as p:
         p.count(1, 2)
         time.sleep(0.2)
+        _until(lambda: "[autopar] " in terminal.text)
     drawn = [line for line in terminal.text.split("\r\033[K") if line and "done in" not in line]
     assert drawn and all(len(line) <= 49 and line.startswith("[autopar] ") for line in drawn), drawn
     assert all(line.endswith(" s") and "1/2" in line for line in drawn)  # the count and the time are kept
