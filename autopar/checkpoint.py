@@ -337,8 +337,8 @@ def _switch(new: Path, path: Path, token: str, started: float) -> None:
 
 #: What a save writes into its folder: DCP's shards and metadata (and its temporary file), the sums of each rank,
 #: the manifest, and atomic_write_text's temporary files of those two
-_SAVE_FILE = re.compile(r"__\d+_\d+\.distcp|(__\d+)?\.metadata(\.tmp)?|\.autopar-sums\.\d+\.yaml|autopar\.yaml"
-                        r"|\.(\.autopar-sums\.\d+\.yaml|autopar\.yaml)\.\w+\.tmp")
+_OWN_FILE = "|".join((re.escape(_SUMS).replace(re.escape("{rank}"), r"\d+"), re.escape(_META)))
+_SAVE_FILE = re.compile(rf"{_DCP_FILE.pattern}|(__\d+)?\.metadata(\.tmp)?|{_OWN_FILE}|\.({_OWN_FILE})\.\w+\.tmp")
 
 
 def _leftovers(path: Path, before: float) -> list[Path]:

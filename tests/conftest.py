@@ -33,8 +33,7 @@ def _default_distribution(config) -> bool:
     """Whether this run is `-n N` without a `--dist` of its own (the controller and every worker see the same
     command line)."""
     explicit = any(arg == "-d" or arg.startswith("--dist") for arg in config.invocation_params.args)
-    return not explicit and any(arg == "-n" or arg.startswith(("-n", "--numprocesses"))
-                                for arg in config.invocation_params.args)
+    return not explicit and any(arg.startswith(("-n", "--numprocesses")) for arg in config.invocation_params.args)
 
 
 def pytest_configure(config):
