@@ -11,7 +11,10 @@ resident set, which holds more than the model's tensors).
 
 from __future__ import annotations
 
+import io
+import json
 import math
+import random
 import resource
 import sys
 import time
@@ -19,13 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import transformers  # this module is the Hugging Face integration: `pip install -e ".[hf]"` in the clone
 from accelerate.optimizer import AcceleratedOptimizer  # the Trainer's optimizer wrapper (accelerate: autopar[hf])
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.training_args import ParallelMode
 
 from .._util.log import get_logger
-from ..checkpoint import save
+from ..checkpoint import load, save
 from ..errors import AutoparError, PlanError
 from ..plan_cache import SOURCE_RUN, cache_key, lookup, store
 from ..plans import Loop
@@ -34,6 +40,10 @@ from ._measure import _sync
 
 #: Where in a Trainer checkpoint folder (`checkpoint-N`) the callback saves the training state.
 STATE_FOLDER = "autopar"
+
+#: Bounds on what a resume reads besides autopar's checkpoint (the Trainer's state and the schedule: kilobytes).
+_MAX_TRAINER_STATE_BYTES = 64 << 20
+_MAX_SCHEDULER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -187,10 +197,77 @@ def feed_back(state: Applied, measured: StepMeasurement, *, loop: Loop,
                                                                                   "Trainer)"}, directory=directory)
 
 
+def _inner(optimizer: Any) -> Any:
+    """The optimizer itself (AdamW, ...), not accelerate's wrapper: autopar.save and load check its kind."""
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _rng_file(args: Any) -> str:
+    """The Trainer's name for this process's random states in a checkpoint (its `_load_rng_state` reads it)."""
+    return f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
+
+
+def _save_trainer_extras(folder: Path, args: Any, lr_scheduler: Any) -> None:
+    """What the Trainer leaves out of a checkpoint under `save_only_model` besides the optimizer, in its own files
+    and formats: the learning-rate schedule (rank 0; the callback loads it on resume) and each process's random
+    states (the Trainer loads them itself on resume, where its data loader reaches the step)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():  # as the Trainer's _save_rng_state keeps them
+        distributed = args.parallel_mode == ParallelMode.DISTRIBUTED
+        states["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+    torch.save(states, folder / _rng_file(args))
+    if lr_scheduler is not None and args.should_save:
+        torch.save(lr_scheduler.state_dict(), folder / SCHEDULER_NAME)
+
+
+def _read_bounded(path: Path, limit: int, what: str) -> bytes:
+    size = path.stat().st_size
+    if size > limit:
+        raise AutoparError(f"{path} ({what}) is {size} bytes, more than the {limit} a resume reads: it is not the "
+                           "file AutoparCallback's checkpoint holds.")
+    return path.read_bytes()
+
+
+def resume(args: Any, state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
+    """Restore what the Trainer does not under `save_only_model` when it resumes at `state.global_step`: the model
+    and optimizer from the checkpoint's `autopar` folder (`autopar.load`, under any plan) and the learning-rate
+    schedule. The Trainer does not tell a callback which checkpoint it resumed from, so this reads
+    `output_dir/checkpoint-N` (what `resume_from_checkpoint=True` picks) and refuses it unless its trainer state has
+    the same history as the one the Trainer read; it refuses any checkpoint it cannot restore fully rather than go
+    on with a fresh optimizer or schedule."""
+    step = state.global_step
+    folder = Path(args.output_dir) / f"checkpoint-{step}"
+    start_anew = ("resume from a checkpoint-N in output_dir that AutoparCallback saved, or start the run anew (the "
+                  "Trainer alone would go on with a fresh optimizer and schedule)")
+    if not (folder / STATE_FOLDER).is_dir():
+        raise AutoparError(f"trainer.train(resume_from_checkpoint=...) at step {step} needs the training state "
+                           f"AutoparCallback saves in {folder / STATE_FOLDER}, which is not there: {start_anew}.")
+    written = folder / TRAINER_STATE_NAME
+    history = (json.loads(_read_bounded(written, _MAX_TRAINER_STATE_BYTES, "the Trainer's state")).get("log_history")
+               if written.is_file() else None)
+    if json.dumps(history) != json.dumps(state.log_history):  # (as text: a NaN loss equals itself)
+        raise AutoparError(f"the Trainer resumed at step {step} from a checkpoint other than {folder} (their "
+                           f"histories differ), and only that one's optimizer state is found: {start_anew}.")
+    if lr_scheduler is not None and not (folder / SCHEDULER_NAME).is_file():
+        raise AutoparError(f"{folder} holds no learning-rate schedule ({SCHEDULER_NAME}; saved by an older autopar): "
+                           f"resume in your own loop with autopar.load(model, optimizer, '{folder / STATE_FOLDER}'), "
+                           "or start the run anew.")
+    if optimizer is None:
+        raise AutoparError(f"the Trainer resumed at step {step} without an optimizer to restore: {start_anew}.")
+    load(model, _inner(optimizer), folder / STATE_FOLDER)
+    if lr_scheduler is not None:
+        data = _read_bounded(folder / SCHEDULER_NAME, _MAX_SCHEDULER_BYTES, "the learning-rate schedule")
+        lr_scheduler.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))  # tensors and numbers only
+    if _rank() == 0:
+        get_logger().info("resumed at step %d from %s: weights, optimizer and schedule.", step, folder)
+
+
 class AutoparCallback(transformers.TrainerCallback):
     """Measures the Trainer's steps against autopar's prediction, logs them (rank 0), keeps the measured plan in
     the plan cache when it is the fastest measured for the job (`feedback`), and saves the training state with
-    `autopar.save` at each of the Trainer's checkpoints (`save`), so that it loads under another plan.
+    `autopar.save` at each of the Trainer's checkpoints (`save`), so that it loads under another plan; when the
+    Trainer resumes from such a checkpoint (`resume_from_checkpoint`), it restores the optimizer and schedule the
+    Trainer does not (see `resume`).
 
     `warmup_steps`: optimizer steps not timed (compilation, the allocator). `feedback=False` writes nothing to the
     plan cache; `cache_directory`: its root (default, autopar's). `measurement` holds the last run's result."""
@@ -206,16 +283,13 @@ class AutoparCallback(transformers.TrainerCallback):
         self._window = _Window(warmup_steps)
         self._said_at: int | None = None
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
         if model is None or not is_wrapped(model):
             raise PlanError("AutoparCallback needs the model autopar.integrations.hf.prepare returned: pass that "
                             "model to the Trainer.")
         if state.global_step > 0:  # the Trainer resumed (its state read from a checkpoint's trainer_state.json)
-            raise AutoparError(
-                f"trainer.train(resume_from_checkpoint=...) at step {state.global_step} would go on with a fresh "
-                "optimizer and learning-rate schedule (under prepare the Trainer saves only the model; the optimizer "
-                "state is in checkpoint-N/autopar): start the run anew, or resume in your own loop with "
-                "autopar.load(model, optimizer, 'checkpoint-N/autopar').")
+            resume(args, state, model, optimizer, lr_scheduler)
         self._state, self._window, self.measurement = applied(model), _Window(self.warmup_steps), None
         self._said_at = None  # the step whose measurement on_log said last
         if torch.cuda.is_available():
@@ -236,11 +310,11 @@ class AutoparCallback(transformers.TrainerCallback):
             self._said_at = state.global_step
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                **kwargs: Any) -> None:
+                lr_scheduler: Any = None, **kwargs: Any) -> None:
         if self.save and model is not None and optimizer is not None:
-            # the optimizer itself (AdamW, ...), not accelerate's wrapper: autopar.load checks its kind
-            inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
-            save(model, inner, Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FOLDER)
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            save(model, _inner(optimizer), folder / STATE_FOLDER)
+            _save_trainer_extras(folder, args, lr_scheduler)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         timed = self._window.read(state.global_step) if self._state is not None else None

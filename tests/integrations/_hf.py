@@ -5,7 +5,6 @@ TrainingArguments, and a run of the Trainer that returns its per-step losses and
 from __future__ import annotations
 
 import torch
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 STEPS = 10
@@ -71,11 +70,23 @@ class RecordRows(TrainerCallback):
         self.steps.append([])
 
 
-def train(model, training_args: TrainingArguments, callbacks=()) -> dict:
-    """Run the Trainer; return the per-step losses (logged, so averaged over ranks) and each step's rows."""
+class StopAt(TrainerCallback):
+    """Ends the run after step `step` (its checkpoint saved), as a job killed there would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def train(model, training_args: TrainingArguments, callbacks=(), resume_from_checkpoint=None) -> dict:
+    """Run the Trainer; return the per-step losses (logged, so averaged over ranks; a resumed run's history holds
+    those before its checkpoint) and the rows of each step this run trained."""
     dataset = Rows()
     rows = RecordRows(model, dataset)
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset, callbacks=[rows, *callbacks])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"losses": losses, "rows": rows.steps[:STEPS], "columns": rows.columns}
+    return {"losses": losses, "rows": rows.steps[:-1], "columns": rows.columns}  # (the last: after the last step)

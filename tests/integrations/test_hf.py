@@ -54,6 +54,8 @@ SCENARIOS = [
      "accum": 2},
     {"name": "fsdp_saves", "kind": "prepare", "plan": {"dp_shard": 2, "micro_batch_size": 4},
      "args": {"save_strategy": "steps", "save_steps": 5}},
+    {"name": "fsdp_resumes", "kind": "resume", "plan": {"dp_shard": 2, "micro_batch_size": 4},
+     "args": {"save_strategy": "steps", "save_steps": 5}},
     {"name": "tp_prepare", "kind": "prepare", "plan": {"tp": 2, "micro_batch_size": 8}},
     {"name": "tp_marked_by_hand", "kind": "tp_marked_by_hand"},
     {"name": "fsdp_unmarked", "kind": "fsdp_unmarked"},
@@ -179,21 +181,60 @@ def test_default_save_strategy_is_handled(tmp_path):
         Trainer(model=model, args=dataclasses.replace(args, save_only_model=False), train_dataset=_hf.Rows())
 
 
-def test_resuming_the_trainer_is_refused_where_it_would_go_on_with_a_fresh_optimizer(tmp_path):
-    """Under prepare the Trainer saves only the model (the optimizer state goes to checkpoint-N/autopar): its
-    resume_from_checkpoint reloaded the weights and went on with a fresh AdamW and schedule, without a word."""
+def _resumable(out, *, stop_at: int | None = None, **kw):
+    """A prepared Trainer of 6 steps that saves every 2, under a schedule that changes every step (warm-up, then
+    linear decay) and a plan that accumulates, so a resume that lost either would train differently."""
     from transformers import Trainer
 
-    def trainer(steps: int) -> Trainer:
-        user = _hf.args(str(tmp_path), per_device=_hf.GLOBAL, max_steps=steps, save_strategy="steps", save_steps=2)
-        model, args = hf.prepare(_hf.make_model(), user, sample=_hf.sample(_hf.GLOBAL), verbose=False)
-        return Trainer(model=model, args=args, train_dataset=_hf.Rows(), callbacks=[hf.AutoparCallback()])
+    user = _hf.args(str(out), per_device=_hf.GLOBAL, max_steps=6, save_strategy="steps", save_steps=2,
+                    lr_scheduler_type="linear", warmup_steps=2, **kw)
+    model, args = hf.prepare(_hf.make_model(), user, sample=_hf.sample(_hf.GLOBAL),
+                             plan=Plan(micro_batch_size=4, grad_accum=2), verbose=False)
+    stop = [] if stop_at is None else [_hf.StopAt(stop_at)]
+    return model, Trainer(model=model, args=args, train_dataset=_hf.Rows(),
+                          callbacks=[hf.AutoparCallback(feedback=False), *stop])
 
-    trainer(2).train()
-    assert (tmp_path / "checkpoint-2" / "autopar" / "autopar.yaml").is_file()
-    with pytest.raises(AutoparError, match=r"resume_from_checkpoint=\.\.\.\) at step 2 would go on with a fresh "
-                                           r"optimizer .* autopar\.load\(model, optimizer, 'checkpoint-N/autopar'\)"):
-        trainer(4).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+
+def _losses(trainer) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def test_resuming_the_trainer_restores_the_optimizer_and_schedule_and_trains_as_without_a_stop(tmp_path):
+    """Under prepare the Trainer saves only the model (the optimizer state goes to checkpoint-N/autopar): its own
+    resume_from_checkpoint reloaded the weights and went on with a fresh AdamW and schedule, without a word. The
+    callback restores both: steps 3-6 after a resume at step 2 equal the run that never stopped."""
+    whole_model, whole = _resumable(tmp_path / "whole")
+    whole.train()
+    _, first = _resumable(tmp_path / "cut", stop_at=2)
+    first.train()
+    for name in ("autopar/autopar.yaml", "scheduler.pt", "rng_state.pth"):
+        assert (tmp_path / "cut" / "checkpoint-2" / name).is_file(), name
+    resumed_model, resumed = _resumable(tmp_path / "cut")
+    resumed.train(resume_from_checkpoint=True)  # the last checkpoint in output_dir: checkpoint-2
+    expected, got = _losses(whole), _losses(resumed)
+    assert sorted(got) == list(range(1, 7)) and all(math.isclose(got[s], expected[s], rel_tol=RTOL) for s in got), (
+        got, expected)
+    assert math.isclose(resumed.lr_scheduler.get_last_lr()[0], whole.lr_scheduler.get_last_lr()[0], rel_tol=1e-9)
+    for (name, a), b in zip(whole_model.named_parameters(), resumed_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_resume_the_callback_cannot_restore_fully_is_refused_in_one_line(tmp_path):
+    import shutil
+
+    _resumable(tmp_path / "a", stop_at=2)[1].train()
+    _resumable(tmp_path / "b", stop_at=2, learning_rate=5e-3)[1].train()  # another run's checkpoint-2
+    # from another output_dir: the callback finds a checkpoint-2 of another history there
+    with pytest.raises(AutoparError, match=r"resumed at step 2 from a checkpoint other than .*b/checkpoint-2 \(their "
+                                           r"histories differ\)"):
+        _resumable(tmp_path / "b")[1].train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    shutil.rmtree(tmp_path / "a" / "checkpoint-2" / "autopar")  # saved without the callback's state
+    with pytest.raises(AutoparError, match=r"at step 2 needs the training state AutoparCallback saves in "
+                                           r".*a/checkpoint-2/autopar, which is not there"):
+        _resumable(tmp_path / "a")[1].train(resume_from_checkpoint=True)
+    (tmp_path / "b" / "checkpoint-2" / "scheduler.pt").unlink()  # saved by an autopar that kept no schedule
+    with pytest.raises(AutoparError, match=r"holds no learning-rate schedule .* autopar\.load\(model, optimizer, "):
+        _resumable(tmp_path / "b")[1].train(resume_from_checkpoint=True)
 
 
 def test_prepare_picks_up_a_plan_autopar_tune_cached(tmp_path):
@@ -312,6 +353,19 @@ def test_saved_checkpoints_hold_the_weights_and_the_state_autopar_loads_under_an
     assert len(groups) == 2 and [len(g["params"]) for g in optimizer.param_groups] == [len(n) for n in groups]
     assert all(torch.equal(p, weights.state_dict()[n]) for n, p in model.named_parameters())
     assert len(optimizer.state) == len(list(model.parameters()))  # the optimizer state came too
+
+
+def test_two_processes_resume_from_the_checkpoint_as_if_never_stopped(two, reference):
+    """Stopped after the checkpoint at step 5 and resumed from it by a new Trainer: each rank's optimizer shard
+    and random states come back, and steps 6-10 read the same rows and give the same losses as one process that
+    never stopped."""
+    result = two["fsdp_resumes"]
+    assert "error" not in result, result.get("traceback")
+    assert _close(result["losses"], reference["losses"]), (result["losses"], reference["losses"])
+    resumed = [sorted(r for rank in result["rows_by_rank"] for r in rank[s]) for s in range(5)]
+    assert resumed == [sorted(s) for s in reference["rows"][5:]]
+    assert {"checkpoint-5/rng_state_0.pth", "checkpoint-5/rng_state_1.pth", "checkpoint-5/scheduler.pt"} <= set(
+        result["saved"])
 
 
 def test_tensor_parallel_under_the_trainer_is_refused_on_cpu_where_it_would_train_wrong(two):
