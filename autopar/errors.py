@@ -121,7 +121,8 @@ class SampleError(ProfileError):
 
 
 class LossError(AutoparError, ValueError):
-    """autopar.train_step without `loss_fn` on a model whose output carries no loss (no `.loss`, not a scalar)."""
+    """autopar.train_step without `loss_fn` on a model whose output carries no loss (no `.loss`, not a scalar), or a
+    `compute_loss` that returns something other than a one-element tensor."""
 
 
 class PeerBatchError(PlanError):

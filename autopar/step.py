@@ -168,6 +168,7 @@ def train_step(
     *,
     max_grad_norm: float | None = None,
     vocab_parallel_loss: bool = True,
+    compute_loss: Callable[[Any], torch.Tensor] | None = None,
 ) -> Callable[[Any], torch.Tensor]:
     """A callable `step(batch) -> loss` that owns one optimizer step of a model wrapped by autopar.
 
@@ -185,6 +186,10 @@ def train_step(
     Under tensor parallelism the loss is vocab-parallel: the head's logits reach `loss_fn` as a DTensor
     split over the vocabulary, and cross-entropy runs on the shards. A loss that needs the full logits as a
     plain tensor: pass `vocab_parallel_loss=False` (the logits are then gathered first).
+
+    `compute_loss(micro_batch)`, instead of `loss_fn`: the micro-batch's mean loss, computed by calling the model
+    itself however it is called (a framework's own step, such as a LightningModule's training_step); the logits
+    reach it whole. Not with pipeline plans (their stages call the model, not the user) or with `loss_fn`.
     """
     state = applied(model)
     plan, runtime = state.plan, state.pipeline
@@ -193,6 +198,13 @@ def train_step(
         plan.tp > 1 and state.profile.vocab_size is not None and state.profile.vocab_size % plan.tp == 0
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+    if compute_loss is not None:
+        if loss_fn is not None:
+            raise PlanError("train_step takes loss_fn(output, batch) or compute_loss(batch), not both: give one.")
+        if runtime is not None:
+            raise PlanError(f"a pipeline plan (pp={plan.pp}) calls the model stage by stage, so it cannot run "
+                            "compute_loss(batch): give loss_fn(output, batch), or a plan with pp=1.")
+        vocab_parallel = False
     loss_of = _loss(loss_fn)
     n = plan.grad_accum
     unchecked = [runtime is not None]  # the pipeline's peers' batches, checked at the first step
@@ -226,6 +238,8 @@ def train_step(
             if unguarded[0]:  # the first step tells: the model's output has the same kind every step
                 _raise_together(held, state.mesh, state.device, optimizer)
                 unguarded[0] = False
+        elif compute_loss is not None:  # the caller's own loss of each micro-batch: their means' mean
+            loss = _accumulated(model, plan, micro, lambda mb: _plain(compute_loss(mb)), vocab_parallel=False)
         else:
             first = counting[0] is _UNDECIDED
             if first:  # can the model's own loss be weighed by its items?
@@ -233,14 +247,9 @@ def train_step(
             loss = _item_mean_step(model, plan, micro, counting, first, _local(loss_of), state, vocab_parallel) \
                 if counting[0] is not None else None
             if loss is None:  # any other loss: the mean of the micro-batches' means
-                total = torch.zeros((), device=state.device)
-                for i, mb in enumerate(micro):
-                    _before_micro_batch(model, plan, last=i == n - 1)
-                    with loss_parallel_scope(vocab_parallel):
-                        loss = _local(loss_of)(call_model(model, mb), mb)
-                        (loss / n).backward()
-                    total += loss.detach() / n
-                loss = total
+                local = _local(loss_of)
+                loss = _accumulated(model, plan, micro, lambda mb: local(call_model(model, mb), mb),
+                                    vocab_parallel=vocab_parallel)
         _finish()
         return loss
 
@@ -248,6 +257,28 @@ def train_step(
 
 
 _UNDECIDED = object()
+
+
+def _accumulated(model: nn.Module, plan: Plan, micro: list[Any], loss_of_batch: Callable[[Any], torch.Tensor], *,
+                 vocab_parallel: bool) -> torch.Tensor:
+    """Each micro-batch's forward and backward (its loss over their number); returns the mean of their means."""
+    n = len(micro)
+    total = torch.zeros((), device=applied(model).device)
+    for i, mb in enumerate(micro):
+        _before_micro_batch(model, plan, last=i == n - 1)
+        with loss_parallel_scope(vocab_parallel):
+            loss = loss_of_batch(mb)
+            (loss / n).backward()
+        total += loss.detach() / n
+    return total
+
+
+def _plain(loss: Any) -> torch.Tensor:
+    """compute_loss's answer as a plain one-element tensor (a replicated DTensor gathered)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise LossError(f"compute_loss must return the micro-batch's mean loss as a one-element tensor, got "
+                        f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}.")
+    return loss.full_tensor() if hasattr(loss, "full_tensor") else loss
 
 
 def _item_mean_step(model: nn.Module, plan: Plan, micro: list[Any], counting: list[Any], checking: bool,

@@ -213,6 +213,35 @@ def test_accumulation_matches_one_step_on_the_whole_batch(kind):
     assert all(p.grad is None for p in model.parameters())  # zeroed after the step
 
 
+def test_compute_loss_accumulates_the_callers_own_loss_as_one_step_on_the_whole_batch():
+    """compute_loss(micro_batch) calls the model itself (a framework's step): the same steps as loss_fn's."""
+    steps = 3
+    ref_losses, ref_grads, ref_params = _plain("gpt", steps)
+    model = make_model("gpt")
+    autopar.wrap(model, sample=sample_of("gpt", batch(0)), plan=ACCUM, loss_fn=lm_loss, verbose=False)
+    opt = _RecordingSGD(model, lr=LR, momentum=0.9)
+    step = autopar.train_step(model, opt, compute_loss=lambda mb: lm_loss(model(mb), mb))
+    losses = [step(sample_of("gpt", batch(s))).item() for s in range(steps)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for got, want in zip(opt.grads, ref_grads):
+        assert not [n for n in want if not _close(got[n], want[n])]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_params[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compute_loss_is_refused_beside_loss_fn_and_when_it_returns_no_loss(wrapped_gpt):
+    from autopar.errors import LossError
+
+    model = wrapped_gpt
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with pytest.raises(PlanError, match=r"takes loss_fn\(output, batch\) or compute_loss\(batch\), not both"):
+        autopar.train_step(model, opt, lm_loss, compute_loss=lambda mb: lm_loss(model(mb), mb))
+    step = autopar.train_step(model, opt, compute_loss=lambda mb: model(mb))  # the logits, not a loss
+    with pytest.raises(LossError, match=r"compute_loss must return the micro-batch's mean loss as a one-element "
+                                        r"tensor, got Tensor\(4, "):
+        step(batch(0))
+
+
 def test_train_step_refuses_a_batch_of_another_size(wrapped_gpt):
     model = wrapped_gpt
     step = autopar.train_step(model, torch.optim.SGD(model.parameters(), lr=LR), lm_loss)

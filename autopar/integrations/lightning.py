@@ -17,7 +17,8 @@
 - Plans a plain loop runs (data and tensor parallel, no accumulation) train through the module's own
   `training_step` (automatic optimization). Plans that split the step (gradient accumulation, pipelines), or
   any plan when `train_step=True`, run under manual optimization through `autopar.train_step`, one
-  optimizer step per training batch of `plan.local_batch_size` samples.
+  optimizer step per training batch of `plan.local_batch_size` samples: each micro-batch's loss is the module's
+  `training_step` (without a pipeline or a `loss_fn`), else `loss_fn(forward(micro_batch), micro_batch)`.
 - A callback times the run's steps and logs them beside the plan's prediction, and feeds them back to the cost
   model as a tuner's trial is fed back (autopar/integrations/_measure.py).
 
@@ -27,6 +28,7 @@ nothing in autopar imports this module, so `import autopar` never imports Lightn
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -58,8 +60,12 @@ __all__ = ["AutoparStrategy", "MeasureOptions", "register"]
 
 #: Lightning's precision flags and the plan precision each one means (any other is refused).
 PRECISIONS = {"32-true": "fp32", "bf16-mixed": "bf16"}
-#: The metric a plan run through autopar.train_step logs its loss as (the module's training_step is not called).
+#: The metric a plan run through autopar.train_step with a loss_fn or a pipeline logs its loss as (the module's
+#: training_step is not called there).
 LOSS_NAME = "train_loss"
+#: Each module's automatic_optimization before a strategy set it False to run autopar.train_step (a second fit of
+#: the same module finds it False): whether the user's training_step optimizes manually.
+_USERS_AUTOMATIC: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
 def _wrap(module: nn.Module, *, sample: Any, plan: Any, global_batch_size: int | None, loss_fn: Callable | None,
@@ -144,10 +150,22 @@ def _output_loss(output: Any, batch: Any) -> torch.Tensor:
 # The step of a plan that autopar.train_step runs (manual optimization)
 # ---------------------------------------------------------------------------------------------------------------
 class TrainStepRunner:
-    """One training batch = one optimizer step, through autopar.train_step; steps the schedulers; logs the loss."""
+    """One training batch = one optimizer step, through autopar.train_step; steps the schedulers; logs the loss.
 
-    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule, loss_fn: Callable | None) -> None:
+    Without a pipeline or a `loss_fn`, each micro-batch's loss is the module's own `training_step` (its loss, as
+    under Lightning's `accumulate_grad_batches`: the step's gradient is the mean of the micro-batches'); with a
+    `loss_fn`, or under a pipeline (whose stages call the forward), it is `loss_fn(forward(micro_batch), micro_batch)`
+    (else the output's `.loss`)."""
+
+    def __init__(self, trainer: pl.Trainer, module: pl.LightningModule, loss_fn: Callable | None, *,
+                 manual: bool) -> None:
         optimizers = trainer.strategy._lightning_optimizers  # LightningOptimizer: its steps count as global steps
+        if manual:
+            raise PlanError(
+                f"{type(module).__name__} optimizes manually (automatic_optimization=False), so its training_step "
+                "steps the optimizer itself, but a plan that splits the step (grad_accum > 1, pp > 1, or "
+                "train_step=True) is run by autopar.train_step, which owns the step: give a plan with grad_accum=1 "
+                "and pp=1 (AutoparStrategy(plan=...)), or let Lightning optimize automatically.")
         if len(optimizers) != 1:
             raise PlanError(f"a plan run by autopar.train_step takes one optimizer; configure_optimizers returned "
                             f"{len(optimizers)}: return one.")
@@ -158,22 +176,41 @@ class TrainStepRunner:
         self.trainer, self.module = trainer, module
         self.schedulers = list(trainer.lr_scheduler_configs)
         self.steps = 0
-        self.step = autopar_train_step(module, optimizers[0], loss_fn if loss_fn is not None else _output_loss,
-                                       max_grad_norm=trainer.gradient_clip_val or None)
+        self.forward_loss = loss_fn is not None or applied(module).plan.pp > 1
+        self._extra: tuple[tuple, dict] = ((), {})  # training_step's arguments after the batch (batch_idx, ...)
+        if self.forward_loss:
+            self.step = autopar_train_step(module, optimizers[0], loss_fn if loss_fn is not None else _output_loss,
+                                           max_grad_norm=trainer.gradient_clip_val or None)
+        else:
+            self.step = autopar_train_step(module, optimizers[0], compute_loss=self._training_step_loss,
+                                           max_grad_norm=trainer.gradient_clip_val or None)
 
-    def __call__(self, batch: Any) -> torch.Tensor:
-        if self.steps == 0:  # the batch is what the forward takes here: say so before the step's own TypeError
-            check_sample_fits(self.module, batch, what="this training batch (a plan run by autopar.train_step - "
-                              "grad_accum > 1, pp > 1 or train_step=True - calls forward with each batch as model(x), "
-                              "model(*batch) or model(**batch), and its loss is loss_fn(output, batch))",
-                              remedy="make forward take the whole batch (e.g. forward(self, x, y=None)), or use a "
-                                     "plan with grad_accum=1 and pp=1.")
+    def _training_step_loss(self, micro_batch: Any) -> torch.Tensor:
+        args, kwargs = self._extra
+        output = self.module.training_step(micro_batch, *args, **kwargs)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, torch.Tensor):
+            raise PlanError(
+                f"{type(self.module).__name__}.training_step returned {type(output).__name__}, not a loss: under a "
+                "plan run by autopar.train_step each micro-batch's training_step must return its loss (a tensor, or "
+                "a dict with 'loss'); skipping a batch (returning None) is not supported there.")
+        return loss
+
+    def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.steps == 0 and self.forward_loss:  # the batch is what the forward takes: say so before a TypeError
+            check_sample_fits(self.module, batch, what="this training batch (a pipeline plan, or a loss_fn given, "
+                              "calls forward with each micro-batch as model(x), model(*batch) or model(**batch), and "
+                              "its loss is loss_fn(output, batch))",
+                              remedy="make forward take the whole batch (e.g. forward(self, x, y=None)), or, with "
+                                     "pp=1, pass no loss_fn: training_step is then each micro-batch's loss.")
+        self._extra = (args, kwargs)
         loss = self.step(batch)
         self.steps += 1
         for config in self.schedulers:
             if self.steps % config.frequency == 0:
                 config.scheduler.step()
-        self.module.log(LOSS_NAME, loss, prog_bar=True, batch_size=sample_batch_size(batch))
+        if self.forward_loss:  # (training_step logs what it logs)
+            self.module.log(LOSS_NAME, loss, prog_bar=True, batch_size=sample_batch_size(batch))
         return loss
 
 
@@ -325,8 +362,9 @@ class AutoparStrategy(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self.runner = None
             if self.runs_train_step:
+                manual = not _USERS_AUTOMATIC.setdefault(module, module.automatic_optimization)
                 module.automatic_optimization = False
-                self.runner = TrainStepRunner(trainer, module, self.options.loss_fn)
+                self.runner = TrainStepRunner(trainer, module, self.options.loss_fn, manual=manual)
             if self.options.measure is not None and not any(isinstance(c, MeasureCallback) for c in trainer.callbacks):
                 trainer.callbacks.append(MeasureCallback(self, self.options.measure))
 
@@ -367,7 +405,7 @@ class AutoparStrategy(ModelParallelStrategy):
         check_batch(batch, applied(self.lightning_module).plan)
         if self.runner is None:
             return super().training_step(*args, **kwargs)
-        return self.runner(batch)
+        return self.runner(batch, *args[1:], **{k: v for k, v in kwargs.items() if k != "batch"})
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -103,13 +103,16 @@ class Recorder(L.Callback):
 
 
 def fit(*, plan: dict | None = None, batch_size: int = 4, strategy: Any = None, measure: dict | None = None,
-        train_step: bool = False, steps: int = STEPS, sample_size: int | None = None, **trainer_kwargs: Any) -> dict:
+        train_step: bool = False, steps: int = STEPS, sample_size: int | None = None, loss_fn: bool = True,
+        **trainer_kwargs: Any) -> dict:
     """One Trainer.fit of a fresh GPTModule; what it recorded, as plain values. `sample_size`: give the strategy a
-    sample of that many sequences (default: it takes the first training batch)."""
+    sample of that many sequences (default: it takes the first training batch). `loss_fn=False`: give the strategy
+    no loss_fn (training_step is the loss)."""
     module = GPTModule(batch_size)
     if strategy is None:
         sample = dataset()[:sample_size] if sample_size is not None else None
-        strategy = AutoparStrategy(plan=autopar.Plan(**plan) if plan is not None else None, loss_fn=lm_loss, sample=sample,
+        strategy = AutoparStrategy(plan=autopar.Plan(**plan) if plan is not None else None, loss_fn=lm_loss if loss_fn else None,
+                                   sample=sample,
                                    train_step=train_step, verbose=False,
                                    measure=MeasureOptions(**measure) if measure is not None else None)
     recorder = Recorder()

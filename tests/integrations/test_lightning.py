@@ -36,6 +36,8 @@ SCENARIOS = [
     {"name": "fsdp", "run": "fit", "args": {"plan": FSDP, "batch_size": 4, "measure": MEASURE}},
     {"name": "fsdp-accum", "run": "fit", "args": {"plan": {"dp_shard": 2, "micro_batch_size": 2, "grad_accum": 2},
                                                   "batch_size": 4, "measure": MEASURE}},
+    {"name": "fsdp-accum-training-step", "run": "fit",
+     "args": {"plan": {"dp_shard": 2, "micro_batch_size": 2, "grad_accum": 2}, "batch_size": 4, "loss_fn": False}},
     {"name": "tp", "run": "fit", "args": {"plan": {"tp": 2, "micro_batch_size": 8}, "batch_size": 8}},
     {"name": "pp", "run": "fit", "args": {"plan": {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2,
                                                    "grad_accum": 4}, "batch_size": 8}},
@@ -84,8 +86,9 @@ def _assert_parity(result: dict, reference: list[float]) -> None:
     assert losses == pytest.approx(reference, rel=1e-5), (losses, reference)
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp-accum", "tp", "pp"])
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-accum", "fsdp-accum-training-step", "tp", "pp"])
 def test_each_plan_kind_trains_as_one_process_does(runs, reference, name):
+    # fsdp-accum-training-step: no loss_fn, so each micro-batch's loss is the module's training_step
     for rank in runs[name]:
         _assert_parity(rank, reference)
         assert rank["global_step"] == STEPS  # train_step's optimizer steps count as Lightning's steps
@@ -190,9 +193,9 @@ def test_measure_options_and_measurements_validate_themselves():
                     "peak 1.00 GiB (cuda max allocated) (predicted 0.50 GiB, measured/predicted 2.00)")
 
 
-def test_a_batch_the_forward_does_not_take_is_refused_before_a_train_step_plan_runs_it():
-    """Under a plan run by autopar.train_step (accumulation, pipelines) each training batch is the forward's input;
-    the usual (x, y) batch of a forward(x) failed in the step with a bare TypeError (found by a helper)."""
+def test_a_batch_the_forward_does_not_take_is_refused_before_a_forward_loss_runs_it():
+    """A pipeline plan, or a loss_fn given, calls the forward with each micro-batch; the usual (x, y) batch of a
+    forward(x) failed in the step with a bare TypeError (found by a helper)."""
     from autopar.errors import SampleError
     from autopar.integrations.lightning import TrainStepRunner
 
@@ -205,9 +208,84 @@ def test_a_batch_the_forward_does_not_take_is_refused_before_a_train_step_plan_r
             return self.lin(x)
 
     runner = object.__new__(TrainStepRunner)  # the check alone: no Trainer, and the step must not run
-    runner.module, runner.steps = Net(), 0
+    runner.module, runner.steps, runner.forward_loss = Net(), 0, True
     runner.step = lambda batch: pytest.fail("the step ran on a batch the forward does not take")
-    with pytest.raises(SampleError, match=r"^this training batch \(a plan run by autopar\.train_step .* does not fit "
-                                          r"Net\.forward\(x\) .* make forward take the whole batch \(e\.g\. "
-                                          r"forward\(self, x, y=None\)\), or use a plan with grad_accum=1 and pp=1\.$"):
+    with pytest.raises(SampleError, match=r"^this training batch \(a pipeline plan, or a loss_fn given, .* does not "
+                                          r"fit Net\.forward\(x\) .* or, with pp=1, pass no loss_fn: training_step "
+                                          r"is then each micro-batch's loss\.$"):
         runner((torch.zeros(2, 4), torch.zeros(2, dtype=torch.long)))
+
+
+class _Regression(__import__("lightning").LightningModule):
+    """A LightningModule as users write one: batches of (x, y), forward(x), the loss in training_step (logged), a
+    scheduler stepped every step."""
+
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                       torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        self.automatic_optimization = not manual
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("mse", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.7),
+                                                   "interval": "step"}}
+
+
+def _regression_fit(strategy, batch_size: int, module=None) -> tuple[list[float], dict]:
+    import lightning as L
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 6, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    module = module or _Regression()
+    losses: list[float] = []
+
+    class Losses(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    # one process: the batches in the DataLoader's order under both strategies (Lightning's distributed sampler,
+    # which AutoparStrategy gets as a parallel strategy, would shuffle them)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=5, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[Losses()])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch_size))
+    return losses, {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_an_accumulating_plan_runs_the_modules_own_training_step_on_each_micro_batch():
+    """A plan with accumulation on the usual (x, y) batches of a forward(x) whose loss is computed in training_step:
+    each micro-batch's loss is the module's training_step (was refused: the forward could not take the batch), and
+    the run equals plain Lightning on the whole batch, schedule included."""
+    from autopar.integrations.lightning import AutoparStrategy
+
+    reference, weights = _regression_fit("auto", 8)
+    plan = autopar.Plan(micro_batch_size=2, grad_accum=4)
+    strategy = AutoparStrategy(plan=plan, sample=torch.randn(8, 6), verbose=False, measure=None)
+    losses, got = _regression_fit(strategy, 8)
+    assert losses == pytest.approx(reference, rel=1e-5) and len(losses) == 5, (losses, reference)
+    for name, w in weights.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_module_that_optimizes_manually_is_refused_under_a_plan_that_splits_the_step():
+    """Its training_step steps the optimizer itself; autopar.train_step would have ignored it, silently."""
+    from autopar.errors import PlanError
+    from autopar.integrations.lightning import AutoparStrategy
+
+    strategy = AutoparStrategy(plan=autopar.Plan(micro_batch_size=2, grad_accum=4), sample=torch.randn(8, 6),
+                               verbose=False, measure=None)
+    with pytest.raises(PlanError, match=r"^_Regression optimizes manually \(automatic_optimization=False\), so its "
+                                        r"training_step steps the optimizer itself"):
+        _regression_fit(strategy, 8, module=_Regression(manual=True))
