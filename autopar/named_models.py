@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn as nn
 
-from .errors import ModelSpecError, ProfileError
+from .errors import ModelSpecError
 from .profile import ModelProfile, extrapolate_profile, profile_model
 from ._util.batch import sample_batch_size
 from .topology import Topology
