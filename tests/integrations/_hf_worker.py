@@ -47,12 +47,14 @@ def run(scenario: dict, out: str) -> dict:
         result["saved"] = sorted(str(p.relative_to(out)) for p in Path(out).glob("checkpoint-*/**/*") if p.is_file())
         result["measured_steps"] = callback.measurement.steps if callback.measurement else 0
         result["plan"] = autopar.plan_of(model).to_dict()
-    elif kind == "resume":  # stopped after the checkpoint at step 5, then resumed from it by a new Trainer
+    elif kind == "resume":  # stopped after the checkpoint at step 5, then resumed from it by a new Trainer, under
+        # the scenario's resume_plan (another plan than the one that saved)
         model, args = _prepared(scenario, out)
         _hf.train(model, args, callbacks=[hf.AutoparCallback(feedback=False), _hf.StopAt(5)])
-        model, args = _prepared(scenario, out)
+        model, args = _prepared({**scenario, "plan": scenario["resume_plan"]}, out)
         result = _hf.train(model, args, callbacks=[hf.AutoparCallback(feedback=False)], resume_from_checkpoint=True)
         result["saved"] = sorted(str(p.relative_to(out)) for p in Path(out).glob("checkpoint-*/**/*") if p.is_file())
+        result["plan"] = autopar.plan_of(model).to_dict()
     elif kind == "tp_marked_by_hand":  # the markers without _tp_size: what prepare refuses on CPU
         plan = autopar.Plan(tp=2, micro_batch_size=_hf.GLOBAL)
         model = autopar.wrap(_hf.make_model(), sample=_hf.sample(_hf.GLOBAL), plan=plan, verbose=False)

@@ -55,7 +55,7 @@ SCENARIOS = [
     {"name": "fsdp_saves", "kind": "prepare", "plan": {"dp_shard": 2, "micro_batch_size": 4},
      "args": {"save_strategy": "steps", "save_steps": 5}},
     {"name": "fsdp_resumes", "kind": "resume", "plan": {"dp_shard": 2, "micro_batch_size": 4},
-     "args": {"save_strategy": "steps", "save_steps": 5}},
+     "resume_plan": {"dp_replicate": 2, "micro_batch_size": 4}, "args": {"save_strategy": "steps", "save_steps": 5}},
     {"name": "tp_prepare", "kind": "prepare", "plan": {"tp": 2, "micro_batch_size": 8}},
     {"name": "tp_marked_by_hand", "kind": "tp_marked_by_hand"},
     {"name": "fsdp_unmarked", "kind": "fsdp_unmarked"},
@@ -356,11 +356,12 @@ def test_saved_checkpoints_hold_the_weights_and_the_state_autopar_loads_under_an
 
 
 def test_two_processes_resume_from_the_checkpoint_as_if_never_stopped(two, reference):
-    """Stopped after the checkpoint at step 5 and resumed from it by a new Trainer: each rank's optimizer shard
-    and random states come back, and steps 6-10 read the same rows and give the same losses as one process that
-    never stopped."""
+    """Stopped after the checkpoint at step 5 (FSDP) and resumed from it by a new Trainer under another plan
+    (replicas): the optimizer state and random states come back, and steps 6-10 read the same rows and give the
+    same losses as one process that never stopped."""
     result = two["fsdp_resumes"]
     assert "error" not in result, result.get("traceback")
+    assert (result["plan"]["dp_replicate"], result["plan"]["dp_shard"]) == (2, 1)
     assert _close(result["losses"], reference["losses"]), (result["losses"], reference["losses"])
     resumed = [sorted(r for rank in result["rows_by_rank"] for r in rank[s]) for s in range(5)]
     assert resumed == [sorted(s) for s in reference["rows"][5:]]
