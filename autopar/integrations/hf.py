@@ -109,6 +109,11 @@ def _check_args(args: Any, model: nn.Module) -> None:
     """Refuse, before the model is touched, arguments and models the prepared Trainer cannot honour."""
     if not isinstance(args, transformers.TrainingArguments):
         raise PlanError(f"prepare takes the Trainer's transformers.TrainingArguments, got {type(args).__name__}.")
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    if type(model).__module__.split(".")[0] == "peft" and isinstance(inner, transformers.PreTrainedModel):
+        raise PlanError(f"prepare takes the transformers model inside a PEFT model, not the {type(model).__name__}: "
+                        "prepare(peft_model.base_model.model, args, sample=...) and give the Trainer the model it "
+                        "returns; peft_model.save_pretrained(...) still saves the adapter (the same modules).")
     if not isinstance(model, transformers.PreTrainedModel):
         raise PlanError(f"prepare takes a transformers PreTrainedModel (the Trainer reads its config), got "
                         f"{type(model).__name__}: wrap other modules with autopar.wrap and your own loop.")

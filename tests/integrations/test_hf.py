@@ -237,6 +237,34 @@ def test_a_resume_the_callback_cannot_restore_fully_is_refused_in_one_line(tmp_p
         _resumable(tmp_path / "b")[1].train(resume_from_checkpoint=True)
 
 
+def test_a_peft_model_is_prepared_through_the_model_inside_it_and_trains_as_the_plain_trainer(tmp_path):
+    """prepare refused a PEFT model with "wrap other modules with autopar.wrap and your own loop"; it now names the
+    model inside, which trains as the plain Trainer trains the PEFT model, and the PEFT model still saves its
+    adapter."""
+    import peft
+
+    def lora():
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(_hf.make_model(), config)
+
+    plain = lora()
+    reference = _hf.train(plain, _hf.args(str(tmp_path / "plain"), per_device=_hf.GLOBAL, max_steps=4))
+    model = lora()
+    user = _hf.args(str(tmp_path / "prepared"), per_device=_hf.GLOBAL, max_steps=4)
+    with pytest.raises(PlanError, match=r"^prepare takes the transformers model inside a PEFT model, not the "
+                                        r"PeftModel: prepare\(peft_model\.base_model\.model, args, sample=\.\.\.\)"):
+        hf.prepare(model, user, sample=_hf.sample(_hf.GLOBAL), verbose=False)
+    inner, args = hf.prepare(model.base_model.model, user, sample=_hf.sample(_hf.GLOBAL), verbose=False)
+    result = _hf.train(inner, args)
+    assert len(result["losses"]) == 4 and all(
+        math.isclose(a, b, rel_tol=RTOL) for a, b in zip(result["losses"], reference["losses"]))
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(torch.allclose(p, dict(plain.named_parameters())[n], rtol=1e-5, atol=1e-7)
+                           for n, p in trained.items())
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
 def test_prepare_picks_up_a_plan_autopar_tune_cached(tmp_path):
     sample = _hf.sample(_hf.GLOBAL)
     profile = autopar.profile_model(_hf.make_model(), sample, warn=False)
