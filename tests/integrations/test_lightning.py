@@ -289,3 +289,35 @@ def test_a_module_that_optimizes_manually_is_refused_under_a_plan_that_splits_th
     with pytest.raises(PlanError, match=r"^_Regression optimizes manually \(automatic_optimization=False\), so its "
                                         r"training_step steps the optimizer itself"):
         _regression_fit(strategy, 8, module=_Regression(manual=True))
+
+
+def test_a_first_batch_the_forward_does_not_take_names_the_batch_and_the_sample_to_give():
+    """No sample= and no example_input_array: the first training batch is the sample; a dict batch for a
+    forward(self, batch) was refused as "sample= does not fit" to a user who gave none."""
+    import lightning as L
+    from autopar.errors import SampleError
+    from autopar.integrations.lightning import AutoparStrategy
+
+    class DictModule(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, batch):
+            return self.lin(batch["x"])
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self(batch), batch["y"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    rows = [{"x": torch.randn(4), "y": torch.randn(1)} for _ in range(8)]
+    trainer = L.Trainer(strategy=AutoparStrategy(verbose=False, measure=None), accelerator="cpu", devices=1,
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with pytest.raises(SampleError, match=r"^the first training batch \(taken as the forward's input: no "
+                                          r"AutoparStrategy\(sample=\.\.\.\), no example_input_array\) does not fit "
+                                          r"DictModule\.forward\(batch\) .* it has keys \['x', 'y'\].* pass "
+                                          r"AutoparStrategy\(sample=\.\.\.\) as forward is called \(sample=\(batch,\)"):
+        trainer.fit(DictModule(), torch.utils.data.DataLoader(rows, batch_size=4))
