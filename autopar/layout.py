@@ -117,6 +117,17 @@ def pipeline_refusal(profile: ModelProfile) -> str | None:
             return (f"pipeline parallelism splits one run of adjacent blocks, and {profile.model_class}'s block "
                     f"{where}{gap} is not followed by block {where}{int(gap) + 1} (a layer between blocks would be "
                     "skipped at a stage boundary): set pp=1, or name every layer of the run as a block")
+    if profile.pipeline_chain:
+        return (f"pipeline parallelism runs each stage's blocks on the previous stage's last output alone, and in "
+                f"{profile.model_class}'s forward {profile.pipeline_chain} (on another stage that value would be "
+                "missing or a placeholder's): set pp=1")
+    names = [b.name for b in profile.blocks]
+    for group in profile.tied_params:
+        owners = {next((b for b in names if n.startswith(b + ".")), None) for n in group}
+        if len(owners - {None}) > 1:
+            return (f"pipeline parallelism gives each stage its own blocks' parameters, and {profile.model_class}'s "
+                    f"{' and '.join(group[:2])} are one parameter in two blocks (each stage would train its own "
+                    "copy): set pp=1")
     return None
 
 

@@ -166,6 +166,7 @@ def profile_model(
         block_num_args=t.block_num_args,
         block_input_bytes=t.block_input_bytes,
         block_output_arity=t.block_output_arity,
+        pipeline_chain=t.pipeline_chain,
         modules_before_blocks=t.before,
         modules_after_blocks=t.after,
         notes=tuple(notes),

@@ -177,6 +177,8 @@ class ModelProfile:
     block_num_args: int = 1  # positional arguments a block is called with
     block_input_bytes: int = 0  # bytes of those hidden states (what full checkpointing keeps per block)
     block_output_arity: int = 0  # 0: a block returns a tensor; n: a tuple of n items, hidden states first
+    pipeline_chain: str = ""  # where the forward's blocks are not one chain a pipeline can split, or ""
+    # (autopar.profile.chain: a value between blocks, one block's value read by another, ...)
     modules_before_blocks: tuple[str, ...] = ()  # modules with parameters called before the first block
     modules_after_blocks: tuple[str, ...] = ()  # ... after the last block (final norm, head)
     root_param_names: tuple[str, ...] = ()  # parameters held by the model itself, not by a submodule

@@ -20,6 +20,7 @@ from .._util.batch import (autocast_outputs, default_loss, first_tensor, map_ten
 from .._util.kv_cache import kv_cache_off_while
 from ..errors import ProfileError, TraceError
 from .allocator import ReplayedSteps, replay_steps
+from .chain import BlockChain
 from .blocks import is_matmul_layer, is_norm_layer
 from .cuda_autocast import CudaAutocastPolicy
 from .flops import flash_like_sdpa
@@ -56,6 +57,7 @@ class Trace:
     block_num_args: int = 1
     block_input_bytes: int = 0
     block_output_arity: int = 0
+    pipeline_chain: str = ""  # where the forward's blocks are not the chain a pipeline splits (BlockChain.problem)
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
     num_ops: int = 0
@@ -170,6 +172,9 @@ class StepTrace:
         # would be for nothing (Fp32WeightsFound says which weights the block read so)
         self.stop_at_fp32_weights = stop_at_fp32_weights and precision == "bf16"
         self._block_of = {id(m): i for i, (_, m) in enumerate(units)}
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self.watcher.chain = self.chain = BlockChain([n for n, _ in units], {
+            storage_key(v) for n, v in self.state.items() if n in params}, self.watcher.made_in)
         self._stack: list[int] = []  # blocks whose forward is running, innermost last
         self._finished = 0  # blocks whose forward has finished (outermost calls)
         self._counted: set[Any] = set()  # storages already counted as saved
@@ -223,6 +228,7 @@ class StepTrace:
                 with kv_cache_off_while(self.model):  # as wrap runs it (strategies/apply.py, step 4)
                     output = self.model(*args, **kwargs)
                 self.watcher.in_loss = True
+                self.chain.finish()
                 self.value_reads = self.shadows.reads  # the model's forward's (not the loss's)
                 output = _as_returned(output, self.precision)  # in the loss's scope
                 loss = self.loss_fn(output, self.sample) if self.loss_fn is not None else default_loss(output)
@@ -281,6 +287,7 @@ class StepTrace:
             block_input=call.input if call else None, block_input_shape=call.shape if call else None,
             block_num_args=call.num_args if call else 1, block_input_bytes=call.nbytes if call else 0,
             block_output_arity=self.output_arity or 0, before=tuple(self.before), after=tuple(self.after),
+            pipeline_chain=self.chain.problem,
             value_reads=self.value_reads,
             live_frontier=w.live.frontier(gradients),
             allocator_reserve_bytes=self._allocator_replay(gradients).reserve_bytes,
@@ -324,6 +331,8 @@ class StepTrace:
         return self._stack[-1] if self._stack else None
 
     def on_block_start(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self._stack:
+            self.chain.start(self._block_of[id(module)], args, kwargs)
         self._stack.append(self._block_of[id(module)])
         if self.first_call is None:
             self.first_call = _BlockCall.of(args, kwargs)
@@ -332,6 +341,7 @@ class StepTrace:
         block = self._stack.pop()
         if not self._stack:
             self._finished += 1
+            self.chain.end(block, out)
             if self.stop_at_fp32_weights and self.watcher.fp32_matmul_weights:
                 raise Fp32WeightsFound(tuple(sorted(self.watcher.fp32_matmul_weights)), block)
         if self.output_arity is None:

@@ -285,6 +285,7 @@ class StepWatcher(TorchDispatchMode):
         self.param_shapes = param_shapes  # an op whose every output has a parameter's shape works on weights
         self.weight_storages = set(param_storages)
         self.running_block = running_block
+        self.chain: Any = None  # the trace's BlockChain (autopar.profile.chain): told of each forward op outside blocks
         self.forward = True
         self.in_loss = False  # set by the trace once the model's forward has returned: the loss's ops
         # which masks torch.compile would build (autopar.profile.hf_masks), the trace's
@@ -352,6 +353,8 @@ class StepWatcher(TorchDispatchMode):
         if self.forward:
             for t in tensors_out:
                 self._scope_of[t] = scope
+            if scope < 0 and self.chain is not None and func.namespace != "prim":  # (prim: metadata, no values)
+                self.chain.op(func.overloadpacket.__name__, scope == BEFORE, tensors_in, tensors_out)
         if allocated:
             self.num_ops += 1
             if func.overloadpacket in self._matmul:
@@ -418,6 +421,10 @@ class StepWatcher(TorchDispatchMode):
         if node is not None and made is not None and id(node) not in self._node_scope:
             self._node_scope[id(node)] = made
             self._nodes.append(node)
+
+    def made_in(self, t: torch.Tensor) -> int | None:
+        """The scope of the forward op that made `t` (a block's index, BEFORE, AFTER or LOSS), or None."""
+        return self._scope_of.get(t)
 
     def _scope(self, tensors_in: list[torch.Tensor]) -> int:
         """The scope of the op now running; in forward, labels the autograd nodes of its inputs first."""

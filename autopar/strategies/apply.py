@@ -77,12 +77,12 @@ def check_plan(plan: Plan, profile: ModelProfile, topology: Topology, *, world_s
             raise PlanError(why + ".")
         if model is not None:
             check_tensor_parallel(model, profile, plan.tp)
-    if plan.pp > 1:
-        check_pipeline(plan, profile)
     why = plan_refusal(plan, profile) or (gradient_hook_refusal(plan, hooked_parameters(model), profile.model_class)
                                           if model is not None else None)  # (hooks added since a cached profile)
-    if why is not None:
+    if why is not None:  # (before the pipeline's refusals, as the search asks them)
         raise PlanError(why + ".")
+    if plan.pp > 1:
+        check_pipeline(plan, profile)
     if not topology.is_gpu:
         if plan.cpu_offload:
             raise PlanError(
