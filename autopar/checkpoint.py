@@ -50,6 +50,7 @@ import yaml
 
 from ._util.dist import broadcast_text, first_failure
 from ._util.io import atomic_write_text, fsync_dir
+from ._util.state_steps import making_state
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, PlanMismatchError
 from .profile import model_fingerprint
@@ -215,7 +216,8 @@ def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path
     started = time.time()
     new = path.parent / f".{path.name}.new-{token}"
     stepped = bool(optimizer.state)  # never stepped: torch's get_state_dict steps it once (lr 0) to make its state
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with making_state():  # (its lr-0 step is no training step: the tuner's clock skips it)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
     if not stepped:  # as it was, so the first real step is AdamW's first (its count, its bias correction)
         optimizer.state.clear()
     try:
@@ -507,7 +509,8 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
             f"is {fingerprint}): load it into the model that saved it, or pass force=True to skip this check (every "
             "parameter of the model must still be in the checkpoint, by name and shape)."
         )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with making_state():  # (its lr-0 step is no training step: the tuner's clock skips it)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
     aliases = _tied_aliases(path, optim_sd, state)
     for mine, theirs in aliases.items():  # a tied weight saved under its other name
         optim_sd["state"][theirs] = optim_sd["state"].pop(mine)
@@ -539,7 +542,8 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     order = _group_order(own_params, meta.get("param_groups"), aliases, len(loaded), path)
     optim_sd["param_groups"] = [dict(loaded[j], params=params) for j, params in zip(order, own_params)]
     # (strict=False lets those stateless parameters be; every model key was in the checkpoint, or dcp.load raised)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=StateDictOptions(strict=not stateless))
+    with making_state():
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(strict=not stateless))
     if meta.get("optimizer_stepped") is False:  # saved before its first step: no state, as then
         optimizer.state.clear()

@@ -443,7 +443,7 @@ def cached_plan_for(
     key = cache_key(profile, topology, global_batch_size=global_batch_size, loop=loop)
     entry = lookup_entry(key, directory=directory)
     if entry is None:
-        return None, None
+        return None, _cached_for_another_loop(profile, topology, global_batch_size, loop, directory)
     plan = entry.plan
     why = None
     try:
@@ -464,6 +464,25 @@ def cached_plan_for(
             "this message (tuning again replaces it)."
         )
     return plan, f"using the plan cached at {entry.path} (from {entry_source(entry)}, {_measured(entry)})"
+
+
+def _cached_for_another_loop(profile: Any, topology: Any, global_batch_size: int, loop: Loop,
+                             directory: str | os.PathLike[str] | None) -> str | None:
+    """A note where nothing is cached for this job's loop but a plan is for another loop of the same job (autotune
+    tunes loop="train_step" by default, and a plain wrap() then found nothing, without a word), else None."""
+    for other in Loop:
+        if other is loop:
+            continue
+        try:
+            found = lookup_entry(cache_key(profile, topology, global_batch_size=global_batch_size, loop=other),
+                                 directory=directory)
+        except CacheError:  # another loop's file refused: this job's lookup is what counts
+            continue
+        if found is not None:
+            return (f"no plan is cached for this job's loop ({loop.value}), but one is for loop={other.value!r} at "
+                    f"{found.path}: wrap(..., loop={other.value!r}) uses it (and drives the step as that loop "
+                    "does), or tune this loop. autopar plans afresh.")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------

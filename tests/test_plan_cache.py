@@ -206,6 +206,11 @@ def test_cached_plan_for(root, topo):
     plan, msg = cached_plan_for(MODEL, topo, world_size=4, global_batch_size=32, loop=Loop.PLAIN,
                                 directory=root)
     assert plan is None and "ignoring the plan cached at" in msg and "made for 8 processes and this job has 4" in msg
+    # cached for another loop only (autotune's default is train_step): said, not found silently
+    plan, msg = cached_plan_for(MODEL, topo, world_size=8, global_batch_size=32, loop=Loop.TRAIN_STEP,
+                                directory=root)
+    assert plan is None and msg.startswith("no plan is cached for this job's loop (train_step), but one is for "
+                                           "loop='plain' at ") and "wrap(..., loop='plain') uses it" in msg
 
 
 def test_cache_dir_env(monkeypatch, tmp_path, topo):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..calibration_cache import save_refit
 from ..cost.calibration import Calibration
 from ..errors import AutoparError, ResultNotSavedError, TuneError
-from ..plan_cache import SOURCE_TUNER, cache_key, path_for, sample_signature, store, write_plan_out
+from ..plan_cache import SOURCE_TUNER, cache_key, lookup, path_for, sample_signature, store, write_plan_out
 from ..planning import calibration_for, short_name
 from ..plans import Loop, Plan
 from .interrupt import held
@@ -42,6 +42,10 @@ MAX_SPACE = 256
 MAX_REPEATS = 3
 STALE_CAUSE = "stale: the tuner stopped while it ran"
 INTERRUPTED = "interrupted"  # the status (and a user attribute, true) of a trial whose tuner got SIGTERM or SIGINT
+
+
+class KeptFasterPlanWarning(UserWarning):
+    """A study's best was not cached: the plan already cached for the job was measured faster."""
 
 
 class RefitRejectedWarning(UserWarning):
@@ -433,10 +437,23 @@ class StudyEngine:
         return path_for(self._cache_key(), directory=self.options.cache_directory)
 
     def _store(self, best: Plan) -> Path:
+        """Cache the study's best, unless the plan cached for this job was measured faster (by an earlier study or
+        run: a short or noisy study must not replace it, found by a helper); then that one stays, and is said."""
         measurement = dict(best.measurement or {}, source=SOURCE_TUNER)
         if self.study_path is not None:
             measurement["study"] = str(self.study_path)
-        return store(best.replace(measurement=None), self._cache_key(), measurement=measurement,
+        key = self._cache_key()
+        cached = lookup(key, directory=self.options.cache_directory)
+        theirs = _throughput(cached.measurement if cached is not None else None)
+        ours = _throughput(measurement)
+        if theirs is not None and ours is not None and theirs > ours:
+            path = self._cache_file()
+            warnings.warn(KeptFasterPlanWarning(
+                f"kept the plan cached at {path}, {short_name(cached)}, measured at {theirs:,.0f}/s: this study's "
+                f"best, {short_name(best)}, measured {ours:,.0f}/s. Delete that file to cache this study's best."),
+                stacklevel=2)
+            return path
+        return store(best.replace(measurement=None), key, measurement=measurement,
                      directory=self.options.cache_directory)
 
     def _unsaved(self, report: TuneReport, out_failure: str | None, cache_failure: str | None) -> str:
@@ -454,6 +471,12 @@ class StudyEngine:
         return (f"{head} It is kept {' and '.join(kept)}. Make that place writable (or point AUTOPAR_CACHE_DIR or "
                 "--plan-out elsewhere) and run the same command again: the study resumes, runs no measured plan "
                 "again, and saves it.")
+
+
+def _throughput(measurement: Mapping[str, Any] | None) -> float | None:
+    """Tokens (else samples) per second of a measured plan, or None."""
+    value = (measurement or {}).get("tokens_per_s", (measurement or {}).get("samples_per_s"))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 def _upgraded_meta(meta: Mapping[str, Any]) -> dict[str, Any]:

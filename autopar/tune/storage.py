@@ -22,6 +22,8 @@ from ..errors import AutoparError, StorageError, StudyLockedError
 from ..plan_cache import check_plan_out, plans_folder
 
 _NEW_STUDY = "delete it (or move it aside) to start a new study, or use another --study file."
+#: The first bytes of every SQLite database file (sqlite.org/fileformat.html, "The Database Header").
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def _lock_path(study_path: Path) -> Path:
@@ -126,6 +128,15 @@ def check_study_file(study_path: Path) -> None:
     overwritten: SQLite's `PRAGMA quick_check`), naming it and the remedy. A missing or empty file is a new study."""
     if not study_path.is_file() or study_path.stat().st_size == 0:
         return
+    try:
+        with study_path.open("rb") as f:
+            head = f.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        raise StorageError(f"cannot read the study file {study_path} ({exc}): check that you can read it and its "
+                           "folder, or use another --study file.", path=str(study_path)) from None
+    if head != _SQLITE_HEADER:  # some other file (a script named by mistake): never advise deleting it
+        raise StorageError(f"{study_path} is not a study (not an SQLite file at all): --study names the study's own "
+                           "file; give it a new path, such as --study study.db.", path=str(study_path))
     try:
         with contextlib.closing(sqlite3.connect(study_path.resolve().as_uri() + "?mode=ro", uri=True,
                                                 timeout=60)) as db:

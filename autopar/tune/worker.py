@@ -44,6 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from .._util.dist import local_device
 from .._util.env import env_int
 from .._util.io import atomic_write_text
+from .._util.state_steps import in_state_step
 from ..errors import AutoparError
 from ..hooks import Profiled, WrapHook, set_wrap_hook, wrap_hook
 from ..planning import bf16_variants
@@ -184,6 +185,8 @@ class StepRecorder:
             self.t0 = time.perf_counter()
 
     def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if in_state_step():  # autopar.save / load making optimizer state: no training step
+            return
         if self.optimizer_id is None:
             self.optimizer_id = id(optimizer)
         elif id(optimizer) != self.optimizer_id:
@@ -239,8 +242,10 @@ class TrialHook(WrapHook):
         self.run, self.warmup, self.steps = run, warmup, steps
         self.recorder: StepRecorder | None = None
 
-    def plan_override(self) -> Path:
+    def plan_override(self) -> Path | None:
         self.run.progress("wrap")
+        if self.recorder is not None:  # a second wrap in one script (a GAN's, a teacher's): its own plan, for the
+            return None  # trial's plan was made for the first model (applied to another, it was refused)
         return self.run.path / PLAN_FILE
 
     def profiled(self, event: Profiled) -> None:
@@ -261,11 +266,15 @@ class ProbeHook(WrapHook):
     def __init__(self, run: RunDir) -> None:
         self.run = run
         self.handle: Any = None
+        self.written = False
 
     def plan_override(self) -> None:
         self.run.progress("wrap")
 
     def profiled(self, event: Profiled) -> None:
+        if self.written:  # a second wrap in one script: the study tunes the first model, the one trials time
+            return
+        self.written = True
         if _rank() == 0:
             variants = bf16_variants(event.model, event.sample, event.topology, loss_fn=event.loss_fn,
                                      blocks=event.blocks, profile=event.profile)  # as wrap's own choice reads them
@@ -281,6 +290,8 @@ class ProbeHook(WrapHook):
             self.handle = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if in_state_step():  # autopar.load making optimizer state before the loop: not the loop yet
+            return
         self.handle.remove()
         self.run.progress("done")
         self.run.end()

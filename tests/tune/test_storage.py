@@ -189,7 +189,9 @@ def test_a_damaged_study_file_is_refused_in_one_line_naming_it_before_the_probe(
     with pytest.raises(StorageError) as refused:
         _tune_probed(prober, runner, bad, trials=2)
     message = _one_line(str(refused.value))
-    assert str(bad) in message and "delete it" in message and "--study" in message and refused.value.path == str(bad)
+    assert str(bad) in message and "--study" in message and refused.value.path == str(bad)
+    # a damaged study may be deleted; a file that is not SQLite at all may be the user's script named by mistake
+    assert ("delete it" in message) is (how != "not sqlite"), message
     assert prober.calls == 0 and runner.ran == []
     _fake_trials(monkeypatch, FakeRunner(probe_result), probe_result)
     for argv in (["tune", "--study", str(bad), "--", "python", "train.py"], ["report", str(bad)]):

@@ -473,6 +473,19 @@ def test_autotune_in_process(tmp_path):
     assert all(r.plan.world_size == 1 and r.measured_throughput > 0 for r in report.measured)
     assert report.best.measurement["tokens_per_s"] > 0 and Path(report.cached_path).is_file()
     assert load_report(tmp_path / "a.db").rows == report.rows
+    # a later, shorter study whose best measures slower keeps the faster plan cached (it replaced it, silently)
+    import yaml
+    from autopar.tune.engine import KeptFasterPlanWarning
+
+    cached = Path(report.cached_path)
+    doc = yaml.safe_load(cached.read_text())
+    doc["measurement"]["tokens_per_s"] *= 1000  # as if measured on a quieter machine
+    cached.write_text(yaml.safe_dump(doc))
+    before = cached.read_text()
+    with pytest.warns(KeptFasterPlanWarning, match=r"kept the plan cached at .* measured at .*/s: this study's best"):
+        again = autotune(model_fn, synthetic_tokens(4, small), lm_loss, trials=1, steps=1, warmup=0,
+                         study_path=tmp_path / "b.db", prune_factor=NO_PRUNING, cache_directory=tmp_path / "plans")
+    assert again.cached_path == report.cached_path and cached.read_text() == before
 
 
 def test_in_process_trial_out_of_memory_is_a_failed_trial():

@@ -218,6 +218,47 @@ def test_exit_code_before_wrap_is_exit(script, tmp_path):
     _assert_all_ended(out, ranks=1, torchrun=False)
 
 
+TWO_MODELS = '''
+import sys
+from pathlib import Path
+
+import torch
+import autopar
+from autopar.models.gpt import GPT, GPTConfig, lm_loss, synthetic_tokens
+
+out = Path(sys.argv[1])
+cfg = GPTConfig(vocab_size=128, seq_len=32, num_layers=2, hidden_dim=32, num_heads=2)
+torch.manual_seed(0)
+x = synthetic_tokens(4, cfg)
+model = autopar.wrap(GPT(cfg), sample=x, loss_fn=lm_loss)
+small = GPTConfig(vocab_size=128, seq_len=32, num_layers=1, hidden_dim=16, num_heads=2)
+teacher = autopar.wrap(GPT(small), sample=x, loss_fn=lm_loss)  # a second model: its own plan
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+autopar.save(model, opt, out / "ckpt")  # as a script that resumes: save and load step a fresh optimizer at lr 0
+autopar.load(model, opt, out / "ckpt")
+for step in range(1000):
+    loss = lm_loss(model(x), x) + 0 * teacher(x).float().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    (out / "steps").write_text(str(step + 1))
+'''
+
+
+def test_a_script_with_two_models_that_resumes_is_timed_on_its_own_steps(tmp_path):
+    """Found by a helper: a second wrap was given the trial's plan, made for the first model (every trial crashed
+    with PlanMismatchError), and autopar.save / load's lr-0 step to make the optimizer's state was counted as the
+    loop's first step (one warm-up step short)."""
+    script = tmp_path / "train.py"
+    script.write_text(TWO_MODELS)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_trial([sys.executable, str(script), str(out)], Plan(micro_batch_size=4), steps=2, warmup=1,
+                  timeout_s=120, env=ENV, workdir=tmp_path / "trials")
+    assert r.status == "ok", (r.cause, r.log_tail)
+    assert (out / "steps").read_text() == "2"  # 1 warm-up + 2 timed training steps: ended in the third's hook
+
+
 # ---- torchrun, 2 ranks ---------------------------------------------------------------------------
 def test_ok_trial_measures_and_ends_the_loop_early(script, tmp_path):
     out, work = tmp_path / "out", tmp_path / "trials"
