@@ -51,6 +51,7 @@ import yaml
 from ._util.dist import broadcast_text, first_failure
 from ._util.io import atomic_write_text, fsync_dir
 from ._util.state_steps import making_state
+from ._util.trial_run import trial_run
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, PlanMismatchError
 from .profile import model_fingerprint
@@ -198,14 +199,25 @@ def _save_error(path: Path, new: Path, exc: BaseException, need_bytes: int) -> A
                         "checkpoint there before, if any, is unchanged.")
 
 
+#: The folders a tuner's run skipped saving to (said once each).
+_SKIPPED: set[Path] = set()
+
+
 def save(model: nn.Module, optimizer: Any, path: str | os.PathLike[str]) -> Path:
     """Save `model` (wrapped by autopar or not) and `optimizer` to the folder `path`, from every rank; a
     checkpoint already at `path` stays complete until the new one is, and only a new or empty folder or an
-    autopar checkpoint is ever replaced (see the module docstring)."""
+    autopar checkpoint is ever replaced (see the module docstring). In a run `autopar tune` launched it writes
+    nothing, and says so once per folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = Path(path)
+    if trial_run() is not None:  # the tuner runs this script a few steps under another plan: keep the user's files
+        if path not in _SKIPPED:
+            _SKIPPED.add(path)
+            warnings.warn(f"autopar tune's {trial_run()} run: autopar.save({str(path)!r}) writes nothing (a trial "
+                          "must not replace your checkpoint).", stacklevel=2)
+        return path
     if path.is_symlink():  # save into the folder it points to; the link stays a link
         path = path.resolve()
     refusal = broadcast_text(_refusal(path) if _rank() == 0 else None)  # every rank refuses rank 0's way

@@ -45,6 +45,7 @@ from .._util.dist import local_device
 from .._util.env import env_int
 from .._util.io import atomic_write_text
 from .._util.state_steps import in_state_step
+from .._util.trial_run import mark_trial_run
 from ..errors import AutoparError
 from ..hooks import Profiled, WrapHook, set_wrap_hook, wrap_hook
 from ..planning import bf16_variants
@@ -384,4 +385,5 @@ def install_from_env() -> WrapHook | None:
         hook = ProbeHook(run)
     sys.excepthook = ErrorHook(run, sys.excepthook)
     set_wrap_hook(hook)
+    mark_trial_run(run_env.mode)  # autopar.save writes nothing in a tuner's run
     return hook

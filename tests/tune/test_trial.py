@@ -234,29 +234,39 @@ model = autopar.wrap(GPT(cfg), sample=x, loss_fn=lm_loss)
 small = GPTConfig(vocab_size=128, seq_len=32, num_layers=1, hidden_dim=16, num_heads=2)
 teacher = autopar.wrap(GPT(small), sample=x, loss_fn=lm_loss)  # a second model: its own plan
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-autopar.save(model, opt, out / "ckpt")  # as a script that resumes: save and load step a fresh optimizer at lr 0
-autopar.load(model, opt, out / "ckpt")
+if sys.argv[2:] == ["first run"]:  # the user's own run, before tuning: its checkpoint
+    autopar.save(model, opt, out / "ckpt")
+    sys.exit(0)
+autopar.load(model, opt, out / "ckpt")  # a script that resumes: load steps a fresh optimizer at lr 0
 for step in range(1000):
     loss = lm_loss(model(x), x) + 0 * teacher(x).float().mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
     (out / "steps").write_text(str(step + 1))
+    autopar.save(model, opt, out / "ckpt")  # each step, as scripts that resume do
 '''
 
 
 def test_a_script_with_two_models_that_resumes_is_timed_on_its_own_steps(tmp_path):
     """Found by a helper: a second wrap was given the trial's plan, made for the first model (every trial crashed
-    with PlanMismatchError), and autopar.save / load's lr-0 step to make the optimizer's state was counted as the
-    loop's first step (one warm-up step short)."""
+    with PlanMismatchError); autopar.load's lr-0 step to make the optimizer's state was counted as the loop's
+    first step (one warm-up step short); and the trial's autopar.save replaced the user's checkpoint."""
+    import subprocess
+
     script = tmp_path / "train.py"
     script.write_text(TWO_MODELS)
     out = tmp_path / "out"
     out.mkdir()
+    subprocess.run([sys.executable, str(script), str(out), "first run"], check=True, timeout=120,
+                   env={**os.environ, **ENV}, capture_output=True)
+    before = {f.name: _digest(f) for f in (out / "ckpt").iterdir() if f.is_file()}
     r = run_trial([sys.executable, str(script), str(out)], Plan(micro_batch_size=4), steps=2, warmup=1,
                   timeout_s=120, env=ENV, workdir=tmp_path / "trials")
     assert r.status == "ok", (r.cause, r.log_tail)
     assert (out / "steps").read_text() == "2"  # 1 warm-up + 2 timed training steps: ended in the third's hook
+    assert {f.name: _digest(f) for f in (out / "ckpt").iterdir() if f.is_file()} == before  # the user's checkpoint
+    assert "autopar tune's trial run: autopar.save(" in r.log_tail and "writes nothing" in r.log_tail
 
 
 # ---- torchrun, 2 ranks ---------------------------------------------------------------------------
