@@ -51,6 +51,7 @@ import yaml
 from ._util.dist import broadcast_text, first_failure
 from ._util.io import atomic_write_text, fsync_dir
 from ._util.state_steps import making_state
+from ._util.strided import split_loaded, whole_for_load, whole_for_save
 from ._util.trial_run import trial_run
 from ._util.yaml_text import load_yaml
 from .errors import AutoparError, PlanMismatchError
@@ -299,7 +300,7 @@ def _warn_drifted(model: nn.Module) -> None:
 def _write(model: nn.Module, optimizer: Any, model_sd: dict, optim_sd: dict, new: Path, dcp: Any, *,
            stepped: bool = True) -> None:
     """Every rank's shards, their sums, and (rank 0, last) the manifest, into the hidden folder `new`."""
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(new))
+    dcp.save(whole_for_save({"model": model_sd, "optim": optim_sd}), checkpoint_id=str(new))  # (fused layers whole)
     _barrier()
     sums = {p.name: _digest(p) for p in _own_files(new, _rank())}
     mine = {"files": sums, "param_groups": _group_names(optim_sd)}
@@ -541,7 +542,10 @@ def load(model: nn.Module, optimizer: Any, path: str | os.PathLike[str], *, forc
     for name in stateless:
         del optim_sd["state"][name]
     try:
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        states = {"model": model_sd, "optim": optim_sd}
+        swapped = whole_for_load(states)  # (fused layers loaded whole, then split back)
+        dcp.load(states, checkpoint_id=str(path))
+        split_loaded(swapped)
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
         raise AutoparError(
             f"could not load {path} into this model and optimizer ({type(exc).__name__}: "
