@@ -66,6 +66,21 @@ def runs(tmp_path_factory):
     return {s["name"]: [r[s["name"]] for r in ranks] for s in SCENARIOS}
 
 
+@pytest.fixture(autouse=True)
+def _no_trace_left():
+    """A Trainer fit in this process (AutoparStrategy on one device) starts a process group and sets MASTER_ADDR,
+    WORLD_SIZE and the like in os.environ; later tests of this worker (a plain wrap, `autopar demo` in a subprocess)
+    would find them: both are undone after each test."""
+    import os
+
+    env = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+
+
 @pytest.fixture(scope="module")
 def reference():
     return reference_losses()
