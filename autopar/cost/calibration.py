@@ -458,6 +458,11 @@ MAX_REFIT_RESIDUAL = 0.25
 #: What a refit out of bounds most likely means, in the rejection's one line.
 REFIT_CAUSE = ("the measured script is probably not the modelled step (data loading, a host-bound loop, logging "
                "or synchronisation in the timed steps): time only the training step, or keep the defaults")
+#: ... where the factor says the steps ran faster than modelled (a helper saw the slower cause given for CPU steps
+#: 2-13x faster than predicted: CPU peaks are nominal).
+FASTER_CAUSE = ("the measured steps ran faster than the cost model can explain (a device its defaults do not "
+                "describe, as a CPU's nominal peaks, or a step that does less work than the traced one): keep the "
+                "defaults")
 
 
 class RefitProblem(enum.Enum):
@@ -498,7 +503,15 @@ class RefitRejection:
             capped = " and at most the GPU's datasheet peak" if self.factor in PEAK_FRACTIONS and self.high == 1 else ""
             what = (f"{self.factor} fitted to {self.fitted:.3g} is outside [{self.low:.3g}, {self.high:.3g}] "
                     f"(within {MAX_REFIT_RATIO:g}x of its value before the refit{capped})")
-        return f"calibration refit not stored: {what}; {REFIT_CAUSE}."
+        return f"calibration refit not stored: {what}; {FASTER_CAUSE if self.faster else REFIT_CAUSE}."
+
+    @property
+    def faster(self) -> bool:
+        """Whether the factor says the steps ran faster than modelled: an efficiency above its bound, or a time
+        (`*_s`) below it."""
+        if self.problem is RefitProblem.RESIDUAL:
+            return False
+        return self.fitted > self.high if self.factor.endswith("_efficiency") else self.fitted < self.low
 
 
 def refit_bounds(prior: Calibration, *, is_gpu: bool) -> dict[str, tuple[float, float]]:

@@ -76,6 +76,11 @@ def test_a_factor_moved_past_the_ratio_is_rejected_naming_the_factor_value_bound
     assert "\n" not in line and line.startswith("calibration refit not stored: launch_s fitted to 0.0045")
     assert f"[{prior.launch_s / MAX_REFIT_RATIO:.3g}, {prior.launch_s * MAX_REFIT_RATIO:.3g}]" in line
     assert "not the modelled step (data loading, a host-bound loop" in line
+    # the other way (steps faster than modelled: an efficiency above its bound), another cause
+    fast = check_refit(prior, prior.replace(matmul_efficiency=prior.matmul_efficiency * 5), runs=5, residual=0.01,
+                       is_gpu=False)
+    assert fast is not None and fast.faster and "ran faster than the cost model can explain" in fast.message()
+    assert "data loading" not in fast.message()
 
 
 def test_an_efficiency_above_a_gpus_datasheet_peak_is_rejected_but_not_on_a_cpu():
