@@ -204,7 +204,6 @@ def train_step(
         if runtime is not None:
             raise PlanError(f"a pipeline plan (pp={plan.pp}) calls the model stage by stage, so it cannot run "
                             "compute_loss(batch): give loss_fn(output, batch), or a plan with pp=1.")
-        vocab_parallel = False
     loss_of = _loss(loss_fn)
     n = plan.grad_accum
     unchecked = [runtime is not None]  # the pipeline's peers' batches, checked at the first step
