@@ -413,6 +413,13 @@ def entry_source(entry: CacheEntry) -> str:
     return SOURCE_TUNER if "study" in m else "an earlier autopar that did not record its source"
 
 
+def measured_throughput(measurement: Mapping[str, Any] | None) -> float | None:
+    """Tokens (else samples) per second of a cached plan's measurement, or None: what decides whether a new
+    measurement replaces it (the tuner's best, a Trainer run's feedback)."""
+    value = (measurement or {}).get("tokens_per_s", (measurement or {}).get("samples_per_s"))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+
 def _measured(entry: CacheEntry) -> str:
     m = {k: v for k, v in (entry.measurement or {}).items() if isinstance(v, float)}
     parts = []

@@ -33,7 +33,7 @@ from transformers.training_args import ParallelMode
 from .._util.log import get_logger
 from ..checkpoint import load, save
 from ..errors import AutoparError, PlanError
-from ..plan_cache import SOURCE_RUN, cache_key, lookup, store
+from ..plan_cache import SOURCE_RUN, cache_key, lookup, measured_throughput, store
 from ..plans import Loop
 from ..strategies.state import Applied, applied, is_wrapped
 from ._measure import _sync
@@ -188,10 +188,9 @@ def feed_back(state: Applied, measured: StepMeasurement, *, loop: Loop,
     written, or None. The next `prepare` (or `wrap`) of the same job then applies the faster plan."""
     key = cache_key(state.profile, state.topology, global_batch_size=state.plan.global_batch_size, loop=loop)
     cached = lookup(key, directory=directory)
-    if cached is not None and cached.measurement:
-        best = cached.measurement.get("tokens_per_s", cached.measurement.get("samples_per_s"))
-        if isinstance(best, (int, float)) and best >= measured.throughput():
-            return None
+    best = measured_throughput(cached.measurement if cached is not None else None)
+    if best is not None and best >= measured.throughput():
+        return None
     # the source says a measured run, never a tuner study (issue 34, item 7)
     return store(state.plan, key, measurement={**measured.to_cache(), "source": f"{SOURCE_RUN} (the Hugging Face "
                                                                                   "Trainer)"}, directory=directory)

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 from ..calibration_cache import save_refit
 from ..cost.calibration import Calibration
 from ..errors import AutoparError, ResultNotSavedError, TuneError
-from ..plan_cache import SOURCE_TUNER, cache_key, lookup, path_for, sample_signature, store, write_plan_out
+from ..plan_cache import (SOURCE_TUNER, cache_key, lookup, measured_throughput, path_for, sample_signature, store,
+                          write_plan_out)
 from ..planning import calibration_for, short_name
 from ..plans import Loop, Plan
 from .interrupt import held
@@ -444,8 +445,8 @@ class StudyEngine:
             measurement["study"] = str(self.study_path)
         key = self._cache_key()
         cached = lookup(key, directory=self.options.cache_directory)
-        theirs = _throughput(cached.measurement if cached is not None else None)
-        ours = _throughput(measurement)
+        theirs = measured_throughput(cached.measurement if cached is not None else None)
+        ours = measured_throughput(measurement)
         if theirs is not None and ours is not None and theirs > ours:
             path = self._cache_file()
             warnings.warn(KeptFasterPlanWarning(
@@ -471,12 +472,6 @@ class StudyEngine:
         return (f"{head} It is kept {' and '.join(kept)}. Make that place writable (or point AUTOPAR_CACHE_DIR or "
                 "--plan-out elsewhere) and run the same command again: the study resumes, runs no measured plan "
                 "again, and saves it.")
-
-
-def _throughput(measurement: Mapping[str, Any] | None) -> float | None:
-    """Tokens (else samples) per second of a measured plan, or None."""
-    value = (measurement or {}).get("tokens_per_s", (measurement or {}).get("samples_per_s"))
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
 
 
 def _upgraded_meta(meta: Mapping[str, Any]) -> dict[str, Any]:
