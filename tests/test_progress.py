@@ -24,7 +24,23 @@ def _until(condition, timeout_s: float = 60.0) -> None:
 
 
 @pytest.fixture()
-def lines(monkeypatch):
+def logger_on(monkeypatch):
+    """autopar's logger as a fresh process has it (INFO on, enabled): the suite's earlier tests in one worker
+    (in-process fits, trials and library code they run) may have left it otherwise, and a phase's lines are
+    INFO lines. What was found is kept for a failure's message."""
+    logger = get_logger()
+    found = {"level": logger.level, "disabled": logger.disabled, "disable": logging.root.manager.disable,
+             "handlers": list(logger.handlers)}
+    monkeypatch.setattr(logger, "disabled", False)
+    monkeypatch.setattr(logging.root.manager, "disable", logging.NOTSET)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield found
+    logger.setLevel(level)
+
+
+@pytest.fixture()
+def lines(monkeypatch, logger_on):
     monkeypatch.setattr(progress, "AFTER_S", 0.05)
     monkeypatch.setattr(progress, "EVERY_S", 0.1)
     seen: list[str] = []
@@ -44,6 +60,7 @@ def test_a_long_phase_says_what_it_does_while_it_runs_and_its_time_at_the_end(li
     with progress.phase("tracing a step"):
         time.sleep(0.4)
         _until(lambda: len(lines) >= 2)
+    assert lines, f"no progress line; the logger as the test found it: {logger_on}"
     assert lines[0].startswith("tracing a step... (") and lines[0].endswith(" s so far)")
     assert len(lines) >= 3  # announced, then again every EVERY_S
     assert lines[-1].startswith("tracing a step: done in ") and lines[-1].endswith(" s")
@@ -87,7 +104,7 @@ class _Terminal:
 
 
 @pytest.fixture()
-def terminal(monkeypatch):
+def terminal(monkeypatch, logger_on):
     monkeypatch.setattr(progress, "AFTER_S", 0.05)
     monkeypatch.setattr(progress, "TTY_AFTER_S", 0.05)
     monkeypatch.setattr(progress, "TICK_S", 0.05)
@@ -98,12 +115,12 @@ def terminal(monkeypatch):
     return tty
 
 
-def test_on_a_terminal_a_long_phase_is_one_line_redrawn_in_place_then_a_line_that_stays(terminal):
+def test_on_a_terminal_a_long_phase_is_one_line_redrawn_in_place_then_a_line_that_stays(terminal, logger_on):
     with progress.phase("tracing a step"):
         time.sleep(0.4)
         _until(lambda: terminal.text.count("\r\033[K[autopar] ") >= 3)
     redraws = terminal.text.count("\r\033[K[autopar] ")
-    assert redraws >= 3  # redrawn in place while it runs
+    assert redraws >= 3, f"redrawn in place while it runs; the logger as the test found it: {logger_on}"
     assert "s so far" not in terminal.text  # not the log file's lines
     final = terminal.text.rsplit("\r\033[K", 1)[1]  # what stays after the status line is erased
     assert final.startswith("[autopar] tracing a step: done in ") and final.endswith(" s\n")
