@@ -33,7 +33,7 @@ from .plans import Loop, Plan
 from .profile import ModelProfile, profile_model
 from .race import measured_prediction, race_compile, races_graphs
 from .safe_plan import safe_plan, untraced_message
-from .search import DropKind, largest_tensor_hint, search
+from .search import DropKind, compile_unpriced, compiles_here, largest_tensor_hint, search
 from .strategies.apply import apply_plan, check_plan
 from .strategies.mesh import build_mesh
 from .strategies.state import applied, attach, data_shard, is_wrapped, plan_of
@@ -193,7 +193,8 @@ def wrap(
       accumulation in a plain loop); left out, a given plan is applied as it is. `uses_train_step=True` is
       the deprecated spelling of loop="train_step" (False: left out); passing both is refused.
     - `measure`: when autopar chose the plan (no `plan` given, no pipeline), time the model's forward and
-      backward on the sample on this device, eager and, where the plan compiles, compiled, keep the faster, and
+      backward on the sample on this device, eager and, where the plan compiles (or the cost model could not
+      price its compiled step: a forward that reads tensor values), compiled, keep the faster, and
       predict the step from the measurement (autopar.race). The default, None, measures on a GPU only; False
       never; True also on a CPU.
     """
@@ -259,6 +260,8 @@ def wrap(
         decision = dataclasses.replace(decision, plan=decision.plan.replace(prediction={
             **decision.plan.prediction, "planning_s": round(time.perf_counter() - started, 2),
             "planning_phases_s": dict(phases)}))
+    if races and decision is not None:
+        decision = _race_unpriced_compile(decision, profile, topo)
     return _apply_chosen(model, sample, decision, profile, topo, world=world, global_batch=global_batch,
                          loop=declared, chosen_loop=chosen_loop, init_fn=init_fn, force=force, say=say,
                          race=races,
@@ -268,6 +271,19 @@ def wrap(
                                                     loss_fn=loss_fn, blocks=blocks, world_size=world.size,
                                                     global_batch_size=global_batch, loop=chosen_loop,
                                                     untraced=untraced, say=say) if chosen_here else None)
+
+
+def _race_unpriced_compile(decision: _Decision, profile: ModelProfile, topo: Topology) -> _Decision:
+    """Rank 0, where wrap measures (step 6): an eager plan the cost model chose because it cannot price the
+    compiled step (a forward that reads tensor values, graph breaks that may cut the blocks: search.compile_unpriced)
+    is applied compiled, so that the race times compiled against eager and keeps the faster, not left eager
+    unmeasured: compiled wav2vec2 ran 0.81-0.86x of eager on an H200 (2026-12-01) and 1.08x on an H100 (2026-12-08,
+    bench/results/zoo_h100_wrap_2026-12-08.md), where wrap had kept it eager. Not for a pipeline (not raced)."""
+    plan = decision.plan
+    if plan is None or decision.source != "chosen by the cost model" or plan.compile or plan.pp > 1 \
+            or not compiles_here(topo) or not compile_unpriced(profile):
+        return decision
+    return dataclasses.replace(decision, plan=plan.replace(compile=True))
 
 
 def _tp_trial_everywhere(model: nn.Module, sample: Any, plan: Plan, profile: ModelProfile, mesh: Any, *,

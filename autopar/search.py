@@ -215,6 +215,19 @@ def breaks_cut_blocks(profile: ModelProfile) -> bool:
     return profile.graph_breaks_in_blocks is not False
 
 
+def compile_unpriced(profile: ModelProfile) -> bool:
+    """Whether the cost model cannot price `profile`'s compiled step, so the ranking leaves compile out unless it is
+    measured: a forward that reads tensor values (`profile.value_reads`) or whose graph breaks may cut its blocks
+    (breaks_cut_blocks). wrap on a GPU measures it instead (autopar.api: its race runs the compiled twin)."""
+    return bool(profile.value_reads) or breaks_cut_blocks(profile)
+
+
+def compiles_here(topology: Topology) -> bool:
+    """Whether compiled plans are enumerated for `topology`: GPUs, and for the GPUs here only where Triton
+    (inductor's GPU backend) is installed."""
+    return topology.is_gpu and (topology.source != "detected" or importlib.util.find_spec("triton") is not None)
+
+
 def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: int, global_batch_size: int,
                     loop: Loop | str = Loop.PLAIN, offload: bool = False, compile_available: bool = True,
                     eager: bool = True, measured: bool = False, float8: bool = False,
@@ -251,7 +264,7 @@ def enumerate_plans(profile: ModelProfile, topology: Topology, *, world_size: in
     # on a GPU with float8 tensor cores and torchao installed): the cost model prices them, but no float8 step
     # has been measured on the H200 yet, so wrap and autopar.plan do not choose them on the prediction alone.
     floats8 = [("bf16", True)] if float8 and "bf16" in precisions and topology.device.supports("fp8") else []
-    if eager and not measured and (profile.value_reads or breaks_cut_blocks(profile)):
+    if eager and not measured and compile_unpriced(profile):
         # A forward that reads tensor values (`.item()`, `if tensor:`, ops shaped by values) breaks
         # torch.compile's graph there, and how often the pieces run (per layer, per step) is not in the trace:
         # the compiled step cannot be predicted, so it is not chosen blindly (compiled wav2vec2 ran 0.81-0.86x
@@ -354,8 +367,7 @@ def search(profile: ModelProfile, topology: Topology, *, world_size: int | None 
     cal = calibration or Calibration()
     # float8 plans for the tuner, which runs them here: torchao must import
     float8 = measured and importlib.util.find_spec("torchao") is not None
-    # Compile for GPUs elsewhere (a spec); for the GPUs here only if Triton, inductor's GPU backend, is installed.
-    compile_available = topology.source != "detected" or importlib.util.find_spec("triton") is not None
+    compile_available = compiles_here(topology)
     budget = headroom * topology.device.memory_bytes
     out: list[Candidate] = []
     for offload in ((False, True) if topology.is_gpu else (False,)):

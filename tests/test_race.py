@@ -235,6 +235,42 @@ def test_wrap_refuses_a_plan_whose_step_runs_in_no_mode_naming_each_error(monkey
     assert "precision='fp32'" in text and "micro_batch_size" in text
 
 
+class ReadsValues(nn.Module):
+    """A forward that reads a tensor's value (a graph break the cost model cannot price)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        if x.abs().amax() > 1e3:  # a value read: dynamo breaks the graph here
+            x = x / 1e3
+        return self.head(x)
+
+
+def test_an_eager_plan_chosen_because_compile_cannot_be_priced_has_its_compiled_twin_raced(monkeypatch):
+    """The cost model leaves compile out for a forward that reads tensor values (it cannot price the graph
+    breaks); where wrap measures, it applies the compiled twin and races it against eager, keeping the faster:
+    here compile does not pay (the slow test backend), so eager is kept, with both measured."""
+    _register()
+    monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
+    torch.manual_seed(0)
+    model, sample = ReadsValues(), torch.randn(32, 64)
+    chosen = autopar.plan(model, sample=sample, topology="1xH200")
+    assert not chosen.compile  # not chosen on the prediction alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        autopar.wrap(model, sample=sample, topology="1xH200", measure=True, verbose=False)
+    state = autopar.applied(model)
+    p = state.plan.prediction
+    assert p["measured_compiled_s"] > 0.3 and p["measured_eager_s"] > 0  # both raced
+    assert not state.plan.compile and state.compiled == ()  # eager kept: compile did not pay
+    assert "compiled " in state.notes[-1] and "did not run" not in state.notes[-1]
+
+
 def test_wrap_does_not_race_a_given_plan_nor_on_a_cpu_by_default(monkeypatch):
     _register()
     monkeypatch.setenv("AUTOPAR_COMPILE_BACKEND", SLOW)
