@@ -71,14 +71,36 @@ def _passthrough(block_input: str, arity: int, args: tuple, kwargs: dict) -> Any
     return hidden if arity == 0 else (hidden,) + (None,) * (arity - 1)
 
 
-class _Placeholder(nn.Module):
+class _StandIn(nn.Module):
+    """A module a pipeline stage holds in place of another stage's: an attribute of the module it stands for (a
+    weight read outside its call, `h @ self.tok.weight.t()`; a child called directly, `self.embed.patch(x)`) is not
+    here, and reading it says so in one line, not "'_Placeholder' object has no attribute 'weight'"."""
+
+    stands_for = "a module"
+    where = "on another stage"
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            who, where = self.__dict__.get("stands_for", "a module"), self.__dict__.get("where", "on another stage")
+            raise AttributeError(
+                f"autopar: under pipeline parallelism this rank does not hold {who} ({where}), and the forward reads "
+                f"its {name!r} outside its call: the model is not a chain of blocks a pipeline splits; pass a plan "
+                "with pp=1") from None
+
+
+class _Placeholder(_StandIn):
     """Stands in for a module that runs before the blocks on a rank without the first stage: produces a
     tensor of the right shape and dtype (its values are never used: the stage's first block takes the
     received activations instead)."""
 
-    def __init__(self, kind: str, dim: int | None, dtype: torch.dtype) -> None:
+    def __init__(self, kind: str, dim: int | None, dtype: torch.dtype, stands_for: str = "a module") -> None:
         super().__init__()
         self.kind, self.dim, self.dtype = kind, dim, dtype
+        self.stands_for, self.where = stands_for, "it runs before the blocks, on the first stage"
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.kind == "embedding":
@@ -88,14 +110,14 @@ class _Placeholder(nn.Module):
         return x
 
 
-def _placeholder_for(module: nn.Module) -> nn.Module:
+def _placeholder_for(module: nn.Module, name: str = "a module") -> nn.Module:
     weight = getattr(module, "weight", None)
     dtype = weight.dtype if isinstance(weight, torch.Tensor) else torch.float32
     if isinstance(module, nn.Embedding):
-        return _Placeholder("embedding", module.embedding_dim, dtype)
+        return _Placeholder("embedding", module.embedding_dim, dtype, name)
     if isinstance(module, nn.Linear):
-        return _Placeholder("linear", module.out_features, dtype)
-    return _Placeholder("identity", None, dtype)
+        return _Placeholder("linear", module.out_features, dtype, name)
+    return _Placeholder("identity", None, dtype, name)
 
 
 @dataclass
@@ -227,11 +249,11 @@ def apply_pipeline_split(model: nn.Module, plan: Plan, profile: ModelProfile, pp
     for name in profile.modules_before_blocks:
         if not hosts_first:
             parent, _, attr = name.rpartition(".")
-            _set_child(model, parent, attr, _placeholder_for(model.get_submodule(name)))
+            _set_child(model, parent, attr, _placeholder_for(model.get_submodule(name), name))
     for name in profile.modules_after_blocks:
         if not hosts_last:
             parent, _, attr = name.rpartition(".")
-            _set_child(model, parent, attr, _PlaceholderAfter())
+            _set_child(model, parent, attr, _PlaceholderAfter(name))
     # A weight shared by modules before and after the blocks: one copy per module, kept equal.
     for group in tied:
         present = [n for n in group if _has_param(model, n)]
@@ -244,8 +266,12 @@ def apply_pipeline_split(model: nn.Module, plan: Plan, profile: ModelProfile, pp
                            stage_blocks={s: split[s] for s in mine}, block_names=block_names, tied_groups=tied)
 
 
-class _PlaceholderAfter(nn.Module):
+class _PlaceholderAfter(_StandIn):
     """Stands in for a module after the blocks on a rank without the last stage (never reached)."""
+
+    def __init__(self, stands_for: str = "a module") -> None:
+        super().__init__()
+        self.stands_for, self.where = stands_for, "it runs after the blocks, on the last stage"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - the stage exits before
         raise RuntimeError("a pipeline stage ran past its last block")

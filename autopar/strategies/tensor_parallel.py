@@ -42,7 +42,7 @@ from ..errors import PlanError
 from ..layout import TPPair
 from ..profile import ModelProfile
 # what TP splits and the checks (re-exported: autopar's layers and the tests import them from here)
-from .tensor_parallel_layout import (_HEAD_ATTRS, _KV_HEAD_ATTRS, _WIDTH_ATTRS, TPLayout, _norms_on_split_heads,
+from .tensor_parallel_layout import (HEAD_ATTRS, _KV_HEAD_ATTRS, _WIDTH_ATTRS, TPLayout, _norms_on_split_heads,
                                      check_tensor_parallel, norms_on_split_outputs, per_head_params,
                                      tensor_parallel_refusal, tp_layout)
 
@@ -207,7 +207,7 @@ def _divide_attrs(module: nn.Module, tp: int, profile: ModelProfile) -> list[str
     """Make an attention module's head counts and head-sized widths local; returns what was changed."""
     changed = []
     hidden = profile.hidden_dim
-    for attrs, value in ((_HEAD_ATTRS, profile.num_heads), (_KV_HEAD_ATTRS, profile.num_kv_heads),
+    for attrs, value in ((HEAD_ATTRS, profile.num_heads), (_KV_HEAD_ATTRS, profile.num_kv_heads),
                          (_WIDTH_ATTRS, hidden)):
         for attr in attrs:
             current = getattr(module, attr, None)

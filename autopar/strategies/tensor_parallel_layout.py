@@ -23,7 +23,7 @@ from .fsdp import unshardable_params
 
 # Attributes of an attention module that count heads or head-sized widths; under TP each rank holds
 # 1/tp of them, so they are divided where a module keeps them (e.g. GPT-2's `split_size`).
-_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 _WIDTH_ATTRS = ("split_size", "all_head_size", "inner_dim")
 
@@ -250,7 +250,7 @@ def _unsplit_per_head_tensor(model: nn.Module, profile: ModelProfile, layout: TP
     for pair, parent in _attentions(named, layout):
         heads = {profile.num_heads} - {None}
         for module in parent.modules():
-            values = [getattr(module, a, None) for a in _HEAD_ATTRS]
+            values = [getattr(module, a, None) for a in HEAD_ATTRS]
             heads |= {v for v in values if isinstance(v, int) and not isinstance(v, bool)}
         split = _split_param_ids(named, [pair]) | {id(getattr(owner, name))
                                                    for owner, name in per_head_params(named, pair, profile)}

@@ -17,6 +17,7 @@ raises on the device, and is reported in one line, with the line of the model's 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import traceback
@@ -38,6 +39,7 @@ from .materialize import materialize
 from .mesh import build_mesh
 from .pipeline import _PassThrough, _set_child
 from .tensor_parallel import apply_tensor_parallel
+from .tensor_parallel_reductions import Recorder, divided_reductions
 
 #: What fake tensors cannot answer (a read of a value the weights computed): the trial concludes nothing.
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
@@ -84,7 +86,7 @@ def tensor_parallel_trial(model: nn.Module, sample: Any, plan: Plan, profile: Mo
     the rest. The model, the sample and the random streams are not touched."""
     first, _ = first_rows(sample, 1)
 
-    def step(split: bool, fewer: bool) -> BaseException | None:
+    def step(split: bool, fewer: bool, recorder: Recorder) -> BaseException | None:
         try:
             trial = meta_copy(model)
         except Exception as exc:  # nothing to conclude: the real first step says it
@@ -95,18 +97,25 @@ def tensor_parallel_trial(model: nn.Module, sample: Any, plan: Plan, profile: Mo
             blocks = [(n, m) for n, m in iter_block_modules(trial, profile) if not isinstance(m, _PassThrough)]
             apply_tensor_parallel(trial, tp_mesh, profile=profile, blocks=blocks,
                                   sequence_parallel=plan.sequence_parallel, stage_ends=last_blocks(blocks))
-        return _fake_step(trial, first, device=device, bf16=plan.precision.startswith("bf16"), loss_fn=loss_fn)
+        return _fake_step(trial, first, device=device, bf16=plan.precision.startswith("bf16"), loss_fn=loss_fn,
+                          recorder=recorder)
 
     # A few blocks of each structure first (a deep model's step in seconds); the whole model where the stand-ins
-    # for the others keep even the unsplit copy from running.
+    # for the others keep even the unsplit copy from running. The unsplit copy's step is the control: where the
+    # split one raised, and where it ran (a reduction over a divided dimension runs, silently wrong: its calls are
+    # compared with the unsplit step's, autopar.strategies.tensor_parallel_reductions).
     for fewer in ((True, False) if profile.block_input is not None else (False,)):
+        split_calls, whole_calls = Recorder(), Recorder()
         try:
-            error = step(split=True, fewer=fewer)
+            error = step(split=True, fewer=fewer, recorder=split_calls)
         except Exception as exc:  # splitting raised (a layout refusal is check_plan's, before this)
             return f"splitting it raised {_one_line(exc)}{_where(exc)}"
-        if error is None or isinstance(error, _DATA_DEPENDENT):
+        if isinstance(error, _DATA_DEPENDENT):
             return None
-        if step(split=False, fewer=fewer) is None:
+        whole_error = step(split=False, fewer=fewer, recorder=whole_calls)
+        if error is None:
+            return divided_reductions(whole_calls.calls, split_calls.calls) if whole_error is None else None
+        if whole_error is None:
             return f"its first forward and backward raised {_one_line(error)}{_where(error)}"
     return None
 
@@ -162,7 +171,8 @@ def trial_in_fake_group(model: nn.Module, sample: Any, plan: Plan, profile: Mode
 
 
 def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool,
-               loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> BaseException | None:
+               loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+               recorder: Recorder | None = None) -> BaseException | None:
     """Run meta-device `model`'s forward (under bf16 autocast where asked) and backward on `batch` on fake tensors
     of `device` (the batch's values kept for the step's reads of them, as the profile's trace has them: its
     `fake_sample`); what it raised, or None."""
@@ -175,7 +185,8 @@ def _fake_step(model: nn.Module, batch: Any, *, device: torch.device, bf16: bool
         fakes = fake_sample(batch, fake, device, None, shadows)  # the batch's values kept for the step's reads
         with fake, shadows, quiet_fake_kernel_errors():
             materialize(model, device, init_fn=lambda _module: None)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16), \
+                    recorder if recorder is not None else contextlib.nullcontext():
                 with kv_cache_off_while(model):  # as wrap runs it (apply.py, step 4)
                     output = call_model(model, fakes)
                 loss = loss_fn(output, fakes) if loss_fn is not None else default_loss(output)

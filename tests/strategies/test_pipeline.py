@@ -327,6 +327,25 @@ def test_placeholder_for_an_embedding_gives_zeros_of_its_output_shape(dtype):
     assert placeholder(torch.arange(7)).shape == (7, 6)  # positions: 1-D ids
 
 
+def test_a_stand_in_read_outside_its_call_says_in_one_line_that_the_model_does_not_split():
+    """A forward that reads a weight of a module before the blocks after them (`h @ self.tok.weight.t()`), or calls
+    a child of it directly (`self.embed.patch(x)`), reads a stand-in on the other stages: one line saying so, and
+    what to change, not "'_Placeholder' object has no attribute 'weight'"."""
+    import copy
+
+    from autopar.strategies.pipeline import _PlaceholderAfter
+
+    stand_in = _placeholder_for(nn.Embedding(10, 6), "tok")
+    with pytest.raises(AttributeError) as info:
+        stand_in.weight
+    text = str(info.value)
+    assert "does not hold tok (it runs before the blocks, on the first stage)" in text and "'weight'" in text
+    assert text.endswith("pass a plan with pp=1") and "\n" not in text
+    with pytest.raises(AttributeError, match=r"does not hold head \(it runs after the blocks, on the last stage\)"):
+        _PlaceholderAfter("head").proj
+    assert copy.deepcopy(stand_in).stands_for == "tok" and not hasattr(stand_in, "__something__")
+
+
 def test_placeholder_for_other_modules():
     x = torch.randn(2, 5, 3)
     out = _placeholder_for(nn.Linear(3, 7))(x)
