@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._util.strided import full_tensor
 from ..errors import PlanError
 from .state import ATTR
 
@@ -45,8 +46,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in full.items()}
+    # the shards (with the model's own names), each gathered here: torch's full state dict gathers a fused layer's
+    # weight under tp x dp_shard wrong (autopar._util.strided)
+    sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    return {k: (full_tensor(v) if isinstance(v, DTensor) else v).detach().cpu() for k, v in sharded.items()}
 
 
 def apply_full_load(model: nn.Module) -> None:
