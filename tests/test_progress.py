@@ -110,6 +110,9 @@ def terminal(monkeypatch, logger_on):
     monkeypatch.setattr(progress, "TICK_S", 0.05)
     logger = get_logger()
     (handler,) = [h for h in logger.handlers if getattr(h, "_autopar_own", False)]
+    # autopar's own handler alone, as in a fresh process: a handler an earlier test in this worker left behind
+    # makes the progress line go to log lines instead (CI: nothing drawn on the terminal in 60 s)
+    monkeypatch.setattr(logger, "handlers", [handler])
     tty = _Terminal()
     monkeypatch.setattr(handler, "stream", tty)
     return tty

@@ -46,7 +46,7 @@ _LAST_DIMS = {"layer_norm", "rms_norm"}
 _CONTRACTIONS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm", "linear"}
 _RECORDED = set(_DIM_REDUCTIONS) | _LAST_DIMS | _CONTRACTIONS | {"scaled_dot_product_attention", "einsum"}
 #: autopar's own source folder: its frames are not the model's code.
-_AUTOPAR = str(Path(__file__).resolve().parents[1]) + os.sep
+_AUTOPAR = str(Path(__file__).parents[1]) + os.sep  # as the frames name it (the import's path, not resolved)
 #: Frames of these packages are the machinery, not the model's code.
 _TORCH = ("/torch/", "/functorch/")
 
@@ -138,7 +138,7 @@ def _where() -> str:
 #: The file of autopar's own split forwards: a norm over a split width run with its statistic all-reduced
 #: (`_split_norm_forward`, OLMo 2's q_norm), a module reading its per-head parameters' shards, fused and Conv1D
 #: layers computing on their local shards. What runs under them is compensated there.
-_SPLIT_FORWARDS = str(Path(__file__).resolve().with_name("tensor_parallel.py"))
+_SPLIT_FORWARDS = str(Path(__file__).with_name("tensor_parallel.py"))
 
 
 def _from_autopar() -> bool:
