@@ -280,7 +280,7 @@ def _race_unpriced_compile(decision: _Decision, profile: ModelProfile, topo: Top
     unmeasured: compiled wav2vec2 ran 0.81-0.86x of eager on an H200 (2026-12-01) and 1.08x on an H100 (2026-12-08,
     bench/results/zoo_h100_wrap_2026-12-08.md), where wrap had kept it eager. Not for a pipeline (not raced)."""
     plan = decision.plan
-    if plan is None or decision.source != "chosen by the cost model" or plan.compile or plan.pp > 1 \
+    if plan is None or decision.source != COST_MODEL_SOURCE or plan.compile or plan.pp > 1 \
             or not compiles_here(topo) or not compile_unpriced(profile):
         return decision
     return dataclasses.replace(decision, plan=plan.replace(compile=True))
@@ -359,7 +359,7 @@ def _apply_chosen(model: nn.Module, sample: Any, decision: _Decision | None, pro
     # 7. The cost model's choice, as measured, goes to wrap's cache (rank 0), for the next wrap of this model and job.
     #    Not where some ranks' samples use parameters others' do not: a cached plan is applied without the trace
     #    that finds them (wrap plans afresh each time for such a model).
-    if cache_key is not None and decision is not None and decision.source == "chosen by the cost model" and \
+    if cache_key is not None and decision is not None and decision.source == COST_MODEL_SOURCE and \
             not state.used_on_some_ranks:
         _store_wrap_choice(chosen, cache_key, profile, topo, global_batch=global_batch, loop=chosen_loop)
     hook.applied(model, chosen, profile)
@@ -426,6 +426,8 @@ def _profile_everywhere(model: nn.Module, sample: Any, *, topology: Topology | s
     return result
 
 
+#: Where a plan came from when the cost model chose it (`_Decision.source`): only its plans are raced and cached.
+COST_MODEL_SOURCE = "chosen by the cost model"
 #: Where a plan came from when the model could not be traced (`_Decision.source`).
 SAFE_SOURCE = "a safe plan from the model's structure, not chosen by the cost model"
 
@@ -469,7 +471,7 @@ def _decide(model: nn.Module, sample: Any, profile: ModelProfile, topo: Topology
                 variants.update(bf16_variants(model, sample, topo, loss_fn=loss_fn, blocks=blocks, profile=profile,
                                               precisions=("bf16-pure",)))
             chosen = choose()
-        return _Decision(chosen, "chosen by the cost model", note)
+        return _Decision(chosen, COST_MODEL_SOURCE, note)
     except Exception as exc:  # sent to the other ranks so that none waits forever
         return _Decision(None, "", error=exc)
 

@@ -51,11 +51,7 @@ def _inner_shape(t: Any) -> tuple[int, ...]:
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
+    return torch.empty(shape, device="meta").stride()
 
 
 def full_tensor(t: Any) -> Any:

@@ -85,11 +85,10 @@ class _StandIn(nn.Module):
         except AttributeError:
             if name.startswith("__"):
                 raise
-            who, where = self.__dict__.get("stands_for", "a module"), self.__dict__.get("where", "on another stage")
-            raise AttributeError(
-                f"autopar: under pipeline parallelism this rank does not hold {who} ({where}), and the forward reads "
-                f"its {name!r} outside its call: the model is not a chain of blocks a pipeline splits; pass a plan "
-                "with pp=1") from None
+            raise AttributeError(  # (stands_for and where are class attributes: found without __getattr__)
+                f"autopar: under pipeline parallelism this rank does not hold {self.stands_for} ({self.where}), and "
+                f"the forward reads its {name!r} outside its call: the model is not a chain of blocks a pipeline "
+                "splits; pass a plan with pp=1") from None
 
 
 class _Placeholder(_StandIn):

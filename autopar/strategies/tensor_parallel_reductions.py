@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -47,12 +48,33 @@ _CONTRACTIONS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", 
 _RECORDED = set(_DIM_REDUCTIONS) | _LAST_DIMS | _CONTRACTIONS | {"scaled_dot_product_attention", "einsum"}
 #: autopar's own source folder: its frames are not the model's code.
 _AUTOPAR = str(Path(__file__).parents[1]) + os.sep  # as the frames name it (the import's path, not resolved)
-#: Frames of these packages are the machinery, not the model's code.
-_TORCH = ("/torch/", "/functorch/")
+#: The file of autopar's own split forwards: a norm over a split width run with its statistic all-reduced
+#: (`_split_norm_forward`, OLMo 2's q_norm), a module reading its per-head parameters' shards, fused and Conv1D
+#: layers computing on their local shards. What runs under them is compensated there.
+_SPLIT_FORWARDS = str(Path(__file__).with_name("tensor_parallel.py"))
 
 
-def _machinery(filename: str) -> bool:
-    return filename.startswith(_AUTOPAR) or any(part in filename.replace("\\", "/") for part in _TORCH)
+def _in_torch(filename: str) -> bool:
+    path = filename.replace("\\", "/")
+    return "/torch/" in path or "/functorch/" in path
+
+
+def model_line(frames: traceback.StackSummary | list[traceback.FrameSummary]) -> str:
+    """The model's line among `frames` (the last one outside torch and autopar), as " at modeling_x.py:123 in
+    forward", or "" where every frame is the machinery's. The trial's errors name their line with it too."""
+    last = next((f for f in reversed(frames) if not f.filename.startswith(_AUTOPAR) and not _in_torch(f.filename)),
+                None)
+    if last is None:
+        return ""
+    return f" at {Path(last.filename).name}:{last.lineno} in {last.name}"
+
+
+def _stack() -> traceback.StackSummary:
+    """The call stack, outermost first, as traceback.extract_stack gives it, without reading source lines (the
+    trial's forward makes many recorded calls)."""
+    stack = traceback.StackSummary.extract(traceback.walk_stack(None), lookup_lines=False)
+    stack.reverse()
+    return stack
 
 
 @dataclass(frozen=True)
@@ -127,36 +149,21 @@ def _einsum_contracted(equation: str, tensors: list[torch.Tensor]) -> tuple[tupl
     return tuple(tuple(i for i, letter in enumerate(term) if letter not in output) for term in terms)
 
 
-def _where() -> str:
-    frames = [f for f in traceback.extract_stack() if not _machinery(f.filename)]
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f" at {last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name}"
-
-
-#: The file of autopar's own split forwards: a norm over a split width run with its statistic all-reduced
-#: (`_split_norm_forward`, OLMo 2's q_norm), a module reading its per-head parameters' shards, fused and Conv1D
-#: layers computing on their local shards. What runs under them is compensated there.
-_SPLIT_FORWARDS = str(Path(__file__).with_name("tensor_parallel.py"))
-
-
-def _from_autopar() -> bool:
+def _from_autopar(stack: traceback.StackSummary) -> bool:
     """Whether the call is autopar's own (the innermost caller outside torch is autopar's code: its row-wise
     layers' contractions over the divided width are all-reduced), or runs under one of autopar's split forwards."""
-    stack = traceback.extract_stack()[:-2]
     if any(frame.filename == _SPLIT_FORWARDS for frame in stack):
         return True
     for frame in reversed(stack):
-        if frame.filename == __file__ or any(part in frame.filename.replace("\\", "/") for part in _TORCH):
+        if frame.filename == __file__ or _in_torch(frame.filename):
             continue
         return frame.filename.startswith(_AUTOPAR)
     return False
 
 
 class Recorder(TorchFunctionMode):
-    """Records the reductions and contractions a forward calls (`calls`), and other calls by name only, for the
-    alignment. Backward is not seen (it runs below torch functions)."""
+    """Records the reductions and contractions the model's forward calls (`calls`); autopar's own are left out.
+    Backward is not seen (it runs below torch functions)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -165,9 +172,8 @@ class Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         name = _name(func)
-        if name in _RECORDED and not _from_autopar():
-            from torch.distributed.tensor import DTensor
-
+        stack = _stack() if name in _RECORDED else None
+        if stack is not None and not _from_autopar(stack):
             leaves, _ = tree_flatten((args, kwargs))
             tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             try:
@@ -175,7 +181,7 @@ class Recorder(TorchFunctionMode):
             except Exception:  # an argument form this reader does not know: nothing concluded for this call
                 reduced = tuple(() for _ in tensors)
             shapes = tuple(None if isinstance(t, DTensor) else tuple(t.shape) for t in tensors)
-            self.calls.append(Call(name, shapes, reduced, _where()))
+            self.calls.append(Call(name, shapes, reduced, model_line(stack)))
         return func(*args, **kwargs)
 
 

@@ -39,12 +39,10 @@ from .materialize import materialize
 from .mesh import build_mesh
 from .pipeline import _PassThrough, _set_child
 from .tensor_parallel import apply_tensor_parallel
-from .tensor_parallel_reductions import Recorder, divided_reductions
+from .tensor_parallel_reductions import Recorder, divided_reductions, model_line
 
 #: What fake tensors cannot answer (a read of a value the weights computed): the trial concludes nothing.
 _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
-#: Frames of these packages are the machinery, not the model's code: the error's line is the last frame outside them.
-_MACHINERY = ("/torch/", "/autopar/", "/functorch/")
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -59,12 +57,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def _where(exc: BaseException) -> str:
     """The model's line the error came from ("modeling_xglm.py:123 in forward"), or "" where every frame is torch's."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not any(part in f.filename.replace("\\", "/") for part in _MACHINERY)]
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f" at {last.filename.rsplit('/', 1)[-1]}:{last.lineno} in {last.name}"
+    return model_line(traceback.extract_tb(exc.__traceback__))
 
 
 def _one_line(exc: BaseException) -> str:
